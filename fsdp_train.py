@@ -1,0 +1,1763 @@
+"""fsdp_train.py: fine-tune any Hugging Face causal LM with PyTorch FSDP2, offline, in one command.
+
+CPU smoke run (gloo, two processes, a tiny model from `model_download.py --init tiny`):
+
+    torchrun --standalone --nproc_per_node 2 fsdp_train.py -e smoke -d hf_datasets/demo -m models/tiny \
+        --precision fp32 --seq-length 128 -b 4 --max-steps 50 --log-freq 5
+
+Multi-GPU run (nccl, bf16 compute with fp32 master weights, activation checkpointing):
+
+    torchrun --standalone --nproc_per_node 8 fsdp_train.py -e llama3b-sft -d hf_datasets/my_corpus \
+        -m meta-llama/Llama-3.2-3B-Instruct --precision bf16 -b 2 --seq-length 2048 --lr 2e-5 --num-epochs 3
+
+Rerunning the same command resumes from the newest complete checkpoint in `outputs/EXP/checkpoint/`.
+Sections below follow the data flow: Config, Distributed, Data, Model and sharding, Checkpoints,
+Metrics, Train step, main().
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+# -----------------------------------------------------------------------------------------------
+# Config
+# -----------------------------------------------------------------------------------------------
+
+ON_OFF = ("on", "off")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, short: str | None = None) -> Any:
+    """A dataclass field whose metadata drives argparse (one declaration, one help text)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "short": short})
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run. YAML keys (--config) are these names, with dashes or underscores."""
+
+    experiment_name: str = _opt("", "folder name under --save-dir for checkpoints, metrics and export", short="-e")
+    dataset_name: str = _opt(
+        "", "folder written by data_hf.py (Dataset or DatasetDict with train/validation)", short="-d"
+    )
+    model_name: str = _opt("", "local model folder, or a hub id already in the offline cache (HF_HOME)", short="-m")
+    save_dir: str = _opt("outputs", "root folder for experiments")
+    seed: int = _opt(0, "seed for data order, initialisation and dropout")
+    num_epochs: int = _opt(1, "passes over the packed training blocks")
+    max_steps: int = _opt(0, "stop after this many optimizer steps in total (0 = run all epochs)")
+    lr: float = _opt(3e-5, "peak AdamW learning rate")
+    min_lr: float = _opt(0.0, "learning rate at the end of the schedule")
+    warmup_steps: int = _opt(0, "linear warmup steps from 0 to --lr")
+    lr_schedule: str = _opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    weight_decay: float = _opt(0.0, "AdamW weight decay (never applied to norms and biases)")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this value (0 = no clipping)")
+    batch_size: int = _opt(1, "sequences per process per micro-batch", short="-b")
+    grad_accum_steps: int = _opt(1, "micro-batches per optimizer step")
+    seq_length: int = _opt(1024, "tokens per packed training block")
+    precision: str = _opt(
+        "auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp16", "fp32")
+    )
+    sharding: str = _opt(
+        "full",
+        "full = reshard after forward (ZeRO-3); grad-op = keep gathered until backward (ZeRO-2); "
+        "hybrid = shard within a node, replicate across nodes; none = replicate (DDP-like)",
+        choices=("full", "grad-op", "hybrid", "none"),
+    )
+    hybrid_shard_size: int = _opt(0, "processes per shard group for --sharding hybrid (0 = processes per node)")
+    cpu_offload: str = _opt(
+        "off", "keep parameter shards, gradients and optimizer state in host memory", choices=ON_OFF
+    )
+    activation_checkpointing: str = _opt("on", "recompute decoder-layer activations in backward", choices=ON_OFF)
+    ac_every_n_layers: int = _opt(1, "with activation checkpointing: checkpoint every Nth decoder layer (1 = all)")
+    compile: str = _opt("off", "torch.compile each decoder layer", choices=ON_OFF)
+    log_freq: int = _opt(10, "optimizer steps between metric lines")
+    ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
+    eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
+    eval_max_blocks: int = _opt(0, "cap on validation blocks per pass (0 = all)")
+    keep_last: int = _opt(3, "complete checkpoints to keep (the newest is never deleted)")
+    async_ckpt: str = _opt("off", "write checkpoints in the background while training continues", choices=ON_OFF)
+    tensorboard: str = _opt("off", "also write TensorBoard event files to outputs/EXP/tensorboard", choices=ON_OFF)
+    peak_tflops: float = _opt(0.0, "accelerator peak TFLOP/s per GPU for MFU (0 = built-in table)")
+    max_bad_steps: int = _opt(25, "stop after this many consecutive steps with a non-finite loss or gradient")
+    collective_timeout_s: int = _opt(1800, "timeout of collectives (checkpoint agreement, tokenisation wait)")
+    force_resume: bool = _opt(False, "resume even if model/data/batch/seed/tokenizer changed since the checkpoint")
+    export_only: bool = _opt(False, "export outputs/EXP/final from the newest checkpoint and exit")
+    dry_run: bool = _opt(False, "print the resolved config, model size, sharding plan and memory estimate; exit")
+
+    @property
+    def experiment_dir(self) -> Path:
+        return Path(self.save_dir) / self.experiment_name
+
+
+# Settings that change the math or the data: a resume with a different value is refused.
+RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp_train.py",
+        description="FSDP2 fine-tuning of Hugging Face causal LMs. Launch with torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # so we can tell flags given on the command line from defaults
+    )
+    parser.add_argument("--config", help="YAML file whose keys are flag names; the command line overrides it")
+    for f in dataclasses.fields(TrainConfig):
+        names = [f"--{f.name.replace('_', '-')}", f"--{f.name}"]
+        if f.metadata.get("short"):
+            names.insert(0, f.metadata["short"])
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(*names, dest=f.name, action="store_true", help=help_text)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(*names, dest=f.name, type=kind, choices=f.metadata.get("choices"), help=help_text)
+    return parser
+
+
+def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str) -> Any:
+    """YAML 1.1 reads on/off as booleans; map them back, and check types of the file's values."""
+    f = {x.name: x for x in dataclasses.fields(TrainConfig)}[name]
+    if f.metadata.get("choices") == ON_OFF and isinstance(value, bool):
+        return "on" if value else "off"
+    expected = {"int": int, "float": (int, float), "bool": bool, "str": (str, int, float)}[str(f.type)]
+    if not isinstance(value, expected) or (str(f.type) == "int" and isinstance(value, bool)):
+        errors.append(f"{source}: key '{name}' has value {value!r}; expected {str(f.type)}")
+        return f.default
+    if str(f.type) == "float":
+        return float(value)
+    if str(f.type) == "str":
+        return str(value)
+    return value
+
+
+def load_config(argv: list[str] | None) -> TrainConfig:
+    """Defaults < YAML file < command line. Raises ConfigError listing every problem."""
+    args = vars(build_arg_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    config_file = args.pop("config", None)
+    if config_file:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError([f"--config {config_file}: cannot read it as YAML ({exc})"]) from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError([f"--config {config_file}: expected a mapping of flag names to values"])
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        for key, value in loaded.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                errors.append(f"--config {config_file}: unknown key '{key}' (keys are the flag names, e.g. seq-length)")
+                continue
+            values[name] = _normalise_yaml_value(name, value, errors, f"--config {config_file}")
+    values.update(args)
+    if errors:
+        raise ConfigError(errors)
+    return TrainConfig(**values)
+
+
+class TrainError(RuntimeError):
+    """A problem the user can fix; reported as one clear message without a traceback."""
+
+
+class ConfigError(ValueError):
+    """Every problem with the flags, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Check everything that can be checked before any process group or model exists."""
+    problems: list[str] = []
+    for flag, value in (
+        ("--experiment-name/-e", cfg.experiment_name),
+        ("--dataset-name/-d", cfg.dataset_name),
+        ("--model-name/-m", cfg.model_name),
+    ):
+        if not value:
+            problems.append(f"{flag} is required")
+    if cfg.experiment_name and (os.sep in cfg.experiment_name or cfg.experiment_name in (".", "..")):
+        problems.append(f"--experiment-name '{cfg.experiment_name}' must be a plain folder name, not a path")
+    positive = {
+        "--num-epochs": cfg.num_epochs,
+        "--batch-size": cfg.batch_size,
+        "--grad-accum-steps": cfg.grad_accum_steps,
+        "--seq-length": cfg.seq_length,
+        "--log-freq": cfg.log_freq,
+        "--keep-last": cfg.keep_last,
+        "--ac-every-n-layers": cfg.ac_every_n_layers,
+        "--max-bad-steps": cfg.max_bad_steps,
+        "--collective-timeout-s": cfg.collective_timeout_s,
+    }
+    problems += [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
+    non_negative = {
+        "--max-steps": cfg.max_steps,
+        "--warmup-steps": cfg.warmup_steps,
+        "--ckpt-freq": cfg.ckpt_freq,
+        "--eval-freq": cfg.eval_freq,
+        "--eval-max-blocks": cfg.eval_max_blocks,
+        "--weight-decay": cfg.weight_decay,
+        "--grad-clip": cfg.grad_clip,
+        "--min-lr": cfg.min_lr,
+        "--peak-tflops": cfg.peak_tflops,
+        "--hybrid-shard-size": cfg.hybrid_shard_size,
+    }
+    problems += [f"{flag} must not be negative (got {value})" for flag, value in non_negative.items() if value < 0]
+    if not cfg.lr > 0 or not math.isfinite(cfg.lr):
+        problems.append(f"--lr must be a positive number (got {cfg.lr})")
+    elif cfg.min_lr > cfg.lr:
+        problems.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}; lower --min-lr")
+    if cfg.precision == "fp16" and not torch.cuda.is_available():
+        problems.append(
+            "--precision fp16 needs a CUDA GPU (CPU fp16 kernels are slow and incomplete); use fp32 or bf16"
+        )
+    if cfg.sharding == "hybrid":
+        shard = cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if shard < 1 or world_size % shard:
+            problems.append(
+                f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
+                f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
+            )
+    if cfg.compile == "on" and cfg.activation_checkpointing == "on" and cfg.ac_every_n_layers > 1:
+        pass  # allowed: compiled layers may or may not be checkpointed
+    if cfg.dataset_name:
+        problems += _dataset_problems(Path(cfg.dataset_name))
+    if cfg.model_name:
+        problems += _model_problems(cfg)
+    return problems
+
+
+def _dataset_problems(path: Path) -> list[str]:
+    if not path.is_dir():
+        return [f"--dataset-name {path}: no such folder; create it with data_hf.py --save_dir {path}"]
+    if not any((path / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        return [f"--dataset-name {path}: not a dataset written by data_hf.py (no dataset_dict.json or state.json)"]
+    return []
+
+
+def _model_problems(cfg: TrainConfig) -> list[str]:
+    try:
+        model_dir = resolve_model_dir(cfg.model_name)
+    except FileNotFoundError as exc:
+        return [str(exc)]
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
+        return [f"--model-name {cfg.model_name}: cannot read config.json in {model_dir} ({exc})"]
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions and cfg.seq_length > max_positions:
+        return [
+            f"--seq-length {cfg.seq_length} exceeds the model's max_position_embeddings {max_positions}; "
+            f"lower --seq-length"
+        ]
+    return []
+
+
+def resolve_model_dir(model_name: str) -> Path:
+    """A local folder, or a hub id resolved from the offline cache; never touches the network."""
+    path = Path(model_name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model-name {model_name}: folder has no config.json")
+        return path
+    if path.exists() or model_name.count("/") != 1:
+        raise FileNotFoundError(f"--model-name {model_name}: not a model folder or a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_name, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
+        raise FileNotFoundError(
+            f"--model-name {model_name}: not in the local cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}). "
+            f"Run `python model_download.py --model-name {model_name}` on a machine with internet and copy HF_HOME here."
+        ) from exc
+
+
+def resolve_precision(cfg: TrainConfig) -> str:
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
+# -----------------------------------------------------------------------------------------------
+# Distributed
+# -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: Any  # DeviceMesh: 1-D ("shard",) or 2-D ("replicate", "shard")
+    cpu_group: Any  # gloo group for host-side agreement (signals, checkpoint bookkeeping): never syncs the GPU
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_RANK_FOR_LOGS = int(os.environ.get("RANK", "0"))
+
+
+def log(message: str, all_ranks: bool = False) -> None:
+    """Every line carries a timestamp and the rank; by default only rank 0 prints."""
+    if all_ranks or _RANK_FOR_LOGS == 0:
+        stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        print(f"[{stamp}][rank{_RANK_FOR_LOGS}] {message}", flush=True)
+
+
+def _ensure_launcher_env() -> None:
+    """Allow `python fsdp_train.py ...` as a single process, as if launched by torchrun."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
+def setup_distributed(cfg: TrainConfig) -> Dist:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _ensure_launcher_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    timeout = dt.timedelta(seconds=cfg.collective_timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    if cfg.sharding in ("hybrid", "none"):
+        shard = 1 if cfg.sharding == "none" else (cfg.hybrid_shard_size or local_world)
+        mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group)
+
+
+def all_ranks_agree(flag: bool, d: Dist) -> bool:
+    """True if any rank raised the flag. Runs on the gloo CPU group, so it never waits on the GPU."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.cpu_group)
+    return bool(t.item())
+
+
+def broadcast_object(obj: Any, d: Dist) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=d.cpu_group)
+    return box[0]
+
+
+def fault_point(name: str, d: Dist | None = None, step: int | None = None) -> None:
+    """Fault injection for the crash-safety tests: FSDP_TRAIN_FAULT=name[@rank][:step], comma-separated.
+    Names starting with "kill" SIGKILL this process; others raise an ENOSPC OSError. No effect when unset."""
+    spec = os.environ.get("FSDP_TRAIN_FAULT", "")
+    for item in filter(None, spec.split(",")):
+        item, _, at_step = item.partition(":")
+        point, _, rank = item.partition("@")
+        if point != name or (rank and d is not None and int(rank) != d.rank):
+            continue
+        if at_step and step is not None and int(at_step) != step:
+            continue
+        if name.startswith("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(28, f"injected fault at {name} (No space left on device)")
+
+
+# -----------------------------------------------------------------------------------------------
+# Data
+# -----------------------------------------------------------------------------------------------
+
+
+def tokenizer_hash(model_dir: Path) -> str:
+    """A hash of the tokenizer files: a changed tokenizer changes the data."""
+    h = hashlib.sha256()
+    for name in sorted(
+        (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
+            "special_tokens_map.json",
+        )
+    ):
+        if (model_dir / name).is_file():
+            h.update(name.encode())
+            h.update((model_dir / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: int = 1000) -> int:
+    """Tokenise the `text` column into one flat token stream, EOS after each document.
+
+    Streams in row batches (memory stays flat) and writes under a temporary name, renamed at the end,
+    so a reader never sees a partial stream. Returns the number of tokens.
+    """
+    eos = tokenizer.eos_token_id
+    dtype = _token_dtype(len(tokenizer))
+    tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}.{socket.gethostname()}")
+    total = 0
+    with open(tmp, "wb") as fh:
+        for batch in dataset.iter(batch_size=batch_rows):
+            encoded = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
+            pieces = [np.asarray(ids + [eos] if not ids or ids[-1] != eos else ids, dtype=dtype) for ids in encoded]
+            if pieces:
+                chunk = np.concatenate(pieces)
+                chunk.tofile(fh)
+                total += chunk.size
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out_path)
+    return total
+
+
+@dataclass
+class PackedBlocks:
+    """Blocks of seq_length+1 tokens over a flat token stream, with stride seq_length.
+
+    Block i gives inputs tokens[i*L : i*L+L] and targets tokens[i*L+1 : i*L+L+1], so every token
+    transition in the stream is trained on exactly once per epoch.
+    """
+
+    tokens: np.ndarray
+    seq_length: int
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_length)
+
+    def gather(self, indices: list[int]) -> torch.Tensor:
+        L = self.seq_length
+        rows = [np.asarray(self.tokens[i * L : i * L + L + 1], dtype=np.int64) for i in indices]
+        return torch.from_numpy(np.stack(rows))
+
+
+def load_token_stream(
+    split: Any, split_name: str, tokenizer: Any, tok_hash: str, cfg: TrainConfig, d: Dist
+) -> np.ndarray:
+    """Tokenise once per node into a cache keyed by dataset fingerprint and tokenizer, then memory-map it.
+
+    The cache holds the flat token stream, so any --seq-length reuses it. Local rank 0 builds it;
+    the others poll for the file instead of waiting in a collective, which would time out on a large corpus.
+    """
+    fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
+    key = hashlib.sha256(f"{fingerprint}|{tok_hash}|eos-v1".encode()).hexdigest()[:20]
+    cache_dir = Path(cfg.save_dir) / ".token_cache" / key
+    tokens_path = cache_dir / f"{split_name}.tokens"
+    failed_path = cache_dir / f"{split_name}.failed"
+    if d.local_rank == 0 and not tokens_path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        failed_path.unlink(missing_ok=True)
+        log(f"tokenising {split_name} split ({len(split)} rows) into {tokens_path}")
+        start = time.perf_counter()
+        try:
+            count = tokenize_to_file(split, tokenizer, tokens_path)
+        except BaseException as exc:
+            failed_path.write_text(repr(exc))
+            raise
+        log(f"tokenised {count:,} tokens in {time.perf_counter() - start:.1f}s")
+    deadline = time.monotonic() + cfg.collective_timeout_s
+    while not tokens_path.exists():
+        if failed_path.exists():
+            raise TrainError(f"tokenisation failed on local rank 0: {failed_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise TrainError(f"waited {cfg.collective_timeout_s}s for {tokens_path}; raise --collective-timeout-s")
+        time.sleep(0.5)
+    return np.memmap(tokens_path, dtype=_token_dtype(len(tokenizer)), mode="r")
+
+
+@dataclass
+class DataPlan:
+    """Where every global batch comes from. Independent of the number of processes.
+
+    Epoch e is a permutation of the packed blocks seeded by (seed, e); the global batch at step k of
+    an epoch is blocks perm[k*G : (k+1)*G], G = world x batch x grad-accum. So the data position is
+    just (epoch, samples consumed), and a final partial global batch is always dropped.
+    """
+
+    blocks: PackedBlocks
+    seed: int
+    global_batch: int
+    micro_batch: int
+    world_size: int
+    rank: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.blocks) // self.global_batch
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.blocks), generator=g)
+
+    def micro_batches(self, order: torch.Tensor, step_in_epoch: int) -> list[torch.Tensor]:
+        """This rank's micro-batches for one optimizer step: slot (a * world + rank) of the global batch."""
+        start = step_in_epoch * self.global_batch
+        step_blocks = order[start : start + self.global_batch].tolist()
+        accum = self.global_batch // (self.world_size * self.micro_batch)
+        out = []
+        for a in range(accum):
+            slot = (a * self.world_size + self.rank) * self.micro_batch
+            out.append(self.blocks.gather(step_blocks[slot : slot + self.micro_batch]))
+        return out
+
+
+@dataclass
+class TrainData:
+    train: DataPlan
+    validation: PackedBlocks | None
+    tokenizer: Any
+    tokenizer_hash: str
+    dataset_fingerprint: str
+
+
+def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
+    from transformers import AutoTokenizer
+
+    from data_hf import load_text_dataset
+
+    train_split, val_split = load_text_dataset(cfg.dataset_name)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise TrainError(
+            f"--model-name {cfg.model_name}: the tokenizer has no EOS token, needed between packed documents"
+        )
+    tok_hash = tokenizer_hash(model_dir)
+    train_tokens = load_token_stream(train_split, "train", tokenizer, tok_hash, cfg, d)
+    global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
+    plan = DataPlan(
+        PackedBlocks(train_tokens, cfg.seq_length), cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank
+    )
+    if plan.steps_per_epoch == 0:
+        raise TrainError(
+            f"--dataset-name {cfg.dataset_name}: {len(plan.blocks)} packed blocks of {cfg.seq_length} tokens are fewer "
+            f"than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
+            f"lower --seq-length, --batch-size or --grad-accum-steps"
+        )
+    validation = None
+    if val_split is not None and len(val_split):
+        validation = PackedBlocks(
+            load_token_stream(val_split, "validation", tokenizer, tok_hash, cfg, d), cfg.seq_length
+        )
+        if len(validation) == 0:
+            log("validation split is shorter than one block; validation is skipped")
+            validation = None
+    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
+    log(
+        f"data: {len(plan.blocks):,} train blocks of {cfg.seq_length} tokens, global batch {global_batch} "
+        f"({d.world_size} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
+        f"{len(validation) if validation else 0} validation blocks"
+    )
+    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint)
+
+
+# -----------------------------------------------------------------------------------------------
+# Model and sharding
+# -----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build a model with parameters on the meta device but real buffers.
+
+    Parameters cost nothing (their init runs on meta), while buffers such as rotary `inv_freq`
+    are computed for real, so we can put them back after `to_empty` wipes them.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":  # meta already: a re-registration (weight tying)
+            kwargs = {"requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_model_skeleton(model_dir: Path) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config.use_cache = False
+    with parameters_on_meta():
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        except (ValueError, ImportError):  # architecture without SDPA support
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Decoder layers, found from the model's own `_no_split_modules` so any architecture works."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        candidates = sorted(
+            {type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+        )
+        raise TrainError(
+            f"cannot find decoder layers of {type(model).__name__}: _no_split_modules={sorted(names)} matches no "
+            f"submodule. Candidates (children of ModuleLists): {candidates}"
+        )
+    return layers
+
+
+def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], every_n: int) -> int:
+    """Wrap every Nth decoder layer with torch's checkpoint wrapper (non-reentrant).
+
+    We do not use HF's gradient_checkpointing flag: under FSDP it re-runs the layer outside the
+    FSDP hooks' view and costs an extra all-gather per layer.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as wrap,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    selected = {id(layer) for i, layer in enumerate(layers) if i % every_n == 0}
+    wrap(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in selected)
+    return len(selected)
+
+
+def shard_model(model: nn.Module, layers: list[nn.Module], cfg: TrainConfig, precision: str, d: Dist) -> None:
+    """fully_shard each decoder layer, then the root (embeddings, final norm and a tied head share one group)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cfg.cpu_offload == "on" else OffloadPolicy()
+    reshard = cfg.sharding != "grad-op"
+    wrappers = {
+        id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
+    }
+    for layer in layers:
+        unit = wrappers.get(id(layer), layer)  # shard the checkpoint wrapper, so recompute sees FSDP's hooks
+        if cfg.compile == "on":
+            unit.compile()
+        fully_shard(unit, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+
+
+def clean_fqn(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def materialize(model: nn.Module, d: Dist, cfg: TrainConfig) -> None:
+    """Allocate the local shards, then restore the buffers that `to_empty` left as garbage."""
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    model.to_empty(device="cpu" if cfg.cpu_offload == "on" else d.device)
+    for name, value in buffers.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        owner = model.get_submodule(module_name) if module_name else model
+        owner._buffers[buffer_name] = value.to(d.device)  # buffers stay on the compute device, even with offload
+
+
+def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist) -> None:
+    """Initialise from scratch, shard by shard, identically at any number of processes.
+
+    Each parameter is drawn in full from a generator seeded by (seed, name) and sliced to this rank's shard,
+    so only one full parameter exists at a time. Rule: matrices ~ N(0, initializer_range), 1-D weights
+    (norms) = 1, biases = 0.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    std = getattr(config, "initializer_range", 0.02)
+    gen_device = d.device if d.device.type == "cuda" else torch.device("cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            name = clean_fqn(name)
+            full = torch.empty(param.shape, dtype=torch.float32, device=gen_device)
+            if param.ndim >= 2:
+                g = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full.normal_(0.0, std, generator=g)
+            else:
+                full.fill_(0.0 if name.endswith("bias") else 1.0)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+
+
+def checkpoint_weight_keys(model_dir: Path) -> tuple[set[str], str]:
+    """Tensor names in the model folder's weight files, and their format ("safetensors" or "bin")."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        keys: set[str] = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                keys.update(fh.keys())
+        return keys, "safetensors"
+    bins = sorted(model_dir.glob("pytorch_model*.bin"))
+    if bins:
+        keys = set()
+        for f in bins:
+            keys.update(torch.load(f, map_location="meta", weights_only=True, mmap=True).keys())
+        return keys, "bin"
+    return set(), "none"
+
+
+def map_checkpoint_keys(model: nn.Module, file_keys: set[str]) -> dict[str, str]:
+    """model FQN -> checkpoint key. Handles checkpoints saved with or without the base-model prefix."""
+    prefix = getattr(model, "base_model_prefix", "model") + "."
+    tied = _tied_parameter_names(model)
+    mapping, missing = {}, []
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        fqn = clean_fqn(name)
+        for candidate in (fqn, fqn.removeprefix(prefix), prefix + fqn):
+            if candidate in file_keys:
+                mapping[fqn] = candidate
+                break
+        else:
+            if fqn not in tied:
+                missing.append(fqn)
+    if missing:
+        raise TrainError(
+            f"the model folder's weights lack {len(missing)} tensors the architecture needs, e.g. "
+            f"{missing[:5]}; re-download with model_download.py (it verifies every tensor)"
+        )
+    return mapping
+
+
+def check_still_tied(model: nn.Module) -> None:
+    """Tied input/output embeddings must remain one Parameter through sharding, or training unties them."""
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None:
+        if head.weight is not model.get_input_embeddings().weight:
+            raise TrainError("tied input/output embeddings became two tensors during sharding; please report this")
+
+
+def _tied_parameter_names(model: nn.Module) -> set[str]:
+    """Names under which an already-seen Parameter appears again (e.g. lm_head.weight tied to embed_tokens)."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(clean_fqn(name))
+        seen.add(id(param))
+    return tied
+
+
+def load_pretrained_sharded(model: nn.Module, model_dir: Path) -> None:
+    """Each rank reads only its own slices of the weight files (DCP's Hugging Face reader, memory-mapped)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    file_keys, fmt = checkpoint_weight_keys(model_dir)
+    mapping = map_checkpoint_keys(model, file_keys)
+    state = get_model_state_dict(model)
+    by_file_key = {mapping[k]: v for k, v in state.items() if k in mapping}
+    if fmt == "safetensors":
+        dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
+        return
+    _load_bin_slices(by_file_key, model_dir)
+
+
+def _load_bin_slices(targets: dict[str, Any], model_dir: Path) -> None:
+    """Fallback for repos without safetensors: mmap each .bin and copy this rank's slice of each tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for f in sorted(model_dir.glob("pytorch_model*.bin")):
+            stored = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            for key, tensor in stored.items():
+                if key in targets:
+                    target = targets[key]
+                    if isinstance(target, DTensor):
+                        local = distribute_tensor(
+                            tensor.float(), target.device_mesh, target.placements, src_data_rank=None
+                        )
+                        target.to_local().copy_(local.to_local())
+                    else:
+                        target.copy_(tensor)
+
+
+@dataclass
+class ModelBundle:
+    model: nn.Module
+    config: Any
+    model_dir: Path
+    num_params: int
+    num_layers_checkpointed: int
+    flops_per_token: float
+    original_dtype: torch.dtype  # the dtype the model was shipped in; the export keeps it
+
+
+def original_dtype(model_dir: Path) -> torch.dtype:
+    """The model's own dtype: config.json's dtype/torch_dtype, else that of its weight files, else fp32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), framework="pt") as fh:
+            keys = list(fh.keys())
+            if keys:
+                stored = fh.get_slice(keys[0]).get_dtype()
+                return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
+    return torch.float32
+
+
+def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
+    """6N + 12*L*H*Q*T (PaLM appendix B): N counts matmul parameters, i.e. all but the input embedding,
+    plus the output head even when it is tied to the input embedding (the head matmul still runs)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    n = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if head is not None and head.weight is embed:
+        n += embed.numel()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, heads = text.num_hidden_layers, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 6 * n + 12 * layers * heads * head_dim * seq_length
+
+
+def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
+    model_dir = resolve_model_dir(cfg.model_name)
+    model = build_model_skeleton(model_dir)
+    num_params = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(model, model.config, cfg.seq_length)
+    layers = find_decoder_layers(model)
+    arch = type(model).__name__
+    n_ckpt = (
+        apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
+        if cfg.activation_checkpointing == "on"
+        else 0
+    )
+    shard_model(model, layers, cfg, precision, d)
+    materialize(model, d, cfg)
+    file_keys, _ = checkpoint_weight_keys(model_dir)
+    if file_keys:
+        start = time.perf_counter()
+        load_pretrained_sharded(model, model_dir)
+        log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")
+    else:
+        init_weights_on_shards(model, model.config, cfg.seed, d)
+        log(f"no weight files in {model_dir}: initialised {num_params:,} parameters from scratch on the shards")
+    check_still_tied(model)
+    model.train()
+    log(
+        f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
+        f"({type(layers[0]).__name__}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
+        f"{n_ckpt} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}"
+    )
+    return ModelBundle(model, model.config, model_dir, num_params, n_ckpt, fpt, original_dtype(model_dir))
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and biases (1-D tensors). Fused where available: the fused kernel
+    also skips a step on device when `found_inf` is set, so skipping a bad step needs no host sync."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    try:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+
+def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): a pure function of the step, so resume is exact."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.lr_schedule == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# -----------------------------------------------------------------------------------------------
+# Checkpoints
+# -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Everything besides model and optimizer that an exact resume needs."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    samples_in_epoch: int = 0  # packed blocks consumed in the current epoch (a multiple of the global batch)
+    skipped_steps: int = 0  # steps whose optimizer update was skipped (non-finite loss or gradient)
+    bad_streak: int = 0  # consecutive skipped steps up to now
+    loss_scale: float = 1.0  # fp16 dynamic loss scale
+    scale_good_steps: int = 0
+
+    def advance(self, global_batch: int, steps_per_epoch: int) -> None:
+        self.step += 1
+        self.samples_in_epoch += global_batch
+        if self.samples_in_epoch >= steps_per_epoch * global_batch:
+            self.epoch += 1
+            self.samples_in_epoch = 0
+
+
+class CheckpointError(TrainError):
+    pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class Checkpointer:
+    """Atomic DCP checkpoints: each rank writes its shard into `.tmp_step_N/`; only after every rank has
+    finished and the training state is written and synced does rank 0 rename it to `step_N/`.
+    A run killed at any moment therefore leaves the previous checkpoint as the newest complete one."""
+
+    def __init__(self, cfg: TrainConfig, d: Dist, fingerprint: dict):
+        self.cfg, self.d, self.fingerprint = cfg, d, fingerprint
+        self.root = cfg.experiment_dir / "checkpoint"
+        self.pending: tuple[Any, Path, int] | None = None  # (future, tmp dir, step) of an async save
+
+    # -- finding ---------------------------------------------------------------------------------
+    def latest_complete(self) -> Path | None:
+        """Rank 0 removes incomplete folders and picks the newest complete one; every rank gets the answer."""
+        found = None
+        if self.d.is_main and self.root.is_dir():
+            for tmp in sorted(self.root.glob(".tmp_step_*")):
+                log(f"removing incomplete checkpoint {tmp} (a save was interrupted)")
+                shutil.rmtree(tmp, ignore_errors=True)
+            complete = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+            found = str(complete[-1]) if complete else None
+        found = broadcast_object(found, self.d)
+        return Path(found) if found else None
+
+    def read_state(self, path: Path) -> dict:
+        state_file = path / "train_state.json"
+        try:
+            payload = json.loads(state_file.read_text())
+            TrainState(**payload["train_state"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable: {state_file} ({exc}). Nothing was resumed. Move that folder "
+                f"aside to resume from the previous checkpoint, or use a new --experiment-name to start over."
+            ) from exc
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable: {path / '.metadata'} is missing. Move that folder "
+                f"aside to resume from the previous checkpoint."
+            )
+        return payload
+
+    def check_compatible(self, saved: dict, path: Path) -> None:
+        changed = [k for k in RESUME_PINNED if saved.get(k) != self.fingerprint.get(k)]
+        if not changed:
+            return
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {self.fingerprint.get(k)!r}" for k in changed)
+        if self.cfg.force_resume:
+            log(f"WARNING: resuming from {path} although settings changed ({details}) because of --force-resume")
+            return
+        raise CheckpointError(
+            f"cannot resume from {path}: {details}. These change the math or the data. Restore the original "
+            f"settings, pass --force-resume to resume anyway, or use a new --experiment-name."
+        )
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainState:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        payload = self.read_state(path)
+        self.check_compatible(payload["fingerprint"], path)
+        try:
+            if optimizer is None:
+                model_sd = get_model_state_dict(model)
+                dcp.load({"model": model_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group)
+                set_model_state_dict(model, model_sd)
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                dcp.load(
+                    {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group
+                )
+                set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}). "
+                f"Move that folder aside to resume from the previous checkpoint."
+            ) from exc
+        rng_file = path / f"rng_rank{self.d.rank:05d}.pt"
+        if payload.get("world_size") == self.d.world_size and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            seed_everything(self.cfg.seed * 1_000_003 + payload["train_state"]["step"] * 101 + self.d.rank)
+            log(
+                f"world size changed ({payload.get('world_size')} -> {self.d.world_size}): per-rank RNG reseeded "
+                f"(only dropout uses it; data order and weights are restored exactly)"
+            )
+        return TrainState(**payload["train_state"])
+
+    # -- saving ----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.cfg.ckpt_freq > 0 and step % self.cfg.ckpt_freq == 0
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, reason: str) -> float:
+        """Save (async with --async-ckpt). Returns the seconds training was blocked."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        start = time.perf_counter()
+        self.finish_pending()
+        final = self.root / step_dir_name(state.step)
+        if final.exists():  # already saved at this step (e.g. ckpt-freq step that is also the last)
+            return time.perf_counter() - start
+        tmp = self.root / f".tmp_{step_dir_name(state.step)}"
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self.d.cpu_group)
+        error = None
+        try:
+            self._write_side_files(tmp, state)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+            fault_point("ckpt_write", self.d, state.step)
+            fault_point("kill_during_write", self.d, state.step)
+            if self.cfg.async_ckpt == "on":
+                future = dcp.async_save(
+                    {"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.d.cpu_group
+                )
+                self.pending = (future, tmp, state.step)
+            else:
+                dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.d.cpu_group)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = exc
+        self._agree_or_fail(error, tmp)
+        if self.pending is None:
+            self._commit(tmp, state.step)
+        blocked = time.perf_counter() - start
+        log(
+            f"checkpoint step {state.step} ({reason}) {'queued' if self.pending else 'saved'} "
+            f"in {blocked:.2f}s of blocked training -> {self.root / step_dir_name(state.step)}"
+        )
+        return blocked
+
+    def finish_pending(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, step = self.pending
+        self.pending = None
+        error = None
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        self._agree_or_fail(error, tmp)
+        self._commit(tmp, step)
+
+    def _write_side_files(self, tmp: Path, state: TrainState) -> None:
+        rng_file = tmp / f"rng_rank{self.d.rank:05d}.pt"
+        with open(rng_file, "wb") as fh:
+            torch.save(_rng_state(), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if self.d.is_main:
+            payload = {
+                "train_state": dataclasses.asdict(state),
+                "fingerprint": self.fingerprint,
+                "world_size": self.d.world_size,
+                "config": dataclasses.asdict(self.cfg),
+                "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
+            }
+            write_json_atomic(tmp / "train_state.json", payload)
+
+    def _agree_or_fail(self, error: BaseException | None, tmp: Path) -> None:
+        """Every rank learns whether any rank failed, so a failed write never hangs the others."""
+        if all_ranks_agree(error is not None, self.d):
+            if self.d.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            where = f"this rank: {error}" if error else "another rank (see its log)"
+            previous = self.latest_complete_name()
+            raise CheckpointError(
+                f"writing checkpoint {tmp.name} failed on {where}. The previous checkpoint "
+                f"({previous or 'none'}) is intact; free disk space or fix permissions and rerun."
+            )
+
+    def latest_complete_name(self) -> str | None:
+        complete = sorted(p.name for p in self.root.glob("step_*")) if self.root.is_dir() else []
+        return complete[-1] if complete else None
+
+    def _commit(self, tmp: Path, step: int) -> None:
+        dist.barrier(group=self.d.cpu_group)  # every rank's files are written and fsynced
+        fault_point("kill_before_rename", self.d, step)
+        if self.d.is_main:
+            final = self.root / step_dir_name(step)
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            fault_point("kill_after_rename", self.d, step)
+            write_json_atomic(
+                self.cfg.experiment_dir / "state.json",
+                {
+                    "latest_checkpoint": str(final),
+                    "step": step,
+                    "world_size": self.d.world_size,
+                    "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
+                },
+            )
+            self._prune()
+        dist.barrier(group=self.d.cpu_group)
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        for old in complete[: max(0, len(complete) - self.cfg.keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+            log(f"pruned old checkpoint {old.name} (--keep-last {self.cfg.keep_last})")
+
+
+def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist) -> None:
+    """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model.
+
+    DCP's HF writer has every rank write its own slices, then rank 0 consolidates them file by file,
+    so no process ever gathers the whole model. Saved in the model's original dtype; tied weights stay tied.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dtype = bundle.original_dtype
+    tied = _tied_parameter_names(bundle.model)
+    state = {k: v.to(dtype) for k, v in get_model_state_dict(bundle.model).items() if k not in tied}
+    index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
+    file_no = 1
+    for key, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if size and size + nbytes > max_bytes:
+            file_no, size = file_no + 1, 0
+        index[key], size = file_no, size + nbytes
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    if d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(group=d.cpu_group)
+    writer = dcp.HuggingFaceStorageWriter(
+        str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
+    )
+    dcp.save(state, storage_writer=writer, process_group=d.cpu_group)
+    if d.is_main:
+        shutil.rmtree(tmp / "sharded", ignore_errors=True)
+        config = bundle.config
+        config.use_cache, config.dtype = True, dtype
+        config.save_pretrained(tmp)
+        if (bundle.model_dir / "generation_config.json").is_file():
+            shutil.copy2(bundle.model_dir / "generation_config.json", tmp / "generation_config.json")
+        tokenizer.save_pretrained(tmp)
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        log(f"exported Hugging Face model ({dtype}) to {out_dir}")
+    dist.barrier(group=d.cpu_group)
+
+
+# -----------------------------------------------------------------------------------------------
+# Metrics
+# -----------------------------------------------------------------------------------------------
+
+# Dense bf16 tensor-core peak TFLOP/s per GPU (vendor datasheets), and fp32 (no TF32) peak.
+PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5)}
+
+
+def peak_tflops(cfg: TrainConfig, precision: str) -> float | None:
+    if cfg.peak_tflops:
+        return cfg.peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, (half, full) in PEAK_TFLOPS.items():
+        if key in name:
+            return full if precision == "fp32" else half
+    return None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """GiB. On CUDA the allocator's counters; on CPU the process's resident set (current and peak)."""
+    gib = 2**30
+    if device.type == "cuda":
+        return {
+            "mem_curr_alloc_gb": torch.cuda.memory_allocated(device) / gib,
+            "mem_peak_alloc_gb": torch.cuda.max_memory_allocated(device) / gib,
+            "mem_reserved_gb": torch.cuda.memory_reserved(device) / gib,
+        }
+    status = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                status[key] = int(value.split()[0]) * 1024 / gib
+    return {
+        "mem_curr_alloc_gb": status.get("VmRSS", 0.0),
+        "mem_peak_alloc_gb": status.get("VmHWM", 0.0),
+        "mem_reserved_gb": status.get("VmRSS", 0.0),
+    }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
+
+
+class PhaseTimer:
+    """Per-phase times over a logging window. On CUDA, events are recorded and read only at log time,
+    so timing adds no host-device sync to the step loop."""
+
+    PHASES = ("data", "forward", "backward", "update")
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.host_ms = dict.fromkeys(self.PHASES, 0.0)
+        self.events: list[tuple[str, Any, Any]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.cuda and name != "data":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host_ms[name] += (time.perf_counter() - t0) * 1000
+
+    def averages(self, steps: int) -> dict[str, float]:
+        totals = dict(self.host_ms)
+        if self.events:
+            torch.cuda.synchronize()
+            for name, start, end in self.events:
+                totals[name] += start.elapsed_time(end)
+        return {f"time_{k}_ms": v / max(1, steps) for k, v in totals.items()}
+
+
+class Metrics:
+    """Window accumulators on the device; one sync per log line. Writes stdout, metrics.jsonl, TensorBoard."""
+
+    def __init__(self, cfg: TrainConfig, d: Dist, bundle: ModelBundle, plan: DataPlan, precision: str):
+        self.cfg, self.d = cfg, d
+        self.global_batch, self.steps_per_epoch = plan.global_batch, plan.steps_per_epoch
+        self.tokens_per_step = plan.global_batch * cfg.seq_length
+        self.flops_per_token, self.peak = bundle.flops_per_token, peak_tflops(cfg, precision)
+        self.path = cfg.experiment_dir / "metrics.jsonl"
+        self.timer = PhaseTimer(d.device)
+        self.writer = None
+        if d.is_main and cfg.tensorboard == "on":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(cfg.experiment_dir / "tensorboard"))
+        self.bar = None
+        if d.is_main and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc="train", unit="step", dynamic_ncols=True)
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.window_loss = torch.zeros((), device=self.d.device, dtype=torch.float64)
+        self.window_steps = 0
+        self.window_start = time.perf_counter()
+        self.timer.reset()
+        reset_peak_memory(self.d.device)
+
+    def epoch_progress(self, state: TrainState) -> float:
+        """Epochs done as a fraction, e.g. 1.25 = a quarter into the second epoch."""
+        return round(state.epoch + state.samples_in_epoch / (self.steps_per_epoch * self.global_batch), 4)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines a killed run wrote after the checkpoint it resumes from."""
+        if self.d.is_main and self.path.is_file():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step
+            ]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def record(self, local_loss_sum: torch.Tensor) -> None:
+        self.window_loss += local_loss_sum.detach().double()
+        self.window_steps += 1
+        self.last_loss = local_loss_sum.detach().double()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.log_freq == 0
+
+    def emit(self, state: TrainState, lr: float, grad_norm: torch.Tensor, guard: BadStepGuard) -> dict:
+        # The one host sync of the window: global loss sums across ranks, then .item().
+        sums = torch.stack([self.last_loss, self.window_loss]).to(self.d.device)
+        dist.all_reduce(sums)
+        elapsed = time.perf_counter() - self.window_start
+        step_loss, window_loss = (sums / self.tokens_per_step).tolist()
+        record = {
+            "step": state.step,
+            "epoch": self.epoch_progress(state),
+            "loss": step_loss,
+            "loss_avg": window_loss / max(1, self.window_steps),
+            "lr": lr,
+            "grad_norm": float(grad_norm.item()),
+            "skipped_steps": guard.sync(state),
+        }
+        record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed
+        record.update(self.timer.averages(self.window_steps))
+        record.update(memory_stats(self.d.device))
+        if self.peak:
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * 1e12 * self.d.world_size)
+        self.write(record)
+        self._new_window()
+        return record
+
+    def write(self, record: dict) -> None:
+        if not self.d.is_main:
+            return
+        record = {"time": dt.datetime.now().isoformat(timespec="seconds"), **record}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    self.writer.add_scalar(key, value, record["step"])
+        message = " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items() if k != "time"
+        )
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            log(message)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -----------------------------------------------------------------------------------------------
+# Train step
+# -----------------------------------------------------------------------------------------------
+
+
+class BadStepGuard:
+    """Tracks non-finite steps on the device (no sync per step) and the fp16 dynamic loss scale."""
+
+    def __init__(self, state: TrainState, device: torch.device, precision: str, max_bad_steps: int):
+        self.dynamic = precision == "fp16"
+        self.max_bad_steps = max_bad_steps
+        self.scale = torch.tensor(state.loss_scale if self.dynamic else 1.0, device=device)
+        if self.dynamic and state.step == 0:
+            self.scale.fill_(2.0**16)
+        self.good_steps = torch.tensor(state.scale_good_steps, device=device)
+        self.skipped = torch.tensor(state.skipped_steps, device=device)
+        self.streak = torch.tensor(state.bad_streak, device=device)
+        self.worst_streak = self.streak.clone()
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        found_inf = found_inf.to(self.skipped.device)
+        self.skipped += found_inf.long()
+        self.streak = (self.streak + 1) * found_inf.long()
+        self.worst_streak = torch.maximum(self.worst_streak, self.streak)
+        if self.dynamic:  # halve on overflow; double after 2000 clean steps (torch.amp.GradScaler's rule)
+            self.good_steps = (self.good_steps + 1) * (1 - found_inf.long())
+            grow = self.good_steps >= 2000
+            self.scale = torch.where(
+                found_inf.bool(), self.scale * 0.5, torch.where(grow, self.scale * 2.0, self.scale)
+            )
+            self.good_steps = torch.where(grow, torch.zeros_like(self.good_steps), self.good_steps)
+
+    def sync(self, state: TrainState) -> int:
+        """Copy device counters into the state (a host sync: only at log and checkpoint time); stop if too many."""
+        state.skipped_steps, state.bad_streak = int(self.skipped.item()), int(self.streak.item())
+        state.loss_scale, state.scale_good_steps = float(self.scale.item()), int(self.good_steps.item())
+        worst = int(self.worst_streak.item())
+        self.worst_streak = self.streak.clone()
+        if worst >= self.max_bad_steps:
+            raise TrainError(
+                f"{worst} consecutive steps had a non-finite loss or gradient norm (--max-bad-steps "
+                f"{self.max_bad_steps}); lower --lr, use --precision bf16/fp32, or check the data"
+            )
+        return state.skipped_steps
+
+
+def _test_step_delay_s() -> float:
+    """Test hook: FSDP_TRAIN_STEP_DELAY_S slows each step so a test can interrupt a run mid-way."""
+    return float(os.environ.get("FSDP_TRAIN_STEP_DELAY_S", "0") or 0)
+
+
+def _nan_injection_steps() -> set[int]:
+    """Test hook: FSDP_TRAIN_NAN_AT_STEPS=3,4 makes the loss of those (1-based) steps NaN on rank 0."""
+    raw = os.environ.get("FSDP_TRAIN_NAN_AT_STEPS", "")
+    return {int(s) for s in raw.split(",") if s.strip()}
+
+
+def forward_backward(
+    model: nn.Module,
+    micro_batches: list[torch.Tensor],
+    tokens_per_step: int,
+    guard: BadStepGuard,
+    d: Dist,
+    timer: PhaseTimer,
+    poison: bool,
+) -> torch.Tensor:
+    """Run the micro-batches; gradients end up as those of the mean loss over every target token of the
+    global batch (all micro-batches, all ranks). Returns this rank's summed loss (no sync)."""
+    # FSDP averages gradients over the data-parallel ranks, so each rank scales its token sum by world/tokens.
+    loss_scale = d.world_size / tokens_per_step
+    local_sum = torch.zeros((), device=d.device)
+    for batch in micro_batches:
+        with timer.phase("data"):
+            batch = batch.to(d.device, non_blocking=True)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+        with timer.phase("forward"):
+            logits = model(input_ids=inputs).logits
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            if poison:
+                loss_sum = loss_sum * float("nan")
+        with timer.phase("backward"):
+            (loss_sum * (loss_scale * guard.scale)).backward()
+        local_sum += loss_sum.detach()
+    return local_sum
+
+
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, guard: BadStepGuard, cfg: TrainConfig, lr: float
+) -> torch.Tensor:
+    """Unscale, clip by the global norm across shards, and step, unless the norm is non-finite.
+
+    The skip is decided on the device (fused AdamW's found_inf), so no host sync is needed here.
+    Returns the global gradient norm (device tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # all-reduce of the per-shard norms: the norm of the whole model
+    norm = norm / guard.scale.to(norm.device)
+    found_inf = (~torch.isfinite(norm)).float()
+    coef = 1.0 / guard.scale.to(norm.device)
+    if cfg.grad_clip > 0:
+        coef = coef * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
+    local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    torch._foreach_mul_(local_grads, coef.to(local_grads[0].device))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = found_inf.to(local_grads[0].device)  # fused AdamW skips the update on device
+        optimizer.step()
+    elif not bool(found_inf.item()):  # sync: non-fused AdamW cannot skip on device
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    guard.update(found_inf)
+    return norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+    """Token-weighted validation loss. Every rank runs the same number of micro-batches (padded with
+    weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
+    model.eval()
+    count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
+    mine = list(range(d.rank, count, d.world_size))
+    steps = math.ceil(math.ceil(count / d.world_size) / cfg.batch_size)
+    totals = torch.zeros(2, device=d.device, dtype=torch.float64)  # loss sum, tokens
+    for i in range(steps):
+        idx = mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]
+        real = len(idx)
+        idx = idx + [0] * (cfg.batch_size - real)
+        batch = blocks.gather(idx).to(d.device)
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+        per_token = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none").view(len(idx), -1)
+        totals[0] += per_token[:real].sum().double()
+        totals[1] += per_token[:real].numel()
+    dist.all_reduce(totals)
+    model.train()
+    loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(totals[1].item())}
+
+
+# -----------------------------------------------------------------------------------------------
+# main()
+# -----------------------------------------------------------------------------------------------
+
+
+class StopRequest:
+    """SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step boundary, save and exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means now
+        self.requested = True
+        log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
+
+
+def total_steps(cfg: TrainConfig, plan: DataPlan) -> int:
+    steps = plan.steps_per_epoch * cfg.num_epochs
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def dry_run(cfg: TrainConfig, world_size: int) -> int:
+    from model_download import training_memory_plan
+
+    model_dir = resolve_model_dir(cfg.model_name)
+    model = build_model_skeleton(model_dir)
+    layers = find_decoder_layers(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    log("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False).rstrip())
+    log(f"model {type(model).__name__} from {model_dir}: {num_params:,} parameters")
+    log(
+        f"sharding plan: {len(layers)} x {type(layers[0]).__name__} ({per_layer:,} params each) each its own FSDP "
+        f"unit, plus the root unit ({num_params - per_layer * len(layers):,} params: embeddings, final norm, head); "
+        f"--sharding {cfg.sharding} over {world_size} processes, cpu offload {cfg.cpu_offload}, activation "
+        f"checkpointing {cfg.activation_checkpointing} (every {cfg.ac_every_n_layers} layer(s))"
+    )
+    for row in training_memory_plan(num_params, world_sizes=(world_size,)):
+        log(f"memory estimate per rank: {row}")
+    log("dry run: nothing was trained")
+    return 0
+
+
+def run(cfg: TrainConfig) -> int:
+    precision = resolve_precision(cfg)
+    d = setup_distributed(cfg)
+    stop = StopRequest()
+    seed_everything(cfg.seed + d.rank)
+    if d.is_main:
+        cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    model_dir = resolve_model_dir(cfg.model_name)
+    data = build_data(cfg, model_dir, d)
+    bundle = build_model(cfg, precision, d)
+    optimizer = build_optimizer(bundle.model, cfg)
+    fingerprint = {
+        "model": hashlib.sha256(bundle.config.to_json_string().encode()).hexdigest()[:16],
+        "dataset": data.dataset_fingerprint,
+        "seq_length": cfg.seq_length,
+        "global_batch_size": data.train.global_batch,
+        "seed": cfg.seed,
+        "tokenizer": data.tokenizer_hash,
+    }
+    checkpointer = Checkpointer(cfg, d, fingerprint)
+    latest = checkpointer.latest_complete()
+    state = TrainState()
+    if latest is not None:
+        state = checkpointer.load(latest, bundle.model, None if cfg.export_only else optimizer)
+        log(
+            f"resumed from {latest} at step {state.step} (epoch {state.epoch}, {state.samples_in_epoch} samples "
+            f"into the epoch)"
+        )
+    elif cfg.export_only:
+        raise CheckpointError(f"--export-only: no complete checkpoint in {checkpointer.root}")
+    if cfg.export_only:
+        export_hf_model(bundle, data.tokenizer, cfg.experiment_dir / "final", d)
+        return 0
+    metrics = Metrics(cfg, d, bundle, data.train, precision)
+    metrics.truncate_after(state.step)
+    try:
+        finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop)
+    finally:
+        metrics.close()
+    if finished:
+        export_hf_model(bundle, data.tokenizer, cfg.experiment_dir / "final", d)
+    return 0
+
+
+def train_loop(
+    cfg: TrainConfig,
+    d: Dist,
+    bundle: ModelBundle,
+    data: TrainData,
+    optimizer: torch.optim.Optimizer,
+    checkpointer: Checkpointer,
+    metrics: Metrics,
+    state: TrainState,
+    stop: StopRequest,
+) -> bool:
+    """Returns True when training ran to the end, False when it stopped on a signal (after saving)."""
+    plan, last_step = data.train, total_steps(cfg, data.train)
+    guard = BadStepGuard(state, d.device, resolve_precision(cfg), cfg.max_bad_steps)
+    nan_steps, delay_s, order, order_epoch = _nan_injection_steps(), _test_step_delay_s(), None, -1
+    log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
+    grad_norm = torch.zeros(())
+    while state.step < last_step:
+        if order_epoch != state.epoch:
+            order, order_epoch = plan.epoch_order(state.epoch), state.epoch
+        with metrics.timer.phase("data"):
+            micro_batches = plan.micro_batches(order, state.samples_in_epoch // plan.global_batch)
+        poison = (state.step + 1) in nan_steps and d.rank == 0
+        loss_sum = forward_backward(
+            bundle.model, micro_batches, metrics.tokens_per_step, guard, d, metrics.timer, poison
+        )
+        lr = lr_at(state.step, cfg, last_step)
+        with metrics.timer.phase("update"):
+            grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
+        state.advance(plan.global_batch, plan.steps_per_epoch)
+        if delay_s:
+            time.sleep(delay_s)
+        metrics.record(loss_sum)
+        if metrics.due(state.step) or state.step == last_step:
+            metrics.emit(state, lr, grad_norm, guard)
+        if data.validation is not None and cfg.eval_freq and state.step % cfg.eval_freq == 0:
+            metrics.write(
+                {
+                    "step": state.step,
+                    "epoch": metrics.epoch_progress(state),
+                    **evaluate(bundle.model, data.validation, cfg, d),
+                }
+            )
+        interrupted = all_ranks_agree(stop.requested, d)
+        if interrupted or checkpointer.due(state.step):
+            guard.sync(state)
+            checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
+        if interrupted:
+            checkpointer.finish_pending()
+            log(f"stopped at step {state.step} on request; rerun the same command to resume")
+            return False
+    if data.validation is not None:
+        metrics.write(
+            {
+                "step": state.step,
+                "epoch": metrics.epoch_progress(state),
+                **evaluate(bundle.model, data.validation, cfg, d),
+            }
+        )
+    guard.sync(state)
+    checkpointer.save(bundle.model, optimizer, state, "final")
+    checkpointer.finish_pending()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+        problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if problems:
+            raise ConfigError(problems)
+    except ConfigError as exc:
+        log(str(exc))
+        return 2
+    if cfg.dry_run:
+        return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        return run(cfg)
+    except (TrainError, FileNotFoundError) as exc:
+        log(f"ERROR: {exc}", all_ranks=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Run under torchrun: build a model the way fsdp_train.py does (meta, fully_shard, sharded load) and
+compare every gathered parameter and buffer with `from_pretrained` on one process. Exits non-zero on mismatch."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import fsdp_train as ft
+
+
+def main(model_dir: str, sharding: str) -> int:
+    cfg = ft.TrainConfig(model_name=model_dir, sharding=sharding, seq_length=32, activation_checkpointing="on")
+    d = ft.setup_distributed(cfg)
+    bundle = ft.build_model(cfg, "fp32", d)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    mismatched = []
+    for name, tensor in [*bundle.model.named_parameters(), *bundle.model.named_buffers()]:
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if not torch.equal(full.cpu(), expected[ft.clean_fqn(name)]):
+            mismatched.append(name)
+    ft.check_still_tied(bundle.model)
+    dist.destroy_process_group()
+    if mismatched:
+        print(f"MISMATCH {mismatched}")
+        return 1
+    print(f"ALL {len(expected)} TENSORS EQUAL")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

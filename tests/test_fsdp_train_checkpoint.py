@@ -1,0 +1,255 @@
+"""Checkpoints that never lose work: kill -9, kills inside a save, SIGTERM, resume at another world size,
+pruning, refusals, write failures, corrupt checkpoints, async saves and the Hugging Face export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fsdp_helpers import (
+    BASE_FLAGS,
+    kill_tree,
+    losses_by_step,
+    make_dataset,
+    make_model,
+    output_of,
+    run_trainer,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("ckpt_inputs")
+    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
+
+
+def flags(inputs, save_dir: Path, exp: str = "run", *extra: str) -> list[str]:
+    dataset, model = inputs
+    return [
+        "-e",
+        exp,
+        "-d",
+        str(dataset),
+        "-m",
+        str(model),
+        "--save-dir",
+        str(save_dir),
+        *BASE_FLAGS,
+        "--max-steps",
+        str(STEPS),
+        "--ckpt-freq",
+        "4",
+        "-b",
+        "2",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(inputs, tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run every resumed run must reproduce."""
+    save = tmp_path_factory.mktemp("reference")
+    proc = run_trainer(flags(inputs, save))
+    assert proc.returncode == 0, output_of(proc)
+    losses = losses_by_step(save / "run")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def checkpoints(save: Path, exp: str = "run") -> list[str]:
+    root = save / exp / "checkpoint"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def wait_for_step(save: Path, step: int, proc, exp: str = "run", timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max(losses_by_step(save / exp), default=0) >= step:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
+    wait_for_step(tmp_path, 6, proc)
+    kill_tree(proc.pid, signal.SIGKILL)  # torchrun and both workers, no chance to clean up
+    proc.wait()
+    assert checkpoints(tmp_path) == ["step_00000004"]
+    rerun = run_trainer(flags(inputs, tmp_path))
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "resumed from" in output_of(rerun) and "at step 4" in output_of(rerun)
+    resumed = losses_by_step(tmp_path / "run")
+    assert sorted(resumed) == list(range(1, STEPS + 1)), "metrics.jsonl keeps one line per step"
+    for step in range(5, STEPS + 1):
+        assert resumed[step] == reference[step], (step, resumed[step], reference[step])  # bit for bit
+
+
+@pytest.mark.parametrize(
+    "fault,resume_step",
+    [("kill_during_write@1:8", 4), ("kill_before_rename@0:8", 4), ("kill_after_rename@0:8", 8)],
+)
+def test_killed_inside_a_save_resumes_from_newest_complete(inputs, reference, tmp_path, fault, resume_step):
+    crashed = run_trainer(flags(inputs, tmp_path), env={"FSDP_TRAIN_FAULT": fault})
+    assert crashed.returncode != 0
+    assert "step_00000004" in checkpoints(tmp_path)
+    rerun = run_trainer(flags(inputs, tmp_path))
+    out = output_of(rerun)
+    assert rerun.returncode == 0, out
+    assert f"at step {resume_step}" in out
+    if resume_step == 4:
+        assert "removing incomplete checkpoint" in out
+    assert not any(name.startswith(".tmp") for name in checkpoints(tmp_path))
+    resumed = losses_by_step(tmp_path / "run")
+    assert all(resumed[s] == reference[s] for s in range(resume_step + 1, STEPS + 1))
+
+
+def test_sigterm_saves_at_the_interrupted_step_and_rerun_finishes(inputs, reference, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
+    wait_for_step(tmp_path, 5, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers, as on preemption
+    out, _ = proc.communicate(timeout=60)
+    stopped = int(out.split("stopped at step ")[1].split()[0])
+    assert 5 <= stopped < STEPS
+    assert f"step_{stopped:08d}" in checkpoints(tmp_path)
+    rerun = run_trainer(flags(inputs, tmp_path))
+    assert rerun.returncode == 0, output_of(rerun)
+    assert f"at step {stopped}" in output_of(rerun)
+    resumed = losses_by_step(tmp_path / "run")
+    assert all(resumed[s] == reference[s] for s in range(stopped + 1, STEPS + 1))
+
+
+def _constant_lr_run(inputs, nproc: int, steps: int, save: Path):
+    """Same global batch (4) at 1 or 2 processes; constant LR so a shorter first run has the same schedule."""
+    args = flags(inputs, save, "run", "--grad-accum-steps", str(2 // nproc), "--lr-schedule", "constant")
+    args[args.index("--max-steps") + 1] = str(steps)
+    args[args.index("--warmup-steps") + 1] = "0"
+    return run_trainer(args, nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def constant_lr_reference(inputs, tmp_path_factory) -> dict[int, float]:
+    save = tmp_path_factory.mktemp("const_ref")
+    assert _constant_lr_run(inputs, 2, 10, save).returncode == 0
+    return losses_by_step(save / "run")
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
+def test_resume_at_another_world_size_with_the_same_global_batch(
+    inputs, constant_lr_reference, tmp_path, first, second
+):
+    assert _constant_lr_run(inputs, first, 5, tmp_path).returncode == 0
+    resumed = _constant_lr_run(inputs, second, 10, tmp_path)
+    assert resumed.returncode == 0, output_of(resumed)
+    assert f"world size changed ({first} -> {second})" in output_of(resumed)
+    got = losses_by_step(tmp_path / "run")
+    for step in range(6, 11):
+        assert got[step] == pytest.approx(constant_lr_reference[step], abs=1e-5)
+
+
+def test_keep_last_prunes_old_checkpoints(inputs, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path, "run", "--ckpt-freq", "2", "--keep-last", "2"))
+    assert proc.returncode == 0, output_of(proc)
+    assert checkpoints(tmp_path) == ["step_00000008", "step_00000010"]
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["step"] == 10 and state["latest_checkpoint"].endswith("step_00000010")
+
+
+def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    changed = [*args, "--seq-length", "16", "--max-steps", "8"]
+    refused = run_trainer(changed)
+    assert refused.returncode != 0
+    assert "seq_length: checkpoint 32 vs now 16" in output_of(refused) and "--force-resume" in output_of(refused)
+    assert checkpoints(tmp_path) == ["step_00000004"]
+    # changing only what may change (length of the run, logging, checkpoint frequency) is accepted
+    allowed = run_trainer([*args, "--max-steps", "6", "--log-freq", "2", "--ckpt-freq", "3"])
+    assert allowed.returncode == 0 and "at step 4" in output_of(allowed), output_of(allowed)
+    forced = run_trainer([*changed, "--force-resume"])
+    assert forced.returncode == 0, output_of(forced)
+    assert "because of --force-resume" in output_of(forced) and "step_00000008" in checkpoints(tmp_path)
+
+
+def test_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(inputs, reference, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), env={"FSDP_TRAIN_FAULT": "ckpt_write@1:8"}, timeout=120)
+    out = output_of(proc)
+    assert proc.returncode != 0
+    assert "writing checkpoint .tmp_step_00000008 failed" in out and "step_00000004) is intact" in out
+    assert checkpoints(tmp_path) == ["step_00000004"]
+    rerun = run_trainer(flags(inputs, tmp_path))
+    assert rerun.returncode == 0 and losses_by_step(tmp_path / "run")[STEPS] == reference[STEPS]
+
+
+def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    state_file = tmp_path / "run" / "checkpoint" / "step_00000004" / "train_state.json"
+    state_file.write_text(state_file.read_text()[:20])
+    rerun = run_trainer(args)
+    assert rerun.returncode != 0
+    assert str(state_file) in output_of(rerun)
+    assert "resumed" not in output_of(rerun) and "training steps 1.." not in output_of(rerun)
+
+
+def test_async_checkpoints_give_the_same_run(inputs, reference, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path, "run", "--async-ckpt", "on"))
+    assert proc.returncode == 0, output_of(proc)
+    assert checkpoints(tmp_path) == ["step_00000004", "step_00000008", "step_00000010"]
+    assert losses_by_step(tmp_path / "run") == reference
+
+
+def test_export_round_trip_reproduces_the_trained_model(inputs, tmp_path):
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    proc = run_trainer(flags(inputs, tmp_path))
+    assert proc.returncode == 0, output_of(proc)
+    final = tmp_path / "run" / "final"
+    exported = AutoModelForCausalLM.from_pretrained(final, local_files_only=True, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(final, local_files_only=True)
+    names = set()
+    for f in final.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            names |= set(fh.keys())
+            assert {fh.get_tensor(k).dtype for k in fh.keys()} == {torch.bfloat16}, "exported in the original dtype"
+    assert "lm_head.weight" not in names, "tied head is not duplicated"
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    # Independent path: the last DCP checkpoint, consolidated on one process, into a plain HF model.
+    dcp_to_torch_save(str(tmp_path / "run" / "checkpoint" / "step_00000010"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
+    trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(final), dtype=torch.float32)
+    trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in full.items()}, strict=False)
+    trained.tie_weights()
+    ids = tokenizer("3 plus 4 is 7. 5 plus", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, trained(ids).logits, atol=1e-5)
+    original = AutoModelForCausalLM.from_pretrained(inputs[1], dtype=torch.float32)
+    assert not torch.equal(original.model.embed_tokens.weight, exported.model.embed_tokens.weight), "it trained"
+
+
+def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "final")
+    proc = run_trainer([*args, "--export-only"])
+    assert proc.returncode == 0, output_of(proc)
+    assert (tmp_path / "run" / "final" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()

@@ -1,0 +1,306 @@
+"""fsdp_train.py core: config validation, data order, and real 2-process gloo training runs on CPU."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fsdp_train as ft
+from tests.fsdp_helpers import (
+    BASE_FLAGS,
+    losses_by_step,
+    make_dataset,
+    make_model,
+    output_of,
+    read_metrics,
+    run_trainer,
+)
+
+
+@pytest.fixture(scope="session")
+def dataset_dir(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data") / "corpus")
+
+
+@pytest.fixture(scope="session")
+def scratch_model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("models") / "llama_scratch")
+
+
+@pytest.fixture(scope="session")
+def pretrained_model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("models") / "llama_weights", with_weights=True, dtype="bfloat16")
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+def test_bad_flags_are_all_reported_with_their_names(tmp_path, dataset_dir, scratch_model, capsys):
+    code = ft.main(
+        [
+            "-e",
+            "x",
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(scratch_model),
+            "--save-dir",
+            str(tmp_path),
+            "--batch-size",
+            "0",
+            "--lr",
+            "-1",
+            "--seq-length",
+            "4096",
+            "--keep-last",
+            "0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 2
+    for flag in (
+        "--batch-size",
+        "--lr",
+        "--seq-length 4096 exceeds the model's max_position_embeddings 128",
+        "--keep-last",
+    ):
+        assert flag in out
+    assert not (tmp_path / "x").exists(), "nothing may be created for an invalid config"
+
+
+def test_missing_inputs_name_the_flag(tmp_path, capsys):
+    code = ft.main(["-e", "x", "-d", str(tmp_path / "nope"), "-m", "org/not-cached", "--save-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "--dataset-name" in out and "data_hf.py" in out
+    assert "--model-name org/not-cached" in out and "model_download.py" in out
+
+
+def test_yaml_config_and_command_line_precedence(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("seq-length: 256\nbatch_size: 4\nactivation-checkpointing: off\nlr: 1.0e-4\n")
+    cfg = ft.load_config(["--config", str(cfg_file), "-b", "8", "-e", "exp"])
+    assert (cfg.seq_length, cfg.batch_size, cfg.activation_checkpointing, cfg.lr) == (256, 8, "off", 1e-4)
+    cfg_file.write_text("seq_lenght: 256\n")
+    with pytest.raises(ft.ConfigError, match="unknown key 'seq_lenght'"):
+        ft.load_config(["--config", str(cfg_file)])
+
+
+def test_lr_schedule_shapes():
+    cfg = ft.TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule="cosine")
+    lrs = [ft.lr_at(s, cfg, 110) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    cfg.lr_schedule = "linear"
+    assert ft.lr_at(60, cfg, 110) == pytest.approx(1.0 - 0.9 * 0.5)
+
+
+# --- data order -----------------------------------------------------------------------------------
+
+
+def _block_ids(plan: ft.DataPlan, order: torch.Tensor, step: int) -> list[int]:
+    # tokens are 0..N-1, so a block's first token divided by seq_length is its index
+    return [int(row[0]) // plan.blocks.seq_length for mb in plan.micro_batches(order, step) for row in mb]
+
+
+@pytest.mark.parametrize("world,micro,accum", [(1, 4, 2), (2, 2, 2), (4, 1, 2), (8, 1, 1)])
+def test_every_block_once_per_epoch_and_same_global_batches_at_any_world_size(world, micro, accum):
+    tokens = np.arange(8 * 103 + 1)
+    blocks = ft.PackedBlocks(tokens, 8)
+    reference = ft.DataPlan(blocks, seed=3, global_batch=8, micro_batch=8, world_size=1, rank=0)
+    plans = [
+        ft.DataPlan(blocks, seed=3, global_batch=world * micro * accum, micro_batch=micro, world_size=world, rank=r)
+        for r in range(world)
+    ]
+    order = plans[0].epoch_order(0)
+    seen = []
+    for step in range(plans[0].steps_per_epoch):
+        step_ids = [i for p in plans for i in _block_ids(p, order, step)]
+        assert sorted(step_ids) == sorted(_block_ids(reference, reference.epoch_order(0), step))
+        seen += step_ids
+    assert len(seen) == len(set(seen)) == 96  # 103 blocks, partial global batch of 7 dropped
+    assert not torch.equal(plans[0].epoch_order(0), plans[0].epoch_order(1))
+
+
+def test_packed_blocks_cover_every_transition():
+    blocks = ft.PackedBlocks(np.arange(21), 5)
+    batch = blocks.gather(list(range(len(blocks))))
+    assert batch.shape == (4, 6)
+    assert batch[:, :-1].flatten().tolist() == list(range(20))
+    assert batch[:, 1:].flatten().tolist() == list(range(1, 21))
+
+
+# --- training runs --------------------------------------------------------------------------------
+
+
+def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_model):
+    proc = run_trainer(
+        [
+            "-e",
+            "learn",
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(scratch_model),
+            "--save-dir",
+            str(tmp_path),
+            *BASE_FLAGS,
+            "-b",
+            "4",
+            "--num-epochs",
+            "2",
+            "--eval-freq",
+            "10",
+            "--log-freq",
+            "5",
+        ]
+    )
+    assert proc.returncode == 0, output_of(proc)
+    rows = read_metrics(tmp_path / "learn")
+    assert rows[-1]["loss"] < 0.6 * rows[0]["loss"], [r["loss"] for r in rows]
+    for key in (
+        "step",
+        "epoch",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "time_data_ms",
+        "time_forward_ms",
+        "time_backward_ms",
+        "time_update_ms",
+        "mem_curr_alloc_gb",
+        "mem_peak_alloc_gb",
+        "mem_reserved_gb",
+    ):
+        assert key in rows[-1], key
+    all_rows = [__import__("json").loads(x) for x in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in all_rows if "val_loss" in r]
+    assert vals and vals[-1]["val_loss"] < vals[0]["val_loss"]
+    assert math.isclose(vals[-1]["val_ppl"], math.exp(vals[-1]["val_loss"]), rel_tol=1e-6)
+    assert (tmp_path / "learn" / "config.yaml").is_file()
+    out = output_of(proc)
+    assert "[rank0]" in out and "step=5" in out
+
+
+def test_one_process_accumulating_equals_two_processes(tmp_path, dataset_dir, scratch_model):
+    common = ["-d", str(dataset_dir), "-m", str(scratch_model), *BASE_FLAGS, "--max-steps", "8", "--seed", "7"]
+    one = run_trainer(
+        ["-e", "one", "--save-dir", str(tmp_path), "-b", "2", "--grad-accum-steps", "2", *common], nproc=1
+    )
+    two = run_trainer(
+        ["-e", "two", "--save-dir", str(tmp_path), "-b", "2", "--grad-accum-steps", "1", *common], nproc=2
+    )
+    assert one.returncode == 0, output_of(one)
+    assert two.returncode == 0, output_of(two)
+    a, b = losses_by_step(tmp_path / "one"), losses_by_step(tmp_path / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a, b)
+    assert a[8] < a[1]
+
+
+def test_injected_nan_loss_skips_the_step(tmp_path, dataset_dir, scratch_model):
+    proc = run_trainer(
+        [
+            "-e",
+            "nan",
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(scratch_model),
+            "--save-dir",
+            str(tmp_path),
+            *BASE_FLAGS,
+            "--max-steps",
+            "6",
+        ],
+        env={"FSDP_TRAIN_NAN_AT_STEPS": "3"},
+    )
+    assert proc.returncode == 0, output_of(proc)
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "nan")}
+    assert math.isnan(rows[3]["loss"]) and math.isnan(rows[3]["grad_norm"])
+    assert rows[2]["skipped_steps"] == 0 and rows[3]["skipped_steps"] == 1 and rows[6]["skipped_steps"] == 1
+    # had the NaN update been applied, every later loss would be NaN
+    assert all(math.isfinite(rows[s]["loss"]) for s in (4, 5, 6))
+
+
+def test_too_many_bad_steps_stop_the_run(tmp_path, dataset_dir, scratch_model):
+    proc = run_trainer(
+        [
+            "-e",
+            "bad",
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(scratch_model),
+            "--save-dir",
+            str(tmp_path),
+            *BASE_FLAGS,
+            "--max-steps",
+            "8",
+            "--max-bad-steps",
+            "3",
+        ],
+        env={"FSDP_TRAIN_NAN_AT_STEPS": "2,3,4"},
+    )
+    assert proc.returncode != 0
+    assert "3 consecutive steps had a non-finite loss" in output_of(proc)
+
+
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_model, sharding):
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "tests/fsdp_load_check.py",
+        str(pretrained_model),
+        sharding,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ft.Path(ft.__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ft.Path(ft.__file__).parent)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TENSORS EQUAL" in proc.stdout
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("gpt_neox", False), ("opt", True)])
+def test_other_architectures_train_with_no_code_change(tmp_path, dataset_dir, arch, tied):
+    model = make_model(tmp_path / arch, arch=arch, tied=tied)
+    proc = run_trainer(
+        [
+            "-e",
+            arch,
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(model),
+            "--save-dir",
+            str(tmp_path),
+            *BASE_FLAGS,
+            "--max-steps",
+            "6",
+            "-b",
+            "2",
+        ]
+    )
+    assert proc.returncode == 0, output_of(proc)
+    losses = losses_by_step(tmp_path / arch)
+    assert len(losses) == 6 and losses[6] < losses[1]
+    assert (tmp_path / arch / "final" / "config.json").is_file()
