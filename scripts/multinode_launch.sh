@@ -40,7 +40,8 @@
 # workers that are still running 30 s later (configurable only on torch >= 2.12 through
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT), which cuts off a large checkpoint mid-write, and it exits 1 even when the
 # workers saved cleanly. torchrun is started with SIGUSR1 ignored so that a SIGUSR1 delivered to every process
-# of a Slurm step reaches only this script.
+# of a Slurm step reaches only this script. Ctrl-C also saves, but through torchrun: its 30 s limit applies
+# and it exits 1 (see on_interrupt).
 #
 # scripts/slurm_submit.sh sources this file for its functions; `main` runs only when it is executed.
 set -euo pipefail
@@ -245,6 +246,14 @@ wait_for_exit() {
   done
 }
 
+# Ctrl-C at a terminal reaches this script and torchrun together (one foreground process group); torchrun
+# forwards SIGINT to the ranks, which save and exit. Adding a SIGTERM here would make that SIGINT the ranks'
+# second stop signal, which fsdp_train.py takes as "stop now, without saving".
+on_interrupt() {
+  signal_arrived=1
+  log "got SIGINT: torchrun passes it to the training processes, which save and exit"
+}
+
 # Ask the training processes to save and exit: SIGTERM to torchrun's children (the ranks), not to torchrun.
 request_stop() {
   signal_arrived=1
@@ -265,7 +274,7 @@ run_torchrun() {
   torchrun_pid=$!
   trap 'request_stop USR1' USR1
   trap 'request_stop TERM' TERM
-  trap 'request_stop INT' INT
+  trap on_interrupt INT
   wait_for_exit "$torchrun_pid"
   trap - USR1 TERM INT
   log "torchrun exited with status $child_status"

@@ -117,14 +117,24 @@ def test_demo_config_is_tiny_fp32_and_leaves_paths_to_the_demo() -> None:
 
 
 STUB_TRAINER = r'''
-"""Stub fsdp_train.py: records argv and environment; on SIGTERM "saves" for a second and exits 0."""
+"""Stub fsdp_train.py: records argv and environment. Stops like the trainer: SIGTERM or SIGINT -> "save" for a
+second and exit 0; a SIGINT after an earlier stop signal means "now": exit 130 without saving."""
 import json, os, signal, sys, time
 from pathlib import Path
 
 out = Path(os.environ["STUB_OUT"])
 rank = os.environ.get("RANK", "0")
 signals = []
-signal.signal(signal.SIGTERM, lambda signum, frame: signals.append(signum))
+
+
+def on_signal(signum, frame):
+    if signals and signum == signal.SIGINT:
+        os._exit(130)
+    signals.append(signum)
+
+
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
 keys = ("WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 record = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in keys}}
 (out / f"argv.{rank}.json").write_text(json.dumps(record))
@@ -433,6 +443,27 @@ def test_multinode_usr1_makes_the_ranks_save_and_torchrun_exit_zero(fake_repo: P
         assert record["env"]["HF_HUB_OFFLINE"] == "1" and record["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert int(record["env"]["OMP_NUM_THREADS"]) >= 1
     assert "death signal" not in output, "torchrun itself was signalled and would SIGKILL the ranks after 30 s"
+
+
+@pytest.mark.slow
+def test_multinode_ctrl_c_reaches_the_ranks_once_and_they_save(fake_repo: Path) -> None:
+    out = fake_repo / "stub_out"
+    launcher = subprocess.Popen(
+        ["bash", str(fake_repo / "scripts" / "multinode_launch.sh"), "-e", "e2e"],
+        env=clean_env(NPROC_PER_NODE="2", STUB_OUT=str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a shell's foreground job
+    )
+    wait_until(lambda: all((out / f"started.{rank}").exists() for rank in (0, 1)), launcher)
+    os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C: the launcher and torchrun get it, the ranks do not
+    output = launcher.communicate(timeout=60)[0]
+
+    # A second stop signal (say a SIGTERM from the launcher on top of torchrun's SIGINT) would abort the save.
+    for rank in (0, 1):
+        assert (out / f"saved.{rank}").read_text() == "1", output
+    assert launcher.returncode == 1, output  # torchrun exits 1 whenever it was signalled itself
 
 
 @pytest.mark.slow
