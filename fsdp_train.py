@@ -230,6 +230,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         "--hybrid-shard-size": cfg.hybrid_shard_size,
     }
     problems += [f"{flag} must not be negative (got {value})" for flag, value in non_negative.items() if value < 0]
+    for f in dataclasses.fields(TrainConfig):  # argparse checks choices on the command line; this covers --config
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            flag = "--" + f.name.replace("_", "-")
+            problems.append(f"{flag} {getattr(cfg, f.name)!r} is not one of {', '.join(choices)}")
     if not cfg.lr > 0 or not math.isfinite(cfg.lr):
         problems.append(f"--lr must be a positive number (got {cfg.lr})")
     elif cfg.min_lr > cfg.lr:

@@ -8,6 +8,7 @@ a stub fsdp_train.py that records its arguments and, like the trainer, saves and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -22,36 +23,25 @@ from pathlib import Path
 import pytest
 import yaml
 
+import fsdp_train
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SLURM_SUBMIT = REPO_ROOT / "scripts" / "slurm_submit.sh"
 MULTINODE_LAUNCH = REPO_ROOT / "scripts" / "multinode_launch.sh"
 CONFIG_FILES = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
-# fsdp_train.py's long flag names, the keys a config may use (with dashes or underscores); --config itself is not
-# one. When fsdp_train.py exists, replace the set with the one line
-#     return {f.name.replace("_", "-") for f in dataclasses.fields(fsdp_train.TrainConfig)}
-TRAINER_FLAGS = frozenset(
-    """experiment-name dataset-name model-name save-dir seed num-epochs max-steps lr min-lr warmup-steps
-    lr-schedule weight-decay grad-clip batch-size grad-accum-steps seq-length precision sharding cpu-offload
-    activation-checkpointing ac-every-n-layers compile log-freq ckpt-freq eval-freq keep-last async-ckpt
-    tensorboard peak-tflops dry-run""".split()
-)
+# The keys a config may use, their choices and types: straight from fsdp_train.py's config dataclass.
+TRAINER_FIELDS = {f.name.replace("_", "-"): f for f in dataclasses.fields(fsdp_train.TrainConfig)}
 
 
 def allowed_config_keys() -> frozenset[str]:
-    return TRAINER_FLAGS
+    return frozenset(TRAINER_FIELDS)
 
 
-# What each value must parse to. YAML 1.1 reads a bare on/off as a boolean and 2e-5 (no dot) as a string.
-ON_OFF_KEYS = {"cpu-offload", "activation-checkpointing", "compile", "async-ckpt", "tensorboard"}
-CHOICES = {
-    "precision": {"bf16", "fp16", "fp32"},
-    "sharding": {"full", "grad-op", "hybrid", "none"},
-    "lr-schedule": {"cosine", "linear", "constant"},
-}
-INT_KEYS = {"seed", "num-epochs", "max-steps", "warmup-steps", "batch-size", "grad-accum-steps", "seq-length"}
-INT_KEYS |= {"ac-every-n-layers", "log-freq", "ckpt-freq", "eval-freq", "keep-last"}
-FLOAT_KEYS = {"lr", "min-lr", "weight-decay", "grad-clip", "peak-tflops"}
+ON_OFF_KEYS = {k for k, f in TRAINER_FIELDS.items() if f.metadata.get("choices") == fsdp_train.ON_OFF}
+CHOICES = {k: set(f.metadata["choices"]) for k, f in TRAINER_FIELDS.items() if f.metadata.get("choices")}
+INT_KEYS = {k for k, f in TRAINER_FIELDS.items() if str(f.type) == "int"}
+FLOAT_KEYS = {k for k, f in TRAINER_FIELDS.items() if str(f.type) == "float"}
 REAL_MODEL_CONFIGS = {
     "llama3.2_1b.yaml": "meta-llama/Llama-3.2-1B",
     "llama3.2_3b_instruct.yaml": "meta-llama/Llama-3.2-3B-Instruct",
