@@ -52,7 +52,7 @@ from common import (
     write_results,
 )
 
-FULL = {"hidden": 512, "layers": 8, "vocab": 8192, "reps": 3, "train_reps": 2, "seq": 128, "ckpt_freq": 5}
+FULL = {"hidden": 512, "layers": 8, "vocab": 8192, "reps": 6, "train_reps": 2, "seq": 128, "ckpt_freq": 5}
 QUICK = {"hidden": 64, "layers": 2, "vocab": 512, "reps": 1, "train_reps": 1, "seq": 32, "ckpt_freq": 2}
 COLLECTIVE_TIMEOUT_S = {"full": 30, "quick": 15}  # turns a deadlocked run into an error, well before HANG_LIMIT_S
 NPROC = 2

@@ -45,7 +45,7 @@ from common import (
     write_results,
 )
 
-FULL = {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 256, "batch": 2, "steps": 30, "log_freq": 5, "reps": 4}
+FULL = {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 256, "batch": 2, "steps": 30, "log_freq": 5, "reps": 6}
 QUICK = {"hidden": 64, "layers": 2, "vocab": 512, "seq": 64, "batch": 2, "steps": 8, "log_freq": 2, "reps": 1}
 NPROC = 2
 PHASES = ("data", "forward", "backward", "update")  # fsdp_train.py's PhaseTimer phases

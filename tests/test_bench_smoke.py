@@ -44,6 +44,7 @@ def test_tokenize_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "bench_tokenize.py", tmp_path)
     check = result["token_check"]
     assert check["fsdp_stream_equals_docs_plus_eos"], check
+    assert check["proposed_file_equals_current"], "the proposed tokenizer call must not change the tokens"
     assert check["eos_added"] == check["documents"] == result["params"]["documents"]
     (clm,) = result["runs"]["run_clm"]
     (fsdp,) = result["runs"]["fsdp_train"]
