@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from common import (
     REPO_ROOT,
     LaunchError,
@@ -65,8 +66,6 @@ SAVE_LINE = re.compile(r"checkpoint step (\d+) \((\w+)\) (saved|queued) in ([\d.
 
 def disk_write(path: Path, nbytes: int) -> float:
     """Sequential write of nbytes in 8 MB chunks, then fsync: what `dd bs=8M conv=fsync` measures."""
-    import numpy as np
-
     chunk = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()  # incompressible
     start = time.perf_counter()
     with open(path, "wb") as fh:
@@ -79,6 +78,7 @@ def disk_write(path: Path, nbytes: int) -> float:
 
 
 def disk_read(path: Path) -> float:
+    """Sequential read in 8 MB chunks into one buffer: what `dd bs=8M of=/dev/null` measures."""
     buffer = bytearray(CHUNK)
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as fh:
