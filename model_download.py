@@ -1121,11 +1121,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="model_download.py",
         description="Fetch a Hugging Face causal LM for offline training (HF_HOME cache or --local-dir), verify it"
         " offline, or create a new Llama-architecture model from a size preset with --init.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     source = parser.add_argument_group("download / verify")
     source.add_argument("--model-name", help="hub repository id, e.g. meta-llama/Llama-3.2-3B-Instruct")
-    source.add_argument("--revision", default="main", help="branch, tag or commit hash to fetch")
+    source.add_argument("--revision", default="main", help="branch, tag or commit hash to fetch (default: main)")
     source.add_argument(
         "--local-dir", help="write a plain folder instead of the HF_HOME cache (the --init output folder)"
     )
@@ -1161,9 +1160,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write random-initialised safetensors (else the trainer initialises them)",
     )
     scratch.add_argument(
-        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="dtype of --with-weights"
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="dtype of --with-weights (default: bfloat16)",
     )
-    scratch.add_argument("--seed", type=int, default=0, help="seed for the weight initialisation")
+    scratch.add_argument("--seed", type=int, default=0, help="seed for the weight initialisation (default: 0)")
     scratch.add_argument("--overwrite", action="store_true", help="replace an existing model folder in --local-dir")
     return parser
 

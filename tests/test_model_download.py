@@ -41,8 +41,7 @@ CORPUS = [
 ] * 50
 
 
-def texts_for_roundtrip() -> list[str]:
-    return ["The lazy dog.", "  two leading spaces\tand a tab\n", "unseen: ünïcödé 日本語 🙂 ZZZ", ""]
+ROUNDTRIP_TEXTS = ["The lazy dog.", "  two leading spaces\tand a tab\n", "unseen: ünïcödé 日本語 🙂 ZZZ", ""]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,7 +104,6 @@ def run_cli(
         HF_ENDPOINT=endpoint,
         HF_HUB_DISABLE_PROGRESS_BARS="1",
         HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_DISABLE_XET="1",
     )
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
@@ -241,6 +239,22 @@ def test_killed_download_never_looks_complete_and_a_rerun_finishes_it(hub: FakeH
     assert "partial file(s)" in rerun.stdout  # the killed run's .incomplete file is reported
 
 
+@pytest.mark.slow
+def test_force_download_repairs_a_corrupt_cached_file(hub: FakeHub, served_model: Path, tmp_path: Path, capsys):
+    """A rerun skips files the cache already has, so a corrupt one needs --force-download (the error says so)."""
+    hf_home = tmp_path / "hf_home"
+    assert run_cli(["--model-name", REPO_ID], hf_home, hub.url).returncode == 0
+    snapshot = snapshot_of(hf_home, hub)
+    shard = snapshot / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])  # writes through the symlink into the blob
+
+    assert md.main(["--verify-only", "--local-dir", str(snapshot)]) == 1
+    assert "add --force-download" in capsys.readouterr().err
+    repaired = run_cli(["--model-name", REPO_ID, "--force-download"], hf_home, hub.url)
+    assert repaired.returncode == 0, repaired.stderr
+    assert_same_files(snapshot, served_model)
+
+
 def test_gated_repo_without_access_says_accept_the_licence(hub: FakeHub, served_model: Path, tmp_path: Path):
     """The hub answers 401 with X-Error-Code GatedRepo. (Downloads with a token: the two tests above.)"""
     hub.add_folder("org/gated", served_model, gated_token="hf_secret")
@@ -351,6 +365,19 @@ def test_a_stale_record_is_removed_when_verification_fails(model_copy: Path, cap
     assert md.read_verification_record(model_copy) is None  # sizes no longer match the record
     assert verify(model_copy, capsys)[0] == 1
     assert not (model_copy / md.VERIFICATION_RECORD).exists()
+
+
+def test_verification_reads_pytorch_bin_checkpoints(tiny_model: Path, tmp_path: Path, capsys):
+    folder = tmp_path / "bin"
+    shutil.copytree(tiny_model, folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(load_file(tiny_model / "model.safetensors"), folder / "pytorch_model.bin")
+    code, output = verify(folder, capsys)
+    assert code == 0, output
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    code, output = verify(folder, capsys)
+    assert code == 1 and "pytorch_model.bin: cannot read PyTorch checkpoint" in output
 
 
 def test_untied_lm_head_must_be_stored():
@@ -499,7 +526,7 @@ def test_tiny_init_loads_offline_and_round_trips_text(tiny_model: Path):
     )  # fmt: skip
     assert None not in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert (config.hidden_size, config.num_hidden_layers, config.tie_word_embeddings) == (64, 2, True)
-    for text in texts_for_roundtrip():
+    for text in ROUNDTRIP_TEXTS:
         ids = tokenizer(text)["input_ids"]
         assert ids[0] == tokenizer.bos_token_id
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
