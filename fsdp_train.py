@@ -676,7 +676,8 @@ def shard_model(model: nn.Module, layers: list[nn.Module], cfg: TrainConfig, pre
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if cfg.cpu_offload == "on" else OffloadPolicy()
+    # Pinned host memory speeds up the GPU copies; without a GPU there is nothing to pin for (and it fails).
+    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload == "on" else OffloadPolicy()
     reshard = cfg.sharding != "grad-op"
     wrappers = {
         id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
