@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -497,3 +499,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(src: Path, tmp_path: Path, c
     code, out, _ = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2", "--overwrite", "--dry-run")
     assert code == 0 and "would delete" in out and "split_02" in out
     assert snapshot(dst) == before
+
+
+def test_imports_no_torch(repo_root: Path) -> None:
+    code = f"import sys; sys.path.insert(0, {str(repo_root)!r}); import organize_data; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
