@@ -608,6 +608,9 @@ def run(args: argparse.Namespace) -> int:
         for dest, entry in manifest["files"].items()
         if not (state.resuming and is_in_place(src_dir / entry["source"], dst_root / dest, settings.mode))
     ]
+    if settings.mode == "move":
+        # Symlinked files first: one whose target is also under --src-dir would dangle once the target moved.
+        todo.sort(key=lambda item: not item[0].is_symlink())
 
     if args.dry_run:
         print(format_plan(manifest, dst_root))
@@ -645,6 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OrganizeError as exc:
         print(f"organize_data.py: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # e.g. no permission to create --dst-root: say so plainly, no traceback
+        print(f"organize_data.py: error: {exc}; fix the cause and rerun the same command", file=sys.stderr)
+        return EXIT_IO_ERROR
 
 
 if __name__ == "__main__":

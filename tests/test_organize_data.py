@@ -344,6 +344,18 @@ def test_each_mode_places_every_file_and_reruns_as_a_no_op(
     assert snapshot(dst) == before
 
 
+def test_move_with_a_symlinked_file_keeps_both_contents(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = tmp_path / "raw"
+    write(src / "a_target.txt", "the real file")
+    (src / "z_link.txt").symlink_to(src / "a_target.txt")  # in path order the target moves first
+    code, _, _ = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "out", "--num-dirs", "1", "--mode", "move")
+    assert code == 0
+    placed = {p.name: p for p in split_files(tmp_path / "out")}
+    assert placed["z_link.txt"].read_text() == placed["a_target.txt"].read_text() == "the real file"
+    assert not placed["z_link.txt"].is_symlink()
+    assert list(src.iterdir()) == []
+
+
 def test_move_rerun_finishes_an_interrupted_move(
     src: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -504,3 +516,11 @@ def test_dry_run_prints_the_plan_and_writes_nothing(src: Path, tmp_path: Path, c
 def test_imports_no_torch(repo_root: Path) -> None:
     code = f"import sys; sys.path.insert(0, {str(repo_root)!r}); import organize_data; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_unusable_dst_root_is_an_error_not_a_traceback(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    write(tmp_path / "a_file", "in the way")
+    code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "a_file" / "splits")
+    assert code == 1 and "Not a directory" in err and "rerun" in err
