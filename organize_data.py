@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--extensions",
         nargs="+",
         default=list(DEFAULT_EXTENSIONS),
-        help="file endings to pick up, e.g. 'txt,md' or '.txt .md' (default: %(default)s)",
+        help=f"file endings to pick up, e.g. 'txt,md' or '.txt .md' (default: {' '.join(DEFAULT_EXTENSIONS)})",
     )
     parser.add_argument(
         "--balance", choices=BALANCES, default="count", help="even out file counts (default) or total bytes per split"
