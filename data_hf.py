@@ -22,6 +22,7 @@ This module must not import torch: fsdp_train.py imports `load_text_dataset` fro
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import io
 import json
@@ -35,21 +36,24 @@ import sys
 import threading
 import time
 import uuid
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import yaml
 from tqdm import tqdm
 
-if TYPE_CHECKING:  # datasets is imported lazily: spawned workers never need it and it costs ~1 s and ~80 MB each
+# pyarrow and datasets are imported inside the functions of the parent process that use them: every spawned worker
+# imports this module, and pyarrow alone would add ~45 MB to each (datasets ~80 MB more, and a second of start-up).
+if TYPE_CHECKING:
     import datasets
+    import pyarrow as pa
 
 # --- Constants ---------------------------------------------------------------------------------------------
 
@@ -90,10 +94,10 @@ REASONS = {
     "read_error": "could not be read (permissions, broken link, not a regular file)",
 }
 
-# The shards carry a plain Arrow schema: datasets takes the features from dataset_info.json (written from its own
-# template) and infers Value("string") from the Arrow type, so nothing version-specific is written by hand and the
-# parent need not import datasets (~80 MB) while the workers run.
-ARROW_SCHEMA = pa.schema([pa.field("text", pa.string())])
+# Rows travel from workers as the two buffers of an Arrow string array: UTF-8 bytes and int32 offsets (Arrow's
+# little-endian layout, native on x86 and ARM). Chunks stay under 2 GiB so the offsets cannot overflow.
+_INT32 = next(code for code in "ilh" if array(code).itemsize == 4)
+CHUNK_BYTES = 1 << 30
 _BLANK_LINE_BYTES = re.compile(rb"\n[ \t\r]*\n")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_DECODER = json.JSONDecoder()
@@ -219,6 +223,76 @@ class JsonStreamError(Exception):
         self.detail = detail
 
 
+class _JsonReader:
+    """JSON text read incrementally: the buffer holds what is left of the current chunk, and grows only while one
+    value longer than a chunk is being decoded."""
+
+    def __init__(self, read: Callable[[int], str]) -> None:
+        self._read = read
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self._lines_before = 0  # in text already dropped from the buffer, for error positions
+        self._chars_before = 0
+
+    def fill(self, size: int = 1 << 20) -> None:
+        more = self._read(size)
+        if not more:
+            self.eof = True
+            return
+        self._lines_before += self.buf.count("\n", 0, self.pos)
+        self._chars_before += self.pos
+        self.buf, self.pos = self.buf[self.pos :] + more, 0
+
+    def error(self, reason: str, message: str, pos: int) -> JsonStreamError:
+        line = self._lines_before + self.buf.count("\n", 0, pos) + 1
+        return JsonStreamError(reason, f"{message} at line {line} (char {self._chars_before + pos})")
+
+    def peek(self) -> str:
+        """The next non-whitespace character, or "" at the end of the input."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if self.eof:
+                return ""
+            self.fill()
+
+    def expect(self, allowed: str, message: str) -> str:
+        char = self.peek()
+        if not char or char not in allowed:
+            found = repr(char) if char else "end of data (truncated file?)"
+            raise self.error("invalid_json", f"{message}, found {found}", self.pos)
+        self.pos += 1
+        return char
+
+    def value(self) -> object:
+        if not self.peek():
+            raise self.error("invalid_json", "Expecting value, found end of data (truncated file?)", self.pos)
+        size = 1 << 20
+        while True:
+            try:
+                result, end = _JSON_DECODER.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as err:
+                # A value cut by the end of the buffer looks malformed: read more and retry. Errors far from the
+                # end are real (a string cannot hold a raw newline, so an unterminated one stops at its line).
+                if not self.eof and (err.pos >= len(self.buf) - 16 or err.msg.startswith("Unterminated")):
+                    size = min(size * 2, 64 << 20)
+                    self.fill(size)
+                    continue
+                raise self.error("invalid_json", err.msg, err.pos) from None
+            except RecursionError:
+                raise self.error("too_deep", "nesting too deep for the JSON parser", self.pos) from None
+            except ValueError as err:  # e.g. an integer over Python's 4300-digit conversion limit
+                raise self.error("invalid_json", str(err), self.pos) from None
+            if end >= len(self.buf) and not self.eof:  # a number may go on in the next chunk
+                self.fill(size)
+                continue
+            self.pos = end
+            return result
+
+
 def iter_json_values(read: Callable[[int], str]) -> Iterator[object]:
     """The top-level values of a JSON text read incrementally with `read(n)`: the elements of a top-level array,
     the member values of a top-level object, or the value itself. Several top-level values one after another
@@ -226,88 +300,24 @@ def iter_json_values(read: Callable[[int], str]) -> Iterator[object]:
 
     Raises JsonStreamError after yielding every value before the first malformed or too deeply nested one.
     """
-    state = {"buf": "", "pos": 0, "eof": False, "dropped_lines": 0, "dropped_chars": 0}
-    chunk = [1 << 20]
-
-    def fill() -> None:
-        more = read(chunk[0])
-        if not more:
-            state["eof"] = True
-            return
-        buf, pos = state["buf"], state["pos"]
-        state["dropped_lines"] += buf.count("\n", 0, pos)
-        state["dropped_chars"] += pos
-        state["buf"], state["pos"] = buf[pos:] + more, 0
-
-    def where(pos: int) -> str:
-        line = state["dropped_lines"] + state["buf"].count("\n", 0, pos) + 1
-        return f"line {line} (char {state['dropped_chars'] + pos})"
-
-    def peek() -> str:
-        """Next non-whitespace character, or "" at the end of the input."""
-        while True:
-            buf, pos = state["buf"], state["pos"]
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            state["pos"] = pos
-            if pos < len(buf) or state["eof"]:
-                return buf[pos] if pos < len(buf) else ""
-            fill()
-
-    def value() -> object:
-        if not peek():
-            raise JsonStreamError(
-                "invalid_json", f"Expecting value, found end of data (truncated file?) at {where(state['pos'])}"
-            )
-        chunk[0] = 1 << 20
-        while True:
-            buf, pos = state["buf"], state["pos"]
-            try:
-                result, end = _JSON_DECODER.raw_decode(buf, pos)
-            except json.JSONDecodeError as err:
-                # An element cut by the end of the buffer looks malformed: read more and retry. Errors far from
-                # the end are real (a string cannot hold a raw newline, so an unterminated one stops at its line).
-                if not state["eof"] and (err.pos >= len(buf) - 16 or err.msg.startswith("Unterminated")):
-                    chunk[0] = min(chunk[0] * 2, 64 << 20)
-                    fill()
-                    continue
-                raise JsonStreamError("invalid_json", f"{err.msg} at {where(err.pos)}") from None
-            except RecursionError:
-                raise JsonStreamError("too_deep", f"nesting too deep for the JSON parser at {where(pos)}") from None
-            except ValueError as err:  # e.g. an integer over Python's 4300-digit conversion limit
-                raise JsonStreamError("invalid_json", f"{err} at {where(pos)}") from None
-            if end >= len(buf) and not state["eof"]:  # a number may continue in the next chunk
-                fill()
-                continue
-            state["pos"] = end
-            return result
-
-    def expect(allowed: str, message: str) -> str:
-        char = peek()
-        if not char or char not in allowed:
-            found = "end of data (truncated file?)" if not char else repr(char)
-            raise JsonStreamError("invalid_json", f"{message}, found {found} at {where(state['pos'])}")
-        state["pos"] += 1
-        return char
-
-    while peek():
-        opener = peek()
+    reader = _JsonReader(read)
+    while opener := reader.peek():
         if opener not in "[{":
-            yield value()
+            yield reader.value()
             continue
         closer = "]" if opener == "[" else "}"
-        state["pos"] += 1
-        if peek() == closer:
-            state["pos"] += 1
+        reader.pos += 1
+        if reader.peek() == closer:
+            reader.pos += 1
             continue
         while True:
             if opener == "{":
-                if peek() != '"':
-                    expect('"', "Expecting property name enclosed in double quotes")
-                value()  # the key: not text
-                expect(":", "Expecting ':' delimiter")
-            yield value()
-            if expect("," + closer, f"Expecting ',' or '{closer}'") == closer:
+                if reader.peek() != '"':  # only a string can start a key: expect() raises with the position
+                    reader.expect('"', "Expecting property name enclosed in double quotes")
+                reader.value()  # the key: not text
+                reader.expect(":", "Expecting ':' delimiter")
+            yield reader.value()
+            if reader.expect("," + closer, f"Expecting ',' or '{closer}'") == closer:
                 break
 
 
@@ -365,7 +375,7 @@ def _read_bytes(path: str, kind: str, start: int, end: int | None) -> tuple[int,
 
 def _scan_encoding(path: str) -> tuple[bool, str]:
     """(has NUL bytes, encoding to open it with) for a file too large to decode in memory, read in chunks."""
-    utf8 = __import__("codecs").getincrementaldecoder("utf-8")()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
     is_utf8, is_cp1252, has_nul = True, True, False
     with open(path, "rb") as fh:
         while chunk := fh.read(MIN_PIECE_BYTES):
@@ -670,33 +680,63 @@ def plan_tasks(files: Iterable[tuple[Path, int]], piece_bytes: int) -> list[Task
 
 
 @dataclass
-class TaskOutput:
-    """Rows of a task as Arrow arrays (cheap to send between processes) and its per-piece results (rows removed)."""
+class EncodedRows:
+    """Rows as the buffers of an Arrow string array, built without pyarrow (which is also ~7x faster than
+    pa.array for non-ASCII text) and wrapped into an array by the parent without a copy."""
 
-    arrays: dict[str, pa.Array]
-    digests: dict[str, bytes]
+    count: int
+    offsets: bytes  # count + 1 int32 offsets into values
+    values: bytes  # the rows' UTF-8 bytes, back to back
+    digest: bytes  # blake2b of both, for the dataset fingerprint
+
+
+@dataclass
+class TaskOutput:
+    """Rows of a task per split, and its per-piece results (rows removed: they travel encoded)."""
+
+    splits: dict[str, list[EncodedRows]]
     files: list[FileResult]
     rows_with_surrogates: int = 0
 
 
+def encode_rows(rows: list[str]) -> tuple[list[EncodedRows], int]:
+    """(Arrow-layout chunks of `rows`, number of rows whose lone surrogates were replaced by U+FFFD)."""
+    try:
+        encoded = [row.encode("utf-8") for row in rows]
+        replaced = 0
+    except UnicodeEncodeError:  # lone surrogates from JSON "\udXXX" escapes have no UTF-8 form
+        replaced = sum(1 for row in rows if _SURROGATE.search(row))
+        encoded = [_SURROGATE.sub("\ufffd", row).encode("utf-8") for row in rows]
+    bounds = [0, len(encoded)]
+    if sum(map(len, encoded)) >= CHUNK_BYTES:  # rare: a task's text over 1 GiB, e.g. with a huge --max-chars
+        bounds, size = [0], 0
+        for index, blob in enumerate(encoded):
+            if size + len(blob) >= CHUNK_BYTES and index > bounds[-1]:
+                bounds.append(index)
+                size = 0
+            size += len(blob)
+        bounds.append(len(encoded))
+    chunks = []
+    for first, last in zip(bounds, bounds[1:], strict=False):
+        part = encoded[first:last]
+        offsets = array(_INT32, accumulate(map(len, part), initial=0)).tobytes()
+        values = b"".join(part)
+        digest = hashlib.blake2b(offsets, digest_size=16)
+        digest.update(values)
+        chunks.append(EncodedRows(len(part), offsets, values, digest.digest()))
+    return chunks, replaced
+
+
 def _rows_to_output(rows: list[str], files: list[FileResult], val_fraction: float) -> TaskOutput:
-    splits: dict[str, list[str]] = {"train": rows}
+    by_split: dict[str, list[str]] = {"train": rows}
     if val_fraction > 0:
-        splits = {"train": [], "validation": []}
+        by_split = {"train": [], "validation": []}
         for row in rows:
-            splits[assign_split(row, val_fraction)].append(row)
-    output = TaskOutput(arrays={}, digests={}, files=files)
-    for split, split_rows in splits.items():
-        try:
-            array = pa.array(split_rows, type=pa.string())
-        except UnicodeEncodeError:  # lone surrogates from JSON "\udXXX" escapes cannot be UTF-8
-            output.rows_with_surrogates += sum(1 for row in split_rows if _SURROGATE.search(row))
-            array = pa.array([_SURROGATE.sub("\ufffd", row) for row in split_rows], type=pa.string())
-        digest = hashlib.blake2b(digest_size=16)
-        for buffer in array.buffers():
-            if buffer is not None:
-                digest.update(buffer)
-        output.arrays[split], output.digests[split] = array, digest.digest()
+            by_split[assign_split(row, val_fraction)].append(row)
+    output = TaskOutput(splits={}, files=files)
+    for split, split_rows in by_split.items():
+        output.splits[split], replaced = encode_rows(split_rows)
+        output.rows_with_surrogates += replaced
     return output
 
 
@@ -779,9 +819,14 @@ class SplitWriter:
     """Writes one split as Arrow stream shards plus the state.json/dataset_info.json that `save_to_disk` would
     write, streaming batch by batch: nothing is memory-mapped back, so memory does not grow with the output."""
 
-    def __init__(self, folder: Path, schema: pa.Schema, shard_bytes: int = SHARD_BYTES) -> None:
+    def __init__(self, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
+        import pyarrow as pa
+
+        self._pa = pa
+        # A plain Arrow schema: datasets takes the features from dataset_info.json (written from its own template)
+        # and infers Value("string") from the Arrow type, so nothing version-specific is written by hand.
+        self.schema = pa.schema([pa.field("text", pa.string())])
         self.folder = folder
-        self.schema = schema
         self.shard_bytes = shard_bytes
         self.rows = 0
         self.text_bytes = 0
@@ -792,20 +837,22 @@ class SplitWriter:
         self._shard_size = 0
         folder.mkdir(parents=True, exist_ok=True)
 
-    def write(self, array: pa.Array, digest: bytes) -> None:
-        if len(array) == 0:
+    def write(self, chunk: EncodedRows) -> None:
+        if chunk.count == 0:
             return
+        pa = self._pa
         if self._writer is None:
             part = self.folder / f"data-{len(self._parts):05d}.arrow.part"
             self._parts.append(part)
             self._sink = pa.OSFile(str(part), "wb")
             self._writer = pa.ipc.new_stream(self._sink, self.schema)
             self._shard_size = 0
+        array = pa.StringArray.from_buffers(chunk.count, pa.py_buffer(chunk.offsets), pa.py_buffer(chunk.values))
         self._writer.write_batch(pa.record_batch([array], schema=self.schema))
-        self.rows += len(array)
-        self.text_bytes += pc.sum(pc.binary_length(array)).as_py()
-        self.digest.update(digest)
-        self._shard_size += array.nbytes
+        self.rows += chunk.count
+        self.text_bytes += len(chunk.values)
+        self.digest.update(chunk.digest)
+        self._shard_size += len(chunk.values) + len(chunk.offsets)
         if self._shard_size >= self.shard_bytes:
             self._close_shard()
 
@@ -820,7 +867,7 @@ class SplitWriter:
         self._close_shard()
         if not self._parts:  # an empty split still needs one shard holding the schema
             part = self.folder / "data-00000.arrow.part"
-            with pa.OSFile(str(part), "wb") as sink, pa.ipc.new_stream(sink, self.schema):
+            with self._pa.OSFile(str(part), "wb") as sink, self._pa.ipc.new_stream(sink, self.schema):
                 pass
             self._parts.append(part)
         names = []
@@ -995,6 +1042,7 @@ def load_text_dataset(path: str | Path) -> tuple[datasets.Dataset, datasets.Data
     """(train, validation or None) from a folder written by data_hf.py: a Dataset, or a DatasetDict with a
     `train` and an optional `validation` split, each with a `text` column. Memory-mapped, never copied."""
     import datasets
+    import pyarrow as pa
 
     folder = Path(path)
     how_to_make = f"create it with: python data_hf.py --data_folder <your files> --save_dir {folder}"
@@ -1207,12 +1255,13 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     options = Options(args.max_chars, args.min_chars, args.val_fraction)
     tasks = plan_tasks(files, piece_bytes_for(args.max_chars))
     splits = ["train", "validation"] if args.val_fraction > 0 else ["train"]
-    writers = {split: SplitWriter(tmp / split if len(splits) > 1 else tmp, ARROW_SCHEMA) for split in splits}
+    writers = {split: SplitWriter(tmp / split if len(splits) > 1 else tmp) for split in splits}
     with tqdm(total=len(files), unit="file", desc="data_hf", disable=None, file=sys.stderr) as progress:
         small = sum(size for _, size in files) < PARALLEL_MIN_BYTES
         for output in run_tasks(tasks, options, 1 if small else min(args.num_proc, len(tasks))):
-            for split, array in output.arrays.items():
-                writers[split].write(array, output.digests[split])
+            for split, chunks in output.splits.items():
+                for chunk in chunks:
+                    writers[split].write(chunk)
             tally.rows_with_surrogates += output.rows_with_surrogates
             for result in output.files:
                 tally.add_piece(result)
@@ -1260,10 +1309,9 @@ def main(argv: list[str] | None = None) -> int:
         if refusals:
             raise DataHfError("; ".join(refusals))
         for split, writer in writers.items():
-            if split == "validation" and writer.rows == 0:
+            if len(writers) > 1 and writer.rows == 0:
                 print(
-                    f"data_hf: warning: --val-fraction {args.val_fraction} gave an empty validation split",
-                    file=sys.stderr,
+                    f"data_hf: warning: --val-fraction {args.val_fraction} gave an empty {split} split", file=sys.stderr
                 )
         (tmp / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
         train, validation = load_text_dataset(tmp)  # proves the folder loads before it replaces anything
