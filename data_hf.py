@@ -914,6 +914,7 @@ class Tally:
     """Counts for the summary, fed file by file in output order."""
 
     files_found: int = 0
+    files_read: int = 0
     files_with_rows: int = 0
     files_skipped: int = 0
     bytes_read: int = 0
@@ -926,6 +927,7 @@ class Tally:
     skipped_files: list[dict[str, Any]] = field(default_factory=list)
     problems: list[dict[str, Any]] = field(default_factory=list)
     fallback_decoded: dict[str, str] = field(default_factory=dict)
+    fallback_decoded_pieces: int = 0
     _current: FileResult | None = None
     _rows_in_file: int = 0
     _lines_before: int = 0
@@ -954,8 +956,10 @@ class Tally:
         file.strings_found += result.strings_found
         for name in ("bytes_read", "dropped_empty", "dropped_short", "extra_rows_from_splitting"):
             setattr(self, name, getattr(self, name) + getattr(result, name))
-        if result.fallback_encoding and len(self.fallback_decoded) < MAX_LISTED:
-            self.fallback_decoded.setdefault(result.path, result.fallback_encoding)
+        if result.fallback_encoding:
+            self.fallback_decoded_pieces += 1
+            if len(self.fallback_decoded) < MAX_LISTED:
+                self.fallback_decoded.setdefault(result.path, result.fallback_encoding)
         if result.piece == result.pieces - 1:
             if result.pieces > 1:  # read_file already judged single-piece files
                 _note_no_text(file)
@@ -984,6 +988,7 @@ def _summary(tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWri
             "strict": args.strict,
         },
         "files_found": tally.files_found,
+        "files_read": tally.files_read,
         "files_with_rows": tally.files_with_rows,
         "files_skipped": tally.files_skipped,
         "bytes_read": tally.bytes_read,
@@ -999,6 +1004,7 @@ def _summary(tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWri
         "skipped_files": tally.skipped_files,
         "problems": tally.problems,
         "fallback_decoded_files": tally.fallback_decoded,
+        "fallback_decoded_pieces": tally.fallback_decoded_pieces,
         "content_digest": {split: writer.digest.hexdigest() for split, writer in writers.items()},
         "seconds": round(seconds, 3),
         "reasons": {reason: REASONS[reason] for reason in sorted(tally.counts_by_reason)},
@@ -1073,6 +1079,13 @@ def load_text_dataset(path: str | Path) -> tuple[datasets.Dataset, datasets.Data
 
 class DataHfError(Exception):
     """A problem the user can fix; main() prints it and exits 1."""
+
+
+def _occupied(save_dir: Path) -> bool:
+    """True if something is at `save_dir` that writing there would replace (an empty folder does not count)."""
+    if save_dir.is_dir() and not save_dir.is_symlink():
+        return any(save_dir.iterdir())
+    return save_dir.exists() or save_dir.is_symlink()
 
 
 def _looks_like_output(folder: Path) -> bool:
@@ -1170,7 +1183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS), metavar="EXT",
-        help="extensions to read, space- or comma-separated (default: %(default)s); .json, .jsonl, .ndjson, .yaml "
+        help=f"extensions to read, space- or comma-separated (default: {' '.join(DEFAULT_EXTENSIONS)}); .json, .jsonl, .ndjson, .yaml "
         "and .yml are parsed, any other extension is read as plain text",
     )  # fmt: skip
     parser.add_argument(
@@ -1221,7 +1234,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     if args.num_proc < 1:
         errors.append(f"--num-proc {args.num_proc} must be 1 or more")
     save_dir = args.save_dir
-    if save_dir.exists() or save_dir.is_symlink():
+    if _occupied(save_dir):
         if not save_dir.is_dir():
             errors.append(f"--save_dir {save_dir} exists and is not a folder; choose another --save_dir")
         elif not args.overwrite:
@@ -1244,7 +1257,7 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     """Read the input and write the dataset into the empty folder `tmp`. Returns the summary and the writers."""
     started = time.monotonic()
     files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
-    tally = Tally(files_found=len(files) + len(walk_problems), files_skipped=len(walk_problems))
+    tally = Tally(files_found=len(files) + len(walk_problems), files_read=len(files), files_skipped=len(walk_problems))
     for problem in walk_problems:
         tally.add_problem(problem, skipped_file=True)
     if not files:
@@ -1296,12 +1309,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for note in clean_stale_temporaries(args.save_dir):
         print(f"data_hf: {note}", file=sys.stderr)
-    args.save_dir.parent.mkdir(parents=True, exist_ok=True)
     run_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     # Beside --save_dir, hence on the same filesystem, so the final rename is atomic; hidden, so a --data_folder
     # that contains the output never reads it.
     tmp = args.save_dir.parent / f".{args.save_dir.name}{TMP_TAG}{run_id}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        print(f"data_hf: error: cannot create a folder beside --save_dir {args.save_dir}: {err}", file=sys.stderr)
+        return 1
     try:
         summary, writers = convert(args, tmp)
         _print_summary(summary)
@@ -1319,7 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
             raise DataHfError(
                 f"internal error: the written dataset in {tmp} does not hold {summary['rows_total']} rows"
             )
-        if (args.save_dir.exists() or args.save_dir.is_symlink()) and not args.overwrite:
+        if _occupied(args.save_dir) and not args.overwrite:
             raise DataHfError(f"--save_dir {args.save_dir} appeared while converting; pass --overwrite or another path")
         publish(tmp, args.save_dir, run_id)
     except DataHfError as err:

@@ -11,7 +11,8 @@ tree's (workers included), not one process's.
 Routes:
 - data_hf: `data_hf.py` on the .txt/.md/.json/.jsonl files, the same files as the standard route;
 - standard: `datasets.load_dataset("text", ...)` on .txt/.md and `load_dataset("json", ...)` on .json/.jsonl,
-  each followed by `save_to_disk` (datasets has no YAML loader, so YAML is left out of both);
+  each followed by `save_to_disk` (datasets has no YAML loader, so YAML is left out of both), with defaults;
+- standard_num_proc: the same with `num_proc` set like data_hf.py's (`load_dataset` and `save_to_disk`);
 - data_hf_all: data_hf.py on the whole corpus, YAML included (for information; nothing to compare it with).
 
 Results are printed as a table and written as JSON (default bench/results/data_hf.json).
@@ -192,7 +193,7 @@ def run_route(name: str, command: list[str], input_bytes: int, output: Path, env
     )
 
 
-def standard_route(corpus: Path, output: Path, cache: Path) -> None:
+def standard_route(corpus: Path, output: Path, cache: Path, num_proc: int | None) -> None:
     """The usual datasets recipe: load_dataset("text") and load_dataset("json"), then save_to_disk."""
     import datasets
 
@@ -200,8 +201,10 @@ def standard_route(corpus: Path, output: Path, cache: Path) -> None:
     text_files = [str(p) for p in files if p.suffix in (".txt", ".md")]
     json_files = [str(p) for p in files if p.suffix in (".json", ".jsonl")]
     for builder, data_files in (("text", text_files), ("json", json_files)):
-        loaded = datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=str(cache))
-        loaded.save_to_disk(str(output / builder))
+        loaded = datasets.load_dataset(
+            builder, data_files=data_files, split="train", cache_dir=str(cache), num_proc=num_proc
+        )
+        loaded.save_to_disk(str(output / builder), num_proc=num_proc)
         print(f"standard {builder}: {len(loaded)} rows, columns {loaded.column_names}")
 
 
@@ -215,27 +218,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep --workdir afterwards")
     parser.add_argument("--num-proc", type=int, help="data_hf.py --num-proc (default: its own default)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--routes", nargs="+", default=["data_hf", "standard", "data_hf_all"])
+    parser.add_argument("--routes", nargs="+", default=["data_hf", "standard", "standard_num_proc", "data_hf_all"])
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results" / "data_hf.json")
-    parser.add_argument("--standard-route", nargs=3, metavar=("CORPUS", "OUTPUT", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--standard-route", nargs=4, help=argparse.SUPPRESS)  # corpus output cache num_proc
     args = parser.parse_args(argv)
     if args.standard_route:  # the standard route, run in its own process by the benchmark
-        standard_route(*(Path(p) for p in args.standard_route))
+        corpus, output, cache, num_proc = args.standard_route
+        standard_route(Path(corpus), Path(output), Path(cache), int(num_proc) or None)
         return 0
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data_hf_"))
     corpus = workdir / "corpus"
     try:
-        if not corpus.exists():
+        recipe = {"size_mb": args.size_mb, "seed": args.seed, "mix": MIX}
+        marker = workdir / "corpus_recipe.json"
+        if not (corpus.exists() and marker.exists() and json.loads(marker.read_text()) == recipe):
+            shutil.rmtree(corpus, ignore_errors=True)
             started = time.monotonic()
             written = generate_corpus(corpus, args.size_mb, args.seed)
             print(f"generated {sum(written.values()) / 1e6:.1f} MB in {time.monotonic() - started:.1f} s: {written}")
+            marker.write_text(json.dumps(recipe))
+        else:
+            print(f"reusing the corpus in {corpus} (same --size-mb and --seed)")
         sizes = {p: p.stat().st_size for p in corpus.rglob("*") if p.is_file()}
         standard_bytes = sum(size for p, size in sizes.items() if p.suffix in STANDARD_EXTENSIONS)
         all_bytes = sum(sizes.values())
         # Everything (HF caches included) stays under workdir: nothing lands in ~/.cache.
         env = dict(os.environ, HF_HOME=str(workdir / "hf_home"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
         num_proc = ["--num-proc", str(args.num_proc)] if args.num_proc else []
+        procs = str(args.num_proc or len(os.sched_getaffinity(0)))  # data_hf.py's default
         data_hf = [sys.executable, str(REPO_ROOT / "data_hf.py"), "--data_folder", str(corpus), "--overwrite"]
         routes = {
             "data_hf": (
@@ -244,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                 workdir / "out_data_hf",
             ),
             "standard": (
-                [sys.executable, __file__, "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache")],
+                [sys.executable, __file__, "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache"), "0"],
+                standard_bytes,
+                workdir / "out_standard",
+            ),
+            "standard_num_proc": (
+                [sys.executable, __file__, "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache"), procs],
                 standard_bytes,
                 workdir / "out_standard",
             ),
@@ -280,19 +296,20 @@ def print_table(report: dict[str, object]) -> None:
     print(f"\n{report['machine']}, {report['date']}")
     print(f"corpus {report['corpus_mb']} MB ({report['corpus_without_yaml_mb']} MB without YAML)")
     print(
-        f"{'route':<12} {'input MB':>9} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12} {'sum of peaks MB':>16} {'exit':>5}"
+        f"{'route':<18} {'input MB':>9} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12} {'sum of peaks MB':>16} {'exit':>5}"
     )
     for r in results.values():
         print(
-            f"{r['route']:<12} {r['input_bytes'] / 1e6:>9.1f} {r['seconds']:>8.1f} {r['mb_per_s']:>7.1f} "
+            f"{r['route']:<18} {r['input_bytes'] / 1e6:>9.1f} {r['seconds']:>8.1f} {r['mb_per_s']:>7.1f} "
             f"{r['peak_tree_rss_mb']:>12.1f} {r['sum_of_process_peaks_mb']:>16.1f} {r['returncode']:>5}"
         )
-    if "data_hf" in results and "standard" in results:
-        ours, theirs = results["data_hf"], results["standard"]
-        print(
-            f"data_hf / standard: throughput x{ours['mb_per_s'] / theirs['mb_per_s']:.2f}, "
-            f"peak memory x{ours['peak_tree_rss_mb'] / theirs['peak_tree_rss_mb']:.2f}"
-        )
+    for baseline in ("standard", "standard_num_proc"):
+        if "data_hf" in results and baseline in results:
+            ours, theirs = results["data_hf"], results[baseline]
+            print(
+                f"data_hf / {baseline}: throughput x{ours['mb_per_s'] / theirs['mb_per_s']:.2f}, "
+                f"peak memory x{ours['peak_tree_rss_mb'] / theirs['peak_tree_rss_mb']:.2f}"
+            )
 
 
 if __name__ == "__main__":

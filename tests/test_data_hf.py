@@ -264,7 +264,9 @@ def test_large_jsonl_pieces_give_every_line_once_with_global_line_numbers(tmp_pa
     lines = [json.dumps({"t": f"record {i} " + "x" * (i % 50)}) for i in range(3000)]
     lines[2500] = "{broken"
     data = write_files(tmp_path / "data", {"big.jsonl": "\n".join(lines) + "\n"})
-    assert main(["--data_folder", str(data), "--save_dir", str(tmp_path / "out"), "--num-proc", "2"]) == 0
+    assert data_hf.piece_bytes_for(1000) == 4096 and len(plan_tasks([(data / "big.jsonl", 130_000)], 4096)) > 20
+    cli = ["--data_folder", str(data), "--save_dir", str(tmp_path / "out"), "--num-proc", "2", "--max-chars", "1000"]
+    assert main(cli) == 0
     expected = [json.loads(line)["t"] for i, line in enumerate(lines) if i != 2500]
     assert rows_of(tmp_path / "out") == expected
     summary = summary_of(tmp_path / "out")
@@ -339,7 +341,8 @@ def test_cli_writes_a_dataset_that_load_from_disk_reads_in_order(tmp_path: Path,
     assert loaded.features == Features({"text": Value("string")})
     assert list(loaded["text"]) == CORPUS_ROWS
     summary = summary_of(out)
-    assert (summary["files_found"], summary["rows_total"], summary["counts_by_reason"]) == (6, 10, {})
+    assert (summary["files_found"], summary["files_read"], summary["rows_total"]) == (6, 6, 10)
+    assert summary["counts_by_reason"] == {} and summary["bytes_read"] == sum(len(c.encode()) for c in CORPUS.values())
     assert "6 files" in capsys.readouterr().out
     assert sorted(os.listdir(out.parent)) == ["my_corpus"]  # no temporary folder left behind
     train, validation = data_hf.load_text_dataset(out)
@@ -410,7 +413,10 @@ def test_refuses_to_overwrite_unless_asked_and_replaces_only_datasets(tmp_path: 
     assert rows_of(out) == ["first version"]
     assert convert(data, out, "--overwrite") == 0
     assert rows_of(out) == ["second version"]
-    assert sorted(os.listdir(tmp_path)) == ["data", "out"]
+    assert sorted(os.listdir(tmp_path)) == ["data", "out"]  # no temporary or set-aside folder left
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose: no --overwrite needed
+    assert convert(data, tmp_path / "empty") == 0
+    assert rows_of(tmp_path / "empty") == ["second version"]
     precious = write_files(tmp_path / "precious", {"notes.txt": "not a dataset"})
     assert convert(data, precious, "--overwrite") == 1
     assert "refusing to delete" in capsys.readouterr().err
@@ -423,6 +429,12 @@ def test_output_inside_the_input_folder_is_not_read_back(tmp_path: Path) -> None
     assert convert(data, out) == 0
     assert convert(data, out, "--overwrite") == 0  # the first dataset's state.json etc. must not become rows
     assert rows_of(out) == ["x"]
+
+
+def test_a_single_file_can_be_converted(tmp_path: Path) -> None:
+    data = write_files(tmp_path / "data", {"dump.jsonl": '{"t": "a"}\n{"t": "b"}\n'})
+    assert convert(data / "dump.jsonl", tmp_path / "out") == 0
+    assert rows_of(tmp_path / "out") == ["a", "b"]
 
 
 def test_extensions_flag_and_other_extensions_read_as_text(tmp_path: Path) -> None:
