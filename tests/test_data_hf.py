@@ -291,6 +291,13 @@ def test_large_json_and_yaml_are_streamed_with_the_same_rows(tmp_path: Path, mon
         streamed = read_file(tmp_path / name, max_chars=100)
         assert streamed.rows == rows and len(rows) == 1500 and streamed.problems == []
     assert streamed_files == ["big.json", "big.yaml"]
+    legacy = tmp_path / "legacy.json"
+    legacy.write_bytes(json.dumps(["caf\u00e9 " * 300] * 5, ensure_ascii=False).encode("cp1252"))
+    streamed = read_file(legacy, max_chars=100)
+    assert "".join(streamed.rows) == "caf\u00e9 " * 1500 and streamed.fallback_encoding == "cp1252"
+    (tmp_path / "binary.json").write_bytes(b'["x"' + b"\x00" * 5000 + b"]")
+    assert read_file(tmp_path / "binary.json", max_chars=100).skipped_reason == "binary"
+    assert streamed_files[2:] == ["legacy.json", "binary.json"]
 
 
 # --- Finding files ------------------------------------------------------------------------------------------
