@@ -564,7 +564,10 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
 
     from data_hf import load_text_dataset
 
-    train_split, val_split = load_text_dataset(cfg.dataset_name)
+    try:
+        train_split, val_split = load_text_dataset(cfg.dataset_name)
+    except ValueError as exc:
+        raise TrainError(f"--dataset-name: {exc}") from exc
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if tokenizer.eos_token_id is None:
         raise TrainError(
