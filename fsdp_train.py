@@ -444,6 +444,7 @@ def tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: i
     """
     eos = tokenizer.eos_token_id
     dtype = _token_dtype(len(tokenizer))
+    tokenizer.model_max_length = sys.maxsize  # documents are packed into blocks later; silence the length warning
     tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}.{socket.gethostname()}")
     total = 0
     with open(tmp, "wb") as fh:
@@ -878,7 +879,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     num_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model, model.config, cfg.seq_length)
     layers = find_decoder_layers(model)
-    arch = type(model).__name__
+    arch, layer_class = type(model).__name__, type(layers[0]).__name__  # before fully_shard renames the classes
     n_ckpt = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
         if cfg.activation_checkpointing == "on"
@@ -898,7 +899,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     model.train()
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
-        f"({type(layers[0]).__name__}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
+        f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
         f"{n_ckpt} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}"
     )
     return ModelBundle(model, model.config, model_dir, num_params, n_ckpt, fpt, original_dtype(model_dir))
@@ -1422,6 +1423,13 @@ class Metrics:
         self._new_window()
         return record
 
+    def validate_if_due(self, state: TrainState, last_step: int, model: nn.Module, blocks: PackedBlocks | None) -> None:
+        """Every --eval-freq steps and at the last step, when there is a validation split."""
+        due = state.step == last_step or (self.cfg.eval_freq and state.step % self.cfg.eval_freq == 0)
+        if blocks is not None and due:
+            result = evaluate(model, blocks, self.cfg, self.d)
+            self.write({"step": state.step, "epoch": self.epoch_progress(state), **result})
+
     def write(self, record: dict) -> None:
         if not self.d.is_main:
             return
@@ -1717,14 +1725,7 @@ def train_loop(
         metrics.record(loss_sum)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
-        if data.validation is not None and cfg.eval_freq and state.step % cfg.eval_freq == 0:
-            metrics.write(
-                {
-                    "step": state.step,
-                    "epoch": metrics.epoch_progress(state),
-                    **evaluate(bundle.model, data.validation, cfg, d),
-                }
-            )
+        metrics.validate_if_due(state, last_step, bundle.model, data.validation)
         interrupted = all_ranks_agree(stop.requested, d)
         if interrupted or checkpointer.due(state.step):
             guard.sync(state)
@@ -1733,14 +1734,6 @@ def train_loop(
             checkpointer.finish_pending()
             log(f"stopped at step {state.step} on request; rerun the same command to resume")
             return False
-    if data.validation is not None:
-        metrics.write(
-            {
-                "step": state.step,
-                "epoch": metrics.epoch_progress(state),
-                **evaluate(bundle.model, data.validation, cfg, d),
-            }
-        )
     guard.sync(state)
     checkpointer.save(bundle.model, optimizer, state, "final")
     checkpointer.finish_pending()

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from make_demo_corpus import DEMO_PROMPTS  # noqa: E402
+from make_demo_corpus import DEMO_COMPLETIONS, DEMO_PROMPTS  # noqa: E402
 
 
 def banner(text: str) -> None:
@@ -75,8 +75,14 @@ def train_with_one_interruption(train_cmd: list[str], metrics: Path, interrupt_a
     while proc.poll() is None:
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
         if any(r.get("step", 0) >= interrupt_at for r in rows):
-            print(f"\n>>> demo: sending SIGTERM at step >= {interrupt_at}, as a cluster preemption would", flush=True)
-            proc.send_signal(signal.SIGTERM)
+            print(
+                f"\n>>> demo: sending SIGTERM to the trainers at step >= {interrupt_at}, as a preemption would",
+                flush=True,
+            )
+            # Signal the workers (as SLURM does to every task); torchrun then sees them exit 0 after saving.
+            workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            for pid in workers:
+                os.kill(int(pid), signal.SIGTERM)
             break
         time.sleep(0.2)
     proc.wait()
@@ -109,8 +115,7 @@ def plot_losses(metrics: Path, out_png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workspace", default="demo_workspace", help="folder for everything the demo writes")
-    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train")
-    parser.add_argument("--interrupt-at", type=int, default=120, help="step after which the demo sends SIGTERM")
+    parser.add_argument("--interrupt-at", type=int, default=200, help="step after which the demo sends SIGTERM")
     parser.add_argument("--nproc", type=int, default=0, help="processes (0 = every GPU, else 2 on CPU)")
     args = parser.parse_args(argv)
 
@@ -179,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
 
     banner("6/6 generations from the exported model (outputs/demo/final), before vs after training")
     after = generate(exp / "final", DEMO_PROMPTS)
+    correct = 0
     for prompt, b, a in zip(DEMO_PROMPTS, before, after):
-        print(f"prompt: {prompt!r}\n  before: {b!r}\n  after:  {a!r}")
+        want = DEMO_COMPLETIONS[prompt].strip()
+        correct += a.startswith(want)
+        print(f"prompt: {prompt!r}   (corpus answer: {want!r})\n  before: {b!r}\n  after:  {a!r}")
+    print(f"\n{correct}/{len(DEMO_PROMPTS)} prompts answered as the corpus teaches after training")
     plot = exp / "loss.png"
     plot_losses(exp / "metrics.jsonl", plot)
     rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -193,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"""
 Where everything is:
   raw corpus            {raw}
-  split folders         {splits} (manifest.json lists destination -> source)
+  split folders         {splits} (.organize_manifest.json lists destination -> source)
   Arrow dataset         {dataset}
   tiny model            {model}
   checkpoints           {exp / "checkpoint"} (state.json names the newest)
