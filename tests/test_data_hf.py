@@ -157,6 +157,9 @@ def test_unsafe_yaml_tag_never_executes(tmp_path: Path) -> None:
         ("bad.yaml", b"key: [unclosed\n  other: {", "invalid_yaml"),
         ("deep.json", b"[" * 200_000 + b"]" * 200_000, "too_deep"),
         ("deep.jsonl", b"[" * 200_000 + b"]" * 200_000 + b"\n", "too_deep"),
+        # libyaml's C composer would crash the whole process (segfault) on these, not raise
+        ("deep_flow.yaml", b"a: " + b"[" * 200_000 + b"]" * 200_000, "too_deep"),
+        ("deep_block.yml", b"- " * 200_000 + b"x", "too_deep"),
     ],
 )
 def test_bad_files_are_skipped_with_their_reason(tmp_path: Path, name: str, content: bytes, reason: str) -> None:
