@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,12 @@ def test_extract_strings_handles_nesting_deeper_than_the_recursion_limit() -> No
 def test_extract_strings_track_shared_ends_self_reference_and_alias_bombs() -> None:
     loop: list[object] = ["x"]
     loop.append(loop)
-    assert list(extract_strings(loop, track_shared=True)) == ["x"]
+    # islice: a walker that loops or expands every alias fails here instead of hanging
+    assert list(islice(extract_strings(loop, track_shared=True), 5)) == ["x"]
     bomb: list[object] = ["lol"]
     for _ in range(40):  # 2**40 strings if every alias were expanded
         bomb = [bomb, bomb]
-    assert list(extract_strings(bomb, track_shared=True)) == ["lol"]
+    assert list(islice(extract_strings(bomb, track_shared=True), 5)) == ["lol"]
 
 
 def test_json_file_gives_every_string_value(tmp_path: Path) -> None:
