@@ -103,6 +103,15 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_DECODER = json.JSONDecoder()
 # The C loader is about 10x faster; both construct with SafeConstructor, so no tag can run code.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# libyaml's composer, behind CSafeLoader, recurses in C once per nesting level and kills the process (a segfault,
+# not an exception) somewhere between 10,000 and 100,000 levels with an 8 MB stack. A text that might nest deeper
+# than YAML_C_MAX_DEPTH goes to the pure-Python loader instead, whose recursion ends in a RecursionError.
+YAML_C_MAX_DEPTH = 2000
+# Block nesting needs indentation or "- ", "? ", ": " indicators at the start of a line; a run of them that is
+# cut by a chunk boundary is caught in one of its halves, hence a quarter of the limit per chunk.
+_YAML_DEEP_BLOCK = re.compile(rb"^(?:[ \t]|[-?:][ \t]){%d}" % (YAML_C_MAX_DEPTH // 4), re.M)
+_FLOW_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
 
 
 # --- Pure extraction -----------------------------------------------------------------------------------------
@@ -373,12 +382,37 @@ def _read_bytes(path: str, kind: str, start: int, end: int | None) -> tuple[int,
         return first, fh.read(last - first)
 
 
-def _scan_encoding(path: str) -> tuple[bool, str]:
-    """(has NUL bytes, encoding to open it with) for a file too large to decode in memory, read in chunks."""
+class YamlDepthBound:
+    """A loose upper bound on the nesting depth of YAML bytes fed chunk by chunk: flow brackets counted as if none
+    were inside quotes, plus the longest run of indentation and block indicators starting a line. Loose on purpose:
+    it only decides which loader is safe, never what is read."""
+
+    def __init__(self) -> None:
+        self.flow, self.deepest_flow, self.deep_block = 0, 0, False
+
+    def feed(self, chunk: bytes) -> None:
+        self.deep_block = self.deep_block or _YAML_DEEP_BLOCK.search(chunk) is not None
+        brackets = chunk.translate(None, _NOT_FLOW_BRACKET)
+        if brackets:
+            depths = list(accumulate(map(_FLOW_STEP.__getitem__, brackets), initial=self.flow))
+            self.flow, self.deepest_flow = depths[-1], max(self.deepest_flow, max(depths))
+
+    def may_exceed(self, limit: int = YAML_C_MAX_DEPTH) -> bool:
+        return self.deep_block or self.deepest_flow + limit // 2 > limit
+
+
+def _yaml_loader(depth: YamlDepthBound) -> type:
+    return yaml.SafeLoader if depth.may_exceed() else _YAML_LOADER
+
+
+def _scan_large_file(path: str) -> tuple[bool, str, YamlDepthBound]:
+    """(has NUL bytes, encoding to open it with, YAML depth bound) for a file too large to decode in memory."""
     utf8 = codecs.getincrementaldecoder("utf-8")()
     is_utf8, is_cp1252, has_nul = True, True, False
+    depth = YamlDepthBound()
     with open(path, "rb") as fh:
         while chunk := fh.read(MIN_PIECE_BYTES):
+            depth.feed(chunk)
             has_nul = has_nul or b"\x00" in chunk
             is_cp1252 = is_cp1252 and not re.search(rb"[\x81\x8d\x8f\x90\x9d]", chunk)
             if is_utf8:
@@ -391,7 +425,7 @@ def _scan_encoding(path: str) -> tuple[bool, str]:
             utf8.decode(b"", final=True)
         except UnicodeDecodeError:
             is_utf8 = False
-    return has_nul, "utf-8-sig" if is_utf8 else "cp1252" if is_cp1252 else "latin-1"
+    return has_nul, "utf-8-sig" if is_utf8 else "cp1252" if is_cp1252 else "latin-1", depth
 
 
 def _json_strings(read: Callable[[int], str], result: FileResult) -> Iterator[str]:
@@ -405,8 +439,8 @@ def _json_strings(read: Callable[[int], str], result: FileResult) -> Iterator[st
         result.problems.append(Problem(result.path, err.reason, err.detail + kept))
 
 
-def _yaml_strings(stream: str | io.TextIOBase, result: FileResult) -> Iterator[str]:
-    documents = yaml.load_all(stream, Loader=_YAML_LOADER)
+def _yaml_strings(stream: str | io.TextIOBase, loader: type, result: FileResult) -> Iterator[str]:
+    documents = yaml.load_all(stream, Loader=loader)
     count = 0
     while True:
         try:
@@ -455,11 +489,11 @@ def _jsonl_strings(data: bytes, result: FileResult) -> Iterator[str]:
         yield from extract_strings(value)
 
 
-def _strings_in_memory(kind: str, text: str, result: FileResult) -> Iterator[str]:
+def _strings_in_memory(kind: str, text: str, yaml_loader: type, result: FileResult) -> Iterator[str]:
     if kind == "text":
         yield text
     elif kind == "yaml":
-        yield from _yaml_strings(text, result)
+        yield from _yaml_strings(text, yaml_loader, result)
     else:
         try:  # the fast path; the streaming parser below keeps what comes before an error
             value = json.loads(text)
@@ -471,7 +505,7 @@ def _strings_in_memory(kind: str, text: str, result: FileResult) -> Iterator[str
 
 def _strings_streamed(kind: str, path: str, result: FileResult) -> Iterator[str]:
     """Strings of a large JSON or YAML file, parsed from the open file one element or document at a time."""
-    has_nul, encoding = _scan_encoding(path)
+    has_nul, encoding, depth = _scan_large_file(path)
     result.bytes_read = os.path.getsize(path)
     if has_nul:
         result.problems.append(Problem(path, "binary", "the file contains NUL bytes"))
@@ -479,7 +513,10 @@ def _strings_streamed(kind: str, path: str, result: FileResult) -> Iterator[str]
     if encoding != "utf-8-sig":
         result.fallback_encoding = encoding
     with open(path, encoding=encoding, newline="") as fh:
-        yield from (_json_strings(fh.read, result) if kind == "json" else _yaml_strings(fh, result))
+        if kind == "json":
+            yield from _json_strings(fh.read, result)
+        else:
+            yield from _yaml_strings(fh, _yaml_loader(depth), result)
 
 
 def _raw_strings(
@@ -501,9 +538,12 @@ def _raw_strings(
     if kind == "jsonl":
         yield from _jsonl_strings(data, result)
         return
+    depth = YamlDepthBound()
+    if kind == "yaml":
+        depth.feed(data)
     text, result.fallback_encoding = decode_bytes(data, at_file_start=offset == 0)
     del data  # a piece is held once, as text
-    yield from _strings_in_memory(kind, text, result)
+    yield from _strings_in_memory(kind, text, _yaml_loader(depth), result)
 
 
 def iter_rows(

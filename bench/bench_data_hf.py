@@ -255,12 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                 workdir / "out_data_hf",
             ),
             "standard": (
-                [sys.executable, __file__, "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache"), "0"],
+                [sys.executable, str(Path(__file__).resolve()), "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache"), "0"],
                 standard_bytes,
                 workdir / "out_standard",
             ),
             "standard_num_proc": (
-                [sys.executable, __file__, "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache"), procs],
+                [sys.executable, str(Path(__file__).resolve()), "--standard-route", str(corpus), str(workdir / "out_standard"), str(workdir / "cache"), procs],
                 standard_bytes,
                 workdir / "out_standard",
             ),
