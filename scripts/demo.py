@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workspace", default="demo_workspace", help="folder for everything the demo writes")
     parser.add_argument("--interrupt-at", type=int, default=200, help="step after which the demo sends SIGTERM")
+    parser.add_argument("--max-steps", type=int, help="override configs/demo_tiny.yaml's max-steps (a quicker run)")
     parser.add_argument("--nproc", type=int, default=0, help="processes (0 = every GPU, else 2 on CPU)")
     args = parser.parse_args(argv)
 
@@ -176,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         str(model),
         "--save-dir",
         str(outputs),
-        "--max-steps",
-        str(args.max_steps),
+        *(["--max-steps", str(args.max_steps)] if args.max_steps else []),
     ]
     exp = outputs / "demo"
     train_with_one_interruption(train_cmd, exp / "metrics.jsonl", args.interrupt_at, env)
