@@ -941,22 +941,14 @@ def check_weights_fit(num_params: int, dtype_bytes: int, available: int, disk_fr
         )
 
 
-def load_text_dataset(path: Path) -> Any:
-    """The train split of a dataset written by data_hf.py (a Dataset or a DatasetDict), with its text column."""
-    import datasets
+def load_tokenizer_corpus(path: Path) -> Any:
+    """The train split of a dataset written by data_hf.py; reading that format is data_hf.py's job."""
+    from data_hf import load_text_dataset
 
     try:
-        dataset = datasets.load_from_disk(str(path))
-    except FileNotFoundError as exc:
-        raise ToolError(
-            f"--tokenizer-from {path} is not a dataset saved with save_to_disk (run data_hf.py first): {exc}"
-        ) from exc
-    if isinstance(dataset, datasets.DatasetDict):
-        if "train" not in dataset:
-            raise ToolError(f"--tokenizer-from {path} has splits {sorted(dataset)}, no 'train'")
-        dataset = dataset["train"]
-    if "text" not in dataset.column_names:
-        raise ToolError(f"--tokenizer-from {path} has columns {dataset.column_names}, no 'text' column")
+        dataset, _ = load_text_dataset(path)
+    except ValueError as exc:
+        raise ToolError(f"--tokenizer-from: {exc}") from exc
     if len(dataset) == 0:
         raise ToolError(f"--tokenizer-from {path} has no rows")
     return dataset
@@ -1013,7 +1005,7 @@ def build_tokenizer(args: argparse.Namespace, preset: SizePreset) -> Any:
             tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, any id will do
             log(f"note: --tokenizer has no pad token; using eos {tokenizer.eos_token!r}")
         return tokenizer
-    dataset = load_text_dataset(Path(args.tokenizer_from))
+    dataset = load_tokenizer_corpus(Path(args.tokenizer_from))
     vocab_size = args.vocab_size or preset.default_vocab_size
     log(f"training a byte-level BPE tokenizer, vocab {vocab_size}, on {len(dataset):,} texts of {args.tokenizer_from}")
     tokenizer = train_bpe_tokenizer(
