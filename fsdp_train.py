@@ -1624,7 +1624,7 @@ def total_steps(cfg: TrainConfig, plan: DataPlan) -> int:
 
 
 def dry_run(cfg: TrainConfig, world_size: int) -> int:
-    from model_download import training_memory_plan
+    from model_download import format_memory_plan, training_memory_plan
 
     model_dir = resolve_model_dir(cfg.model_name)
     model = build_model_skeleton(model_dir)
@@ -1639,8 +1639,11 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         f"--sharding {cfg.sharding} over {world_size} processes, cpu offload {cfg.cpu_offload}, activation "
         f"checkpointing {cfg.activation_checkpointing} (every {cfg.ac_every_n_layers} layer(s))"
     )
-    for row in training_memory_plan(num_params, world_sizes=(world_size,)):
-        log(f"memory estimate per rank: {row}")
+    sizes = sorted({1, 2, 4, 8, world_size})
+    rows = training_memory_plan(
+        num_params, world_sizes=sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
+    )
+    log(f"per-rank memory estimate (this run: {world_size} processes):\n" + format_memory_plan(rows))
     log("dry run: nothing was trained")
     return 0
 

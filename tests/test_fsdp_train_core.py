@@ -351,3 +351,25 @@ def test_other_architectures_train_with_no_code_change(tmp_path, dataset_dir, ar
     losses = losses_by_step(tmp_path / arch)
     assert len(losses) == 6 and losses[6] < losses[1]
     assert (tmp_path / arch / "final" / "config.json").is_file()
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scratch_model, capsys):
+    code = ft.main(
+        [
+            "-e",
+            "dry",
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(scratch_model),
+            "--save-dir",
+            str(tmp_path),
+            "--seq-length",
+            "64",
+            "--dry-run",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "seq_length: 64" in out and "2 x LlamaDecoderLayer" in out and "16 B/param" in out
+    assert not (tmp_path / "dry").exists()
