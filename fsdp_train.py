@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
@@ -1004,6 +1005,31 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# DCP's CheckpointException derives from BaseException, not Exception.
+CHECKPOINT_FAILURES = (Exception, dcp.api.CheckpointException)
+
+
+def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
+    """Run fn; return its exception instead of raising, so every rank can be told about it first."""
+    try:
+        fn(*args, **kwargs)
+    except CHECKPOINT_FAILURES as exc:
+        return exc
+    return None
+
+
+class _CheckpointWriter(dcp.FileSystemWriter):
+    """DCP's file writer with fsync on, plus the fault-injection point inside DCP's write phase."""
+
+    def __init__(self, path: str, d: Dist, step: int):
+        super().__init__(path, sync_files=True)
+        self._dist, self._step = d, step
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fault_point("ckpt_write", self._dist, self._step)
+        return super().write_data(plan, planner)
+
+
 class Checkpointer:
     """Atomic DCP checkpoints: each rank writes its shard into `.tmp_step_N/`; only after every rank has
     finished and the training state is written and synced does rank 0 rename it to `step_N/`.
@@ -1059,7 +1085,6 @@ class Checkpointer:
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainState:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_state_dict,
@@ -1080,7 +1105,7 @@ class Checkpointer:
                     {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group
                 )
                 set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        except Exception as exc:
+        except CHECKPOINT_FAILURES as exc:
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}). "
                 f"Move that folder aside to resume from the previous checkpoint."
@@ -1102,7 +1127,6 @@ class Checkpointer:
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, reason: str) -> float:
         """Save (async with --async-ckpt). Returns the seconds training was blocked."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         start = time.perf_counter()
@@ -1115,22 +1139,19 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(group=self.d.cpu_group)
-        error = None
-        try:
-            self._write_side_files(tmp, state)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-            fault_point("ckpt_write", self.d, state.step)
-            fault_point("kill_during_write", self.d, state.step)
-            if self.cfg.async_ckpt == "on":
-                future = dcp.async_save(
-                    {"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.d.cpu_group
-                )
-                self.pending = (future, tmp, state.step)
-            else:
-                dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.d.cpu_group)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = exc
+        # Files each rank writes alone: agree on their success before entering DCP's collectives, or a rank
+        # that failed here would wait in a different collective than the others (a hang, not an error).
+        self._agree_or_fail(_attempt(self._write_side_files, tmp, state), tmp)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state_dict = {"model": model_sd, "optim": optim_sd}
+        writer = _CheckpointWriter(str(tmp), self.d, state.step)
+        fault_point("kill_during_write", self.d, state.step)
+        if self.cfg.async_ckpt == "on":
+            future = dcp.async_save(state_dict, storage_writer=writer, process_group=self.d.cpu_group)
+            self.pending = (future, tmp, state.step)
+            error = None
+        else:  # DCP gathers a failure on any rank's write and raises it on every rank
+            error = _attempt(dcp.save, state_dict, storage_writer=writer, process_group=self.d.cpu_group)
         self._agree_or_fail(error, tmp)
         if self.pending is None:
             self._commit(tmp, state.step)
@@ -1146,15 +1167,11 @@ class Checkpointer:
             return
         future, tmp, step = self.pending
         self.pending = None
-        error = None
-        try:
-            future.result()
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        self._agree_or_fail(error, tmp)
+        self._agree_or_fail(_attempt(future.result), tmp)
         self._commit(tmp, step)
 
     def _write_side_files(self, tmp: Path, state: TrainState) -> None:
+        fault_point("side_files_write", self.d, state.step)
         rng_file = tmp / f"rng_rank{self.d.rank:05d}.pt"
         with open(rng_file, "wb") as fh:
             torch.save(_rng_state(), fh)
