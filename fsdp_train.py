@@ -328,6 +328,7 @@ class Dist:
     device: torch.device
     mesh: Any  # DeviceMesh: 1-D ("shard",) or 2-D ("replicate", "shard")
     cpu_group: Any  # gloo group for host-side agreement (signals, checkpoint bookkeeping): never syncs the GPU
+    async_ckpt_group: Any  # gloo group used only by background checkpoint writes (see Checkpointer.save)
 
     @property
     def is_main(self) -> bool:
@@ -372,12 +373,13 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    async_ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
     if cfg.sharding in ("hybrid", "none"):
         shard = 1 if cfg.sharding == "none" else (cfg.hybrid_shard_size or local_world)
         mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group)
+    return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group)
 
 
 def all_ranks_agree(flag: bool, d: Dist) -> bool:
@@ -1147,7 +1149,9 @@ class Checkpointer:
         writer = _CheckpointWriter(str(tmp), self.d, state.step)
         fault_point("kill_during_write", self.d, state.step)
         if self.cfg.async_ckpt == "on":
-            future = dcp.async_save(state_dict, storage_writer=writer, process_group=self.d.cpu_group)
+            # Its collectives run in a background thread while the main thread keeps using cpu_group each
+            # step; sharing one group would interleave the two streams differently on each rank (a deadlock).
+            future = dcp.async_save(state_dict, storage_writer=writer, process_group=self.d.async_ckpt_group)
             self.pending = (future, tmp, state.step)
             error = None
         else:  # DCP gathers a failure on any rank's write and raises it on every rank
@@ -1635,6 +1639,12 @@ class StopRequest:
         log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
 
 
+def config_fingerprint(config: Any) -> str:
+    """The model's architecture settings; not the library version that wrote them, nor the load dtype."""
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("transformers_version", "dtype", "torch_dtype")}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def total_steps(cfg: TrainConfig, plan: DataPlan) -> int:
     steps = plan.steps_per_epoch * cfg.num_epochs
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
@@ -1678,7 +1688,7 @@ def run(cfg: TrainConfig) -> int:
     bundle = build_model(cfg, precision, d)
     optimizer = build_optimizer(bundle.model, cfg)
     fingerprint = {
-        "model": hashlib.sha256(bundle.config.to_json_string().encode()).hexdigest()[:16],
+        "model": config_fingerprint(bundle.config),
         "dataset": data.dataset_fingerprint,
         "seq_length": cfg.seq_length,
         "global_batch_size": data.train.global_batch,
@@ -1725,7 +1735,10 @@ def train_loop(
     plan, last_step = data.train, total_steps(cfg, data.train)
     guard = BadStepGuard(state, d.device, resolve_precision(cfg), cfg.max_bad_steps)
     nan_steps, delay_s, order, order_epoch = _nan_injection_steps(), _test_step_delay_s(), None, -1
-    log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
+    if state.step >= last_step:
+        log(f"training already reached step {last_step}; nothing to train (raise --max-steps or --num-epochs to go on)")
+    else:
+        log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
     grad_norm = torch.zeros(())
     while state.step < last_step:
         if order_epoch != state.epoch:
