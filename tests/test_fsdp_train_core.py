@@ -373,3 +373,37 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
     assert code == 0
     assert "seq_length: 64" in out and "2 x LlamaDecoderLayer" in out and "16 B/param" in out
     assert not (tmp_path / "dry").exists()
+
+
+def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_model):
+    """-m org/name is looked up in HF_HOME's hub cache (the layout model_download.py fills), never online."""
+    import shutil
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf_home" / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(scratch_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    args = ["-e", "hub", "-d", str(dataset_dir), "--seq-length", "32", "--dry-run"]
+    found = subprocess.run(
+        [sys.executable, "fsdp_train.py", *args, "-m", "acme/tiny-llama"],
+        cwd=ft.Path(ft.__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert f"snapshots/{commit}" in found.stdout
+    missing = subprocess.run(
+        [sys.executable, "fsdp_train.py", *args, "-m", "acme/other"],
+        cwd=ft.Path(ft.__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and "not in the local cache" in missing.stdout
