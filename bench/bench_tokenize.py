@@ -1,0 +1,265 @@
+"""Tokenise and pack: fsdp_train.py's tokenize_to_file + PackedBlocks against the Hugging Face run_clm route.
+
+    python bench/bench_tokenize.py            # 20 MB generated corpus, 5 repetitions per side; a few minutes
+    python bench/bench_tokenize.py --quick    # 1 MB corpus, one repetition: proves the benchmark still runs
+
+Both sides start from the same saved dataset (a `text` column, loaded with datasets.load_from_disk as
+fsdp_train.py does) and the same fast byte-level BPE tokenizer, in one process, and end with blocks of
+--seq-length tokens ready to index:
+
+- fsdp_train: `tokenize_to_file` (row batches of 1000 -> one flat uint16/uint32 token file, EOS after each
+  document, fsynced) then `PackedBlocks` over a memory map of it;
+- run_clm: `dataset.map(tokenize, batched=True, remove_columns=["text"])` then `map(group_texts, batched=True)`,
+  exactly as transformers' examples/pytorch/language-modeling/run_clm.py does, each map writing its Arrow
+  cache file (load_from_cache_file=False, so every repetition does the work);
+- fsdp_train, proposed (for information): the same `tokenize_to_file`, given a tokenizer whose call is
+  the Rust tokenizer's `encode_batch_fast` (no character offsets, no attention mask), the change proposed
+  for fsdp_train.py; its token file must equal the current one byte for byte;
+- tokenizer floor (for information): `encode_batch_fast` over the same row batches, keeping only the token
+  id lists: what any route with this tokenizer pays at least.
+
+Each side reports wall-clock time (the goal's measure; the Rust tokenizer uses every core, the Arrow writes
+and Python list work of run_clm one) and process CPU time over all threads, which other jobs on a shared
+machine hardly move. The token streams are checked for equality after the timed runs (`check_token_streams`).
+Goal: run_clm time / fsdp_train time >= 1.5.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import sys
+import tempfile
+import time
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import (
+    bench_arg_parser,
+    interleaved,
+    machine_info,
+    make_corpus,
+    median,
+    print_table,
+    save_text_dataset,
+    write_results,
+)
+
+FULL = {"corpus_chars": 20_000_000, "vocab": 16384, "seq": 1024, "reps": 5}
+QUICK = {"corpus_chars": 1_000_000, "vocab": 512, "seq": 128, "reps": 1}
+BATCH_ROWS = 1000  # both routes' row batch: tokenize_to_file's default and datasets.map's default
+
+
+class Stopwatch:
+    """Wall-clock and process CPU time (all threads, so the Rust tokenizer's pool counts) of a block."""
+
+    def __enter__(self) -> Stopwatch:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    def result(self, **counts: int) -> dict[str, Any]:
+        return {"seconds": self.wall, "cpu_seconds": self.cpu, **counts}
+
+
+def fsdp_train_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str, Any]:
+    import fsdp_train as ft
+
+    out_dir.mkdir(parents=True)
+    path = out_dir / "train.tokens"
+    with Stopwatch() as watch:
+        ft.tokenize_to_file(dataset, tokenizer, path, batch_rows=BATCH_ROWS)
+        blocks = ft.PackedBlocks(np.memmap(path, dtype=ft._token_dtype(len(tokenizer)), mode="r"), seq)
+        n_blocks = len(blocks)
+    return watch.result(tokens=len(blocks.tokens), blocks=n_blocks, trained_tokens=n_blocks * seq)
+
+
+class FastIdsTokenizer:
+    """What tokenize_to_file needs of a tokenizer (eos_token_id, len, call -> input_ids), answered by the
+    Rust tokenizer's encode_batch_fast: the proposed change, measured without editing fsdp_train.py."""
+
+    def __init__(self, tokenizer: Any):
+        self.backend, self.eos_token_id, self.size = tokenizer.backend_tokenizer, tokenizer.eos_token_id, len(tokenizer)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return {"input_ids": [e.ids for e in encodings]}
+
+
+def run_clm_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str, Any]:
+    """transformers examples/pytorch/language-modeling/run_clm.py: tokenize_function and group_texts."""
+    out_dir.mkdir(parents=True)
+
+    def tokenize_function(examples: dict[str, list]) -> Any:
+        return tokenizer(examples["text"])
+
+    def group_texts(examples: dict[str, list]) -> dict[str, list]:
+        concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
+        total_length = len(concatenated[list(examples.keys())[0]])
+        total_length = (total_length // seq) * seq  # run_clm drops each map batch's remainder
+        result = {k: [t[i : i + seq] for i in range(0, total_length, seq)] for k, t in concatenated.items()}
+        result["labels"] = result["input_ids"].copy()
+        return result
+
+    with Stopwatch() as watch:
+        tokenized = dataset.map(
+            tokenize_function,
+            batched=True,
+            batch_size=BATCH_ROWS,
+            remove_columns=dataset.column_names,
+            load_from_cache_file=False,
+            cache_file_name=str(out_dir / "tokenized.arrow"),
+        )
+        lm_dataset = tokenized.map(
+            group_texts,
+            batched=True,
+            batch_size=BATCH_ROWS,
+            load_from_cache_file=False,
+            cache_file_name=str(out_dir / "grouped.arrow"),
+        )
+        n_blocks = len(lm_dataset)
+    # Blocks of seq tokens whose labels are the inputs shifted inside the model: seq - 1 targets each.
+    return watch.result(tokens=n_blocks * seq, blocks=n_blocks, trained_tokens=n_blocks * (seq - 1))
+
+
+def tokenizer_floor(dataset: Any, tokenizer: Any) -> dict[str, Any]:
+    tokens = 0
+    with Stopwatch() as watch:
+        for batch in dataset.iter(batch_size=BATCH_ROWS):
+            encodings = tokenizer.backend_tokenizer.encode_batch_fast(batch["text"], add_special_tokens=True)
+            tokens += sum(len(e.ids) for e in encodings)
+    return watch.result(tokens=tokens)
+
+
+def check_token_streams(fsdp_dir: Path, clm_dir: Path, tokenizer: Any) -> dict[str, Any]:
+    """fsdp_train's stream must be run_clm's tokenised documents, in order, with one EOS after each.
+    run_clm keeps fewer: it adds no EOS (this tokenizer adds no special tokens) and drops up to seq-1
+    tokens at the end of every 1000-row map batch."""
+    import datasets
+
+    import fsdp_train as ft
+
+    stream = np.fromfile(fsdp_dir / "train.tokens", dtype=ft._token_dtype(len(tokenizer)))
+    eos = tokenizer.eos_token_id
+    tokenized = datasets.Dataset.from_file(str(clm_dir / "tokenized.arrow"))
+    parts = [np.asarray(ids, dtype=np.int64) for ids in tokenized["input_ids"]]
+    expected = np.concatenate([np.append(p, eos) for p in parts])
+    return {
+        "fsdp_stream_equals_docs_plus_eos": bool(np.array_equal(stream.astype(np.int64), expected)),
+        "documents": len(parts),
+        "document_tokens": int(sum(map(len, parts))),
+        "eos_added": int((stream == eos).sum()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_arg_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    p = QUICK if args.quick else FULL
+    reps = args.reps or p["reps"]
+    info = machine_info()
+    import datasets
+    from transformers import AutoTokenizer
+
+    from tests.fsdp_helpers import train_tokenizer
+
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory(prefix="bench_tokenize_") as tmp:
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        docs = make_corpus(p["corpus_chars"])
+        train_tokenizer(work / "tokenizer", docs[: max(1, len(docs) // 20)], vocab_size=p["vocab"])
+        save_text_dataset(docs, work / "dataset")
+        corpus_mb = sum(len(d.encode()) for d in docs) / 1e6
+        del docs
+        tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+        dataset = datasets.load_from_disk(str(work / "dataset"))
+        print(f"corpus: {len(dataset):,} documents, {corpus_mb:.1f} MB; tokenizer vocab {len(tokenizer):,}")
+
+        def fresh(name: str) -> Path:
+            shutil.rmtree(work / name, ignore_errors=True)
+            return work / name
+
+        runs = interleaved(
+            reps,
+            {
+                "fsdp_train": lambda: fsdp_train_route(dataset, tokenizer, fresh("fsdp"), p["seq"]),
+                "run_clm": lambda: run_clm_route(dataset, tokenizer, fresh("clm"), p["seq"]),
+                "fsdp_train_proposed": lambda: fsdp_train_route(
+                    dataset, FastIdsTokenizer(tokenizer), fresh("proposed"), p["seq"]
+                ),
+                "tokenizer_floor": lambda: tokenizer_floor(dataset, tokenizer),
+            },
+            summary=lambda r: f"wall {r['seconds']:.2f}s, CPU {r['cpu_seconds']:.2f}s, {r['tokens']:,} tokens",
+        )
+        check = check_token_streams(work / "fsdp", work / "clm", tokenizer)
+        check["proposed_file_equals_current"] = filecmp.cmp(
+            work / "fsdp" / "train.tokens", work / "proposed" / "train.tokens", shallow=False
+        )
+    seconds = {name: median([r["seconds"] for r in rs]) for name, rs in runs.items()}
+    cpu = {name: median([r["cpu_seconds"] for r in rs]) for name, rs in runs.items()}
+    ratio = {"wall": seconds["run_clm"] / seconds["fsdp_train"], "cpu": cpu["run_clm"] / cpu["fsdp_train"]}
+    proposed = {
+        "wall": seconds["run_clm"] / seconds["fsdp_train_proposed"],
+        "cpu": cpu["run_clm"] / cpu["fsdp_train_proposed"],
+    }
+    rows = []
+    for name, label in (
+        ("fsdp_train", "fsdp_train tokenize_to_file + PackedBlocks"),
+        ("run_clm", "run_clm map(tokenize) + map(group_texts)"),
+        ("fsdp_train_proposed", "fsdp_train with encode_batch_fast (proposed)"),
+        ("tokenizer_floor", "tokenizer floor: encode_batch_fast ids"),
+    ):
+        last = runs[name][-1]
+        rows.append(
+            [
+                label,
+                seconds[name],
+                corpus_mb / seconds[name],
+                cpu[name],
+                f"{last['tokens']:,}",
+                f"{last['trained_tokens']:,}" if "trained_tokens" in last else "-",
+                ", ".join(f"{r['seconds']:.1f}" for r in runs[name]),
+            ]
+        )
+    print_table(["route", "wall (s)", "MB/s", "CPU (s)", "tokens kept", "target tokens", "wall per rep (s)"], rows)
+    for key, label in (("wall", "wall-clock"), ("cpu", "CPU time")):
+        print(
+            f"run_clm / fsdp_train, {label}: {ratio[key]:.2f} (goal >= 1.5: {'met' if ratio[key] >= 1.5 else 'NOT met'})"
+        )
+    print(
+        f"with the proposed change: run_clm / fsdp_train {proposed['wall']:.2f} wall-clock, {proposed['cpu']:.2f} CPU "
+        f"time; its token file equals the current one: {check['proposed_file_equals_current']}"
+    )
+    print(
+        f"token check: fsdp_train stream == documents + one EOS each: {check['fsdp_stream_equals_docs_plus_eos']} "
+        f"({check['document_tokens']:,} document tokens + {check['eos_added']:,} EOS); run_clm keeps "
+        f"{runs['run_clm'][-1]['tokens']:,} (no EOS, drops each 1000-row batch's remainder)"
+    )
+    write_results(
+        args.results_dir,
+        "tokenize",
+        {
+            "machine": info,
+            "params": {**p, "reps": reps, "corpus_mb": corpus_mb, "documents": check["documents"]},
+            "ratios": ratio,
+            "ratios_with_proposed_change": proposed,
+            "goal": ">= 1.5",
+            "goal_met": {key: value >= 1.5 for key, value in ratio.items()},
+            "seconds": seconds,
+            "cpu_seconds": cpu,
+            "token_check": check,
+            "runs": runs,
+        },
+    )
+    return 0 if check["fsdp_stream_equals_docs_plus_eos"] and check["proposed_file_equals_current"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

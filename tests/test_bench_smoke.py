@@ -1,0 +1,77 @@
+"""Each benchmark in bench/ still runs end to end: `python bench/bench_X.py --quick`, a tiny model and one
+repetition, its JSON checked for the figures a broken measurement would get wrong. Timing figures are not
+asserted beyond sanity bounds: on a shared CPU machine they are noise at these sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_quick(repo_root: Path, script: str, results_dir: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(repo_root / "bench" / script), "--quick", "--results-dir", str(results_dir)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = list(results_dir.glob("*.json"))
+    assert len(written) == 1, written
+    return json.loads(written[0].read_text())
+
+
+@pytest.mark.slow
+def test_trainer_overhead_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_trainer_overhead.py", tmp_path)
+    p = result["params"]
+    for side in ("fsdp_train", "minimal"):
+        (run,) = result["runs"][side]
+        assert len(run["windows_s"]) == p["steps"] // p["log_freq"], "one window per metric line"
+        assert 0 < run["last_loss"] < 2 * math.log(p["vocab"]), "both sides train the same small model"
+    for ratio in result["ratios"].values():
+        assert 0.2 < ratio < 5, result["ratios"]
+
+
+@pytest.mark.slow
+def test_tokenize_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_tokenize.py", tmp_path)
+    check = result["token_check"]
+    assert check["fsdp_stream_equals_docs_plus_eos"], check
+    assert check["proposed_file_equals_current"], "the proposed tokenizer call must not change the tokens"
+    assert check["eos_added"] == check["documents"] == result["params"]["documents"]
+    (clm,) = result["runs"]["run_clm"]
+    (fsdp,) = result["runs"]["fsdp_train"]
+    assert fsdp["tokens"] == check["document_tokens"] + check["eos_added"]
+    assert check["document_tokens"] - clm["tokens"] < result["params"]["seq"] * math.ceil(check["documents"] / 1000)
+    assert all(r > 0 for r in result["ratios"].values())
+
+
+@pytest.mark.slow
+def test_checkpoint_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_checkpoint.py", tmp_path)
+    assert result["checkpoint_bytes"] > 0
+    assert all(v > 0 for v in result["gb_per_s"].values())
+    blocked = result["blocked"]
+    assert blocked["sync (--async-ckpt off)"]["runs_completed"] == 1
+    assert blocked["async, own gloo group (proposed fix)"]["runs_completed"] == 1
+    for runs in result["blocked_runs"].values():
+        for run in runs:
+            assert run["ok"] or "error" in run
+
+
+@pytest.mark.slow
+def test_loading_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_loading.py", tmp_path)
+    for dtype in result["params"]["dtypes"]:
+        for mode in ("sharded", "full"):
+            one = result["summary"][f"{dtype} x1"]["figures_mb"][mode]["own_shard_mb"]
+            two = result["summary"][f"{dtype} x2"]["figures_mb"][mode]["own_shard_mb"]
+            assert two == pytest.approx(one / 2, rel=0.05), "two processes each hold half the parameters"
+        assert result["summary"][f"{dtype} x2"]["full_over_sharded_private_peak"] > 0
