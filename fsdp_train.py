@@ -439,6 +439,15 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
+def encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids with the tokenizer's own special tokens (e.g. BOS). The Rust backend's encode_batch_fast gives
+    the same ids as tokenizer(texts) without computing character offsets: ~15% faster (bench/bench_tokenize.py)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=True)]
+    return tokenizer(texts, add_special_tokens=True)["input_ids"]
+
+
 def tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: int = 1000) -> int:
     """Tokenise the `text` column into one flat token stream, EOS after each document.
 
@@ -452,7 +461,7 @@ def tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: i
     total = 0
     with open(tmp, "wb") as fh:
         for batch in dataset.iter(batch_size=batch_rows):
-            encoded = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
+            encoded = encode_batch(tokenizer, batch["text"])
             pieces = [np.asarray(ids + [eos] if not ids or ids[-1] != eos else ids, dtype=dtype) for ids in encoded]
             if pieces:
                 chunk = np.concatenate(pieces)

@@ -407,3 +407,15 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_m
         timeout=120,
     )
     assert missing.returncode == 2 and "not in the local cache" in missing.stdout
+
+
+def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, scratch_model):
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(scratch_model)
+    split = datasets.load_from_disk(str(dataset_dir))["train"]
+    count = ft.tokenize_to_file(split, tokenizer, tmp_path / "t.tokens", batch_rows=7)
+    stream = np.fromfile(tmp_path / "t.tokens", dtype=ft._token_dtype(len(tokenizer)))
+    expected = [i for text in split["text"] for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    assert count == len(stream) and stream.tolist() == expected
