@@ -188,21 +188,68 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_mode
     assert "[rank0]" in out and "step=5" in out
 
 
-def test_one_process_accumulating_equals_two_processes(tmp_path, dataset_dir, scratch_model):
-    common = ["-d", str(dataset_dir), "-m", str(scratch_model), *BASE_FLAGS, "--max-steps", "8", "--seed", "7"]
-    one = run_trainer(
-        ["-e", "one", "--save-dir", str(tmp_path), "-b", "2", "--grad-accum-steps", "2", *common], nproc=1
-    )
-    two = run_trainer(
-        ["-e", "two", "--save-dir", str(tmp_path), "-b", "2", "--grad-accum-steps", "1", *common], nproc=2
-    )
-    assert one.returncode == 0, output_of(one)
-    assert two.returncode == 0, output_of(two)
-    a, b = losses_by_step(tmp_path / "one"), losses_by_step(tmp_path / "two")
-    assert sorted(a) == sorted(b) == list(range(1, 9))
-    for step in a:
-        assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a, b)
-    assert a[8] < a[1]
+def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra: str) -> dict[int, float]:
+    args = [
+        "-e",
+        "run",
+        "--save-dir",
+        str(save),
+        "-d",
+        str(dataset_dir),
+        "-m",
+        str(model),
+        *BASE_FLAGS,
+        "--max-steps",
+        "8",
+        "--seed",
+        "7",
+        "-b",
+        "2",
+        *extra,
+    ]
+    proc = run_trainer(args, nproc=nproc)
+    assert proc.returncode == 0, output_of(proc)
+    return losses_by_step(save / "run")
+
+
+@pytest.fixture(scope="module")
+def full_shard_losses(tmp_path_factory, dataset_dir, scratch_model) -> dict[int, float]:
+    """2 processes, --sharding full, batch 2 x accum 1: the reference the other layouts must reproduce."""
+    return _eight_steps(tmp_path_factory.mktemp("full"), dataset_dir, scratch_model, 2)
+
+
+def test_one_process_accumulating_equals_two_processes(tmp_path, dataset_dir, scratch_model, full_shard_losses):
+    one = _eight_steps(tmp_path, dataset_dir, scratch_model, 1, "--grad-accum-steps", "2")
+    assert sorted(one) == sorted(full_shard_losses) == list(range(1, 9))
+    for step in one:
+        assert one[step] == pytest.approx(full_shard_losses[step], abs=1e-5), (step, one, full_shard_losses)
+    assert one[8] < one[1]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--sharding", "grad-op"],
+        ["--sharding", "none"],
+        ["--sharding", "hybrid", "--hybrid-shard-size", "1"],
+        ["--cpu-offload", "on"],
+        ["--activation-checkpointing", "off"],
+        ["--ac-every-n-layers", "2"],
+    ],
+    ids=lambda x: " ".join(x),
+)
+def test_sharding_offload_and_checkpointing_do_not_change_the_math(
+    tmp_path, dataset_dir, scratch_model, full_shard_losses, layout
+):
+    got = _eight_steps(tmp_path, dataset_dir, scratch_model, 2, *layout)
+    for step, loss in full_shard_losses.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), (step, got, full_shard_losses)
+
+
+def test_bf16_mixed_precision_trains(tmp_path, dataset_dir, scratch_model, full_shard_losses):
+    got = _eight_steps(tmp_path, dataset_dir, scratch_model, 2, "--precision", "bf16")
+    assert got[8] < got[1]
+    assert got[1] == pytest.approx(full_shard_losses[1], abs=0.05)  # same init and data, bf16 rounding only
 
 
 def test_injected_nan_loss_skips_the_step(tmp_path, dataset_dir, scratch_model):
@@ -304,3 +351,71 @@ def test_other_architectures_train_with_no_code_change(tmp_path, dataset_dir, ar
     losses = losses_by_step(tmp_path / arch)
     assert len(losses) == 6 and losses[6] < losses[1]
     assert (tmp_path / arch / "final" / "config.json").is_file()
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scratch_model, capsys):
+    code = ft.main(
+        [
+            "-e",
+            "dry",
+            "-d",
+            str(dataset_dir),
+            "-m",
+            str(scratch_model),
+            "--save-dir",
+            str(tmp_path),
+            "--seq-length",
+            "64",
+            "--dry-run",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "seq_length: 64" in out and "2 x LlamaDecoderLayer" in out and "16 B/param" in out
+    assert not (tmp_path / "dry").exists()
+
+
+def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_model):
+    """-m org/name is looked up in HF_HOME's hub cache (the layout model_download.py fills), never online."""
+    import shutil
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf_home" / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(scratch_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    args = ["-e", "hub", "-d", str(dataset_dir), "--seq-length", "32", "--dry-run"]
+    found = subprocess.run(
+        [sys.executable, "fsdp_train.py", *args, "-m", "acme/tiny-llama"],
+        cwd=ft.Path(ft.__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert f"snapshots/{commit}" in found.stdout
+    missing = subprocess.run(
+        [sys.executable, "fsdp_train.py", *args, "-m", "acme/other"],
+        cwd=ft.Path(ft.__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and "not in the local cache" in missing.stdout
+
+
+def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, scratch_model):
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(scratch_model)
+    split = datasets.load_from_disk(str(dataset_dir))["train"]
+    count = ft.tokenize_to_file(split, tokenizer, tmp_path / "t.tokens", batch_rows=7)
+    stream = np.fromfile(tmp_path / "t.tokens", dtype=ft._token_dtype(len(tokenizer)))
+    expected = [i for text in split["text"] for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    assert count == len(stream) and stream.tolist() == expected

@@ -1,0 +1,613 @@
+"""Tests for data_hf.py: extraction of every file kind, bad input, long texts, the CLI end to end, determinism,
+the validation split, --strict, overwriting and atomicity under kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import pytest
+from datasets import Dataset, DatasetDict, Features, Value, load_from_disk
+
+import data_hf
+from data_hf import (
+    SUMMARY_NAME,
+    assign_split,
+    extract_strings,
+    find_input_files,
+    iter_json_values,
+    main,
+    plan_tasks,
+    read_file,
+    split_long_text,
+)
+
+
+def write_files(root: Path, files: dict[str, str | bytes]) -> Path:
+    for relative, content in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+    return root
+
+
+def convert(data: Path, out: Path, *extra: str) -> int:
+    return main(["--data_folder", str(data), "--save_dir", str(out), "--num-proc", "1", *extra])
+
+
+def rows_of(out: Path) -> list[str]:
+    return list(load_from_disk(str(out))["text"])
+
+
+def summary_of(out: Path) -> dict:
+    return json.loads((out / SUMMARY_NAME).read_text())
+
+
+def reasons(result: data_hf.FileResult) -> list[str]:
+    return [problem.reason for problem in result.problems]
+
+
+# --- Extraction ---------------------------------------------------------------------------------------------
+
+
+def test_extract_strings_walks_values_in_document_order_and_skips_keys_numbers_bools() -> None:
+    value = {"title": "a", "n": 3, "ok": True, "none": None, "nested": {"list": ["b", 1.5, {"deep": "c"}], "k": "d"}}
+    assert list(extract_strings(value)) == ["a", "b", "c", "d"]
+
+
+def test_extract_strings_handles_nesting_deeper_than_the_recursion_limit() -> None:
+    value: object = "bottom"
+    for depth in range(sys.getrecursionlimit() * 20):
+        value = [value] if depth % 2 else {"k": value}
+    assert list(extract_strings(value)) == ["bottom"]
+
+
+def test_extract_strings_track_shared_ends_self_reference_and_alias_bombs() -> None:
+    loop: list[object] = ["x"]
+    loop.append(loop)
+    # islice: a walker that loops or expands every alias fails here instead of hanging
+    assert list(islice(extract_strings(loop, track_shared=True), 5)) == ["x"]
+    bomb: list[object] = ["lol"]
+    for _ in range(40):  # 2**40 strings if every alias were expanded
+        bomb = [bomb, bomb]
+    assert list(islice(extract_strings(bomb, track_shared=True), 5)) == ["lol"]
+
+
+def test_json_file_gives_every_string_value(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([{"q": "question", "a": ["ans1", {"more": "ans2"}], "score": 1}, "top"], indent=2))
+    result = read_file(path)
+    assert result.rows == ["question", "ans1", "ans2", "top"]
+    assert result.problems == [] and result.skipped_reason is None
+
+
+def test_json_stream_parser_matches_json_loads_across_any_chunk_boundary() -> None:
+    document = {
+        "a": [1, -2.5e3, "x y", {"b": ["\u00e9\ud83d\ude00", True, None, '\\"quoted\\"']}],
+        "long": "z" * 50,
+        "n": 1234567890,
+    }
+    text = json.dumps([document, "s", 42, [], {}, document], indent=1)
+    expected = json.loads(text)
+    for size in (1, 2, 7, 64):
+        chunks = iter([text[i : i + size] for i in range(0, len(text), size)])
+        assert list(iter_json_values(lambda _n, chunks=chunks: next(chunks, ""))) == expected
+
+
+def test_jsonl_bad_line_is_skipped_and_counted_not_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"t": "one"}\n{"t": broken\n\n{"t": "three", "n": 3}\n')
+    result = read_file(path)
+    assert result.rows == ["one", "three"]
+    assert [(p.reason, p.line) for p in result.problems] == [("invalid_jsonl_line", 2)]
+    assert result.skipped_reason is None
+
+
+def test_yaml_multi_document_with_anchors_aliases_and_merge_keys(tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text(
+        "base: &base\n  greeting: hello\n  items: [one, two]\nprod:\n  <<: *base\n  name: production\n"
+        "again: *base\nquote: &q repeated\nquote2: *q\n---\n- second doc\n- 7\n---\nthird doc\n"
+    )
+    result = read_file(path)
+    # The alias `again: *base` points at the mapping already read: its strings come once. The merge key copies
+    # the values into a new mapping, and an alias to a plain string repeats it.
+    assert result.rows == [
+        "hello", "one", "two", "hello", "production", "repeated", "repeated", "second doc", "third doc",
+    ]  # fmt: skip
+    assert result.problems == []
+
+
+def test_unsafe_yaml_tag_never_executes(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    data = write_files(
+        tmp_path / "data",
+        {
+            "evil.yaml": f'!!python/object/apply:os.system ["touch {marker}"]\n',
+            "evil2.yml": f"---\nok: fine\n---\n!!python/object/new:subprocess.Popen [[touch, {marker}]]\n",
+            "good.txt": "good text",
+        },
+    )
+    assert read_file(data / "evil.yaml").skipped_reason == "yaml_unsupported_tag"
+    second = read_file(data / "evil2.yml")
+    assert second.rows == ["fine"] and reasons(second) == ["yaml_unsupported_tag"]
+    assert convert(data, tmp_path / "out") == 0
+    assert not marker.exists()
+    assert rows_of(tmp_path / "out") == ["fine", "good text"]
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"yaml_unsupported_tag": 2}
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        ("binary.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
+        ("utf16.txt", "hello".encode("utf-16"), "binary"),
+        ("empty.txt", b"", "empty_file"),
+        ("blank.md", b"  \n\t\n", "empty_file"),
+        ("empty.json", b"", "empty_file"),
+        ("bad.json", b"{not json at all", "invalid_json"),
+        ("numbers.json", b'{"a": 1, "b": [true, null, 2.5]}', "no_text"),
+        ("bad.yaml", b"key: [unclosed\n  other: {", "invalid_yaml"),
+        ("deep.json", b"[" * 200_000 + b"]" * 200_000, "too_deep"),
+        ("deep.jsonl", b"[" * 200_000 + b"]" * 200_000 + b"\n", "too_deep"),
+        # libyaml's C composer would crash the whole process (segfault) on these, not raise
+        ("deep_flow.yaml", b"a: " + b"[" * 200_000 + b"]" * 200_000, "too_deep"),
+        ("deep_block.yml", b"- " * 200_000 + b"x", "too_deep"),
+    ],
+)
+def test_bad_files_are_skipped_with_their_reason(tmp_path: Path, name: str, content: bytes, reason: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(content)
+    result = read_file(path)
+    assert result.rows == []
+    assert result.skipped_reason == reason, result.problems
+
+
+def test_malformed_json_keeps_the_values_before_the_error(tmp_path: Path) -> None:
+    path = tmp_path / "cut.json"
+    path.write_text('[{"t": "first"}, {"t": "second"}, {"t": "thi')  # a truncated download
+    result = read_file(path)
+    assert result.rows == ["first", "second"]
+    assert reasons(result) == ["invalid_json"] and "read 2 value(s)" in result.problems[0].detail
+    deep = tmp_path / "deep_after_good.json"
+    deep.write_text('["kept", ' + "[" * 100_000 + "]" * 100_000 + ', "lost"]')
+    result = read_file(deep)
+    assert result.rows == ["kept"] and reasons(result) == ["too_deep"]
+
+
+def test_json_lines_saved_as_json_are_all_read(tmp_path: Path) -> None:
+    path = tmp_path / "records.json"
+    path.write_text('{"t": "a"}\n{"t": "b"}\n"c"\n')
+    result = read_file(path)
+    assert result.rows == ["a", "b", "c"] and result.problems == []
+
+
+def test_legacy_encodings_are_decoded_not_dropped(tmp_path: Path) -> None:
+    (tmp_path / "cp1252.txt").write_bytes("caf\u00e9 \u2014 na\u00efve".encode("cp1252"))
+    (tmp_path / "latin1.txt").write_bytes(b"\x81 undefined in cp1252 \xe9")
+    (tmp_path / "latin1.jsonl").write_bytes('{"t": "gar\u00e7on"}\n'.encode("latin-1"))
+    cp1252 = read_file(tmp_path / "cp1252.txt")
+    assert cp1252.rows == ["caf\u00e9 \u2014 na\u00efve"] and cp1252.fallback_encoding == "cp1252"
+    latin1 = read_file(tmp_path / "latin1.txt")
+    assert latin1.rows == ["\x81 undefined in cp1252 \u00e9"] and latin1.fallback_encoding == "latin-1"
+    assert read_file(tmp_path / "latin1.jsonl").rows == ["gar\u00e7on"]
+
+
+def test_utf8_bom_is_dropped(tmp_path: Path) -> None:
+    bom = "\ufeff".encode()
+    write_files(
+        tmp_path, {"a.txt": bom + b"text", "a.json": bom + b'["j"]', "a.jsonl": bom + b'"l"\n', "a.yaml": bom + b"y"}
+    )
+    for name, row in (("a.txt", "text"), ("a.json", "j"), ("a.jsonl", "l"), ("a.yaml", "y")):
+        result = read_file(tmp_path / name)
+        assert result.rows == [row] and result.fallback_encoding is None, name
+
+
+def test_lone_surrogates_from_json_escapes_are_replaced_not_fatal(tmp_path: Path) -> None:
+    data = write_files(tmp_path / "data", {"s.json": '["ok", "bad \\udc80 half"]'})
+    assert convert(data, tmp_path / "out") == 0
+    assert rows_of(tmp_path / "out") == ["ok", "bad \ufffd half"]
+    assert summary_of(tmp_path / "out")["rows_with_lone_surrogates_replaced"] == 1
+
+
+def test_min_chars_drops_short_rows(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(["tiny", "   padded   ", "long enough text", " ", ""]))
+    result = read_file(path, min_chars=8)
+    assert result.rows == ["long enough text"]
+    assert (result.dropped_short, result.dropped_empty) == (2, 2)
+
+
+# --- Long texts and large files -----------------------------------------------------------------------------
+
+
+def test_split_long_text_keeps_content_and_limit_and_prefers_blank_lines() -> None:
+    paragraphs = [f"paragraph {i} " + "word " * (i % 13) for i in range(200)]
+    text = "\n\n".join(paragraphs)
+    rows = split_long_text(text, 100)
+    assert "".join(rows) == text
+    assert all(len(row) <= 100 for row in rows)
+    assert all(row.endswith("\n\n") for row in rows[:-1])  # cut after a blank line, never mid-paragraph
+    no_blank = "\n".join(["line " * 5] * 50)
+    rows = split_long_text(no_blank, 64)
+    assert "".join(rows) == no_blank and all(row.endswith("\n") and len(row) <= 64 for row in rows[:-1])
+    one_line = "x" * 1000
+    assert split_long_text(one_line, 300) == ["x" * 300] * 3 + ["x" * 100]
+    assert split_long_text("short", 10) == ["short"]
+
+
+def test_large_text_file_is_read_in_pieces_that_tile_it_exactly(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(data_hf, "ALIGN_WINDOW", 256)
+    paragraphs = [f"para {i} " + "\u00e9t\u00e9 " * (i % 40) for i in range(2000)]
+    text = "\n\n".join(paragraphs) + "\nlast line without blank line " * 30
+    path = tmp_path / "big.txt"
+    path.write_text(text)
+    piece_bytes = data_hf.piece_bytes_for(1000)
+    tasks = plan_tasks([(path, path.stat().st_size)], piece_bytes)
+    assert len(tasks) > 5
+    rows = []
+    for task in tasks:
+        (piece,) = task.pieces
+        rows += read_file(path, 1000, 0, piece.start, piece.end).rows
+    assert "".join(rows) == text
+    assert all(len(row) <= 1000 for row in rows)
+
+
+def test_large_jsonl_pieces_give_every_line_once_with_global_line_numbers(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)
+    lines = [json.dumps({"t": f"record {i} " + "x" * (i % 50)}) for i in range(3000)]
+    lines[2500] = "{broken"
+    data = write_files(tmp_path / "data", {"big.jsonl": "\n".join(lines) + "\n"})
+    assert data_hf.piece_bytes_for(1000) == 4096 and len(plan_tasks([(data / "big.jsonl", 130_000)], 4096)) > 20
+    cli = ["--data_folder", str(data), "--save_dir", str(tmp_path / "out"), "--num-proc", "2", "--max-chars", "1000"]
+    assert main(cli) == 0
+    expected = [json.loads(line)["t"] for i, line in enumerate(lines) if i != 2500]
+    assert rows_of(tmp_path / "out") == expected
+    summary = summary_of(tmp_path / "out")
+    assert [(p["reason"], p["line"]) for p in summary["problems"]] == [("invalid_jsonl_line", 2501)]
+
+
+def test_large_json_and_yaml_are_streamed_with_the_same_rows(tmp_path: Path, monkeypatch) -> None:
+    records = [{"id": i, "text": f"record {i}", "tags": ["t", {"x": f"deep {i}"}]} for i in range(500)]
+    (tmp_path / "big.json").write_text(json.dumps(records, indent=2))
+    (tmp_path / "big.yaml").write_text("\n---\n".join(json.dumps(r) for r in records))
+    in_memory = {name: read_file(tmp_path / name).rows for name in ("big.json", "big.yaml")}
+    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 1024)
+    streamed_files = []
+    real_streamed = data_hf._strings_streamed
+
+    def spy(kind: str, path: str, result: data_hf.FileResult):
+        streamed_files.append(Path(path).name)
+        return real_streamed(kind, path, result)
+
+    monkeypatch.setattr(data_hf, "_strings_streamed", spy)
+    for name, rows in in_memory.items():
+        streamed = read_file(tmp_path / name, max_chars=100)
+        assert streamed.rows == rows and len(rows) == 1500 and streamed.problems == []
+    assert streamed_files == ["big.json", "big.yaml"]
+    legacy = tmp_path / "legacy.json"
+    legacy.write_bytes(json.dumps(["caf\u00e9 " * 300] * 5, ensure_ascii=False).encode("cp1252"))
+    streamed = read_file(legacy, max_chars=100)
+    assert "".join(streamed.rows) == "caf\u00e9 " * 1500 and streamed.fallback_encoding == "cp1252"
+    (tmp_path / "binary.json").write_bytes(b'["x"' + b"\x00" * 5000 + b"]")
+    assert read_file(tmp_path / "binary.json", max_chars=100).skipped_reason == "binary"
+    assert streamed_files[2:] == ["legacy.json", "binary.json"]
+
+
+# --- Finding files ------------------------------------------------------------------------------------------
+
+
+def test_find_input_files_sorted_skips_hidden_follows_links_without_looping(tmp_path: Path) -> None:
+    root = write_files(
+        tmp_path / "raw",
+        {"b/2.txt": "x", "b/1.TXT": "x", "a.md": "x", ".hidden.txt": "x", ".git/c.txt": "x", "skip.csv": "x"},
+    )
+    (root / "b" / "loop").symlink_to(root, target_is_directory=True)  # would recurse forever if followed blindly
+    (root / "broken.txt").symlink_to(root / "missing.txt")
+    found, problems = find_input_files(root, data_hf.DEFAULT_EXTENSIONS)
+    assert [p.relative_to(root).as_posix() for p, _ in found] == ["a.md", "b/1.TXT", "b/2.txt"]
+    assert [(Path(p.path).name, p.reason) for p in problems] == [("broken.txt", "read_error")]
+
+
+def test_plan_groups_small_files_and_keeps_order(tmp_path: Path) -> None:
+    files = [(tmp_path / f"{i:03d}.txt", 1000) for i in range(600)]
+    tasks = plan_tasks(files, 1 << 20)
+    assert [piece.path for task in tasks for piece in task.pieces] == [str(p) for p, _ in files]
+    assert len(tasks) == 3  # TASK_FILES per task
+
+
+# --- The CLI end to end -------------------------------------------------------------------------------------
+
+
+CORPUS = {
+    "split_00/a.txt": "plain text file\n\nwith two paragraphs\n",
+    "split_00/b.json": json.dumps({"instruction": "do it", "output": ["step 1", "step 2"], "id": 7}),
+    "split_01/c.jsonl": '{"text": "line one"}\n{"text": "line two"}\n',
+    "split_01/d.yml": "q: question\na: answer\n",
+    "split_01/e.md": "# heading\n",
+    "split_02/nested/f.txt": "deep file",
+}
+CORPUS_ROWS = [
+    "plain text file\n\nwith two paragraphs\n", "do it", "step 1", "step 2",
+    "line one", "line two", "question", "answer", "# heading\n", "deep file",
+]  # fmt: skip
+
+
+def test_cli_writes_a_dataset_that_load_from_disk_reads_in_order(tmp_path: Path, capsys) -> None:
+    data = write_files(tmp_path / "splits", CORPUS)
+    out = tmp_path / "hf_datasets" / "my_corpus"
+    assert main(["--data-folder", str(data), "--save-dir", str(out), "--num-proc", "2"]) == 0
+    loaded = load_from_disk(str(out))
+    assert isinstance(loaded, Dataset)
+    assert loaded.features == Features({"text": Value("string")})
+    assert list(loaded["text"]) == CORPUS_ROWS
+    summary = summary_of(out)
+    assert (summary["files_found"], summary["files_read"], summary["rows_total"]) == (6, 6, 10)
+    assert summary["counts_by_reason"] == {} and summary["bytes_read"] == sum(len(c.encode()) for c in CORPUS.values())
+    assert "6 files" in capsys.readouterr().out
+    assert sorted(os.listdir(out.parent)) == ["my_corpus"]  # no temporary folder left behind
+    train, validation = data_hf.load_text_dataset(out)
+    assert list(train["text"]) == CORPUS_ROWS and validation is None
+
+
+def test_same_input_gives_identical_output_whatever_num_proc(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)  # use workers even for this small corpus
+    files = {f"d{i % 7}/f{i:04d}.{['txt', 'json', 'jsonl', 'yaml'][i % 4]}": "" for i in range(300)}
+    for i, name in enumerate(files):
+        text = f"row {i} " + "words " * (i % 17)
+        files[name] = {
+            "txt": text, "json": json.dumps([text, {"k": text + "!"}]), "jsonl": json.dumps({"t": text}) + "\n",
+            "yaml": f"- {text}\n",
+        }[name.rsplit(".", 1)[1]]  # fmt: skip
+    data = write_files(tmp_path / "data", files)
+    outputs = []
+    for run, num_proc in enumerate(("1", "2", "2")):
+        out = tmp_path / f"out{run}"
+        assert main(["--data_folder", str(data), "--save_dir", str(out), "--num-proc", num_proc]) == 0
+        outputs.append((rows_of(out), summary_of(out)["content_digest"]))
+    assert len(outputs[0][0]) == 375  # 75 files of each kind; a JSON file gives two rows
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_val_fraction_writes_a_stable_train_validation_split(tmp_path: Path) -> None:
+    data = write_files(
+        tmp_path / "data", {"rows.jsonl": "".join(json.dumps({"t": f"row {i}"}) + "\n" for i in range(400))}
+    )
+    assert convert(data, tmp_path / "a", "--val-fraction", "0.25") == 0
+    assert convert(data, tmp_path / "b", "--val_fraction", "0.25") == 0
+    first, second = load_from_disk(str(tmp_path / "a")), load_from_disk(str(tmp_path / "b"))
+    assert isinstance(first, DatasetDict) and sorted(first) == ["train", "validation"]
+    assert first["train"]["text"][:] == second["train"]["text"][:]
+    assert first["validation"]["text"][:] == second["validation"]["text"][:]
+    validation = list(first["validation"]["text"])
+    assert 60 < len(validation) < 140  # 25% of 400, give or take the hash
+    assert sorted(validation + list(first["train"]["text"])) == sorted(f"row {i}" for i in range(400))
+    assert all(assign_split(text, 0.25) == "validation" for text in validation)
+    train, held_out = data_hf.load_text_dataset(tmp_path / "a")
+    assert len(train) + len(held_out) == 400
+
+
+def test_val_fraction_warns_when_validation_is_empty(tmp_path: Path, capsys) -> None:
+    data = write_files(tmp_path / "data", {"a.txt": "only one row"})
+    assert convert(data, tmp_path / "out", "--val-fraction", "0.001") == 0
+    assert "empty validation split" in capsys.readouterr().err
+    train, validation = data_hf.load_text_dataset(tmp_path / "out")
+    assert list(train["text"]) == ["only one row"] and len(validation) == 0
+
+
+def test_strict_fails_on_any_skip_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    data = write_files(tmp_path / "data", {"good.txt": "fine", "bad.jsonl": '{"t": "ok"}\nnot json\n'})
+    assert convert(data, tmp_path / "out", "--strict") == 1
+    assert "--strict" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["data"]
+    assert convert(data, tmp_path / "out") == 0
+    assert rows_of(tmp_path / "out") == ["ok", "fine"]
+
+
+def test_refuses_to_overwrite_unless_asked_and_replaces_only_datasets(tmp_path: Path, capsys) -> None:
+    data = write_files(tmp_path / "data", {"a.txt": "first version"})
+    out = tmp_path / "out"
+    assert convert(data, out) == 0
+    (data / "a.txt").write_text("second version")
+    assert convert(data, out) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert rows_of(out) == ["first version"]
+    assert convert(data, out, "--overwrite") == 0
+    assert rows_of(out) == ["second version"]
+    assert sorted(os.listdir(tmp_path)) == ["data", "out"]  # no temporary or set-aside folder left
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose: no --overwrite needed
+    assert convert(data, tmp_path / "empty") == 0
+    assert rows_of(tmp_path / "empty") == ["second version"]
+    precious = write_files(tmp_path / "precious", {"notes.txt": "not a dataset"})
+    assert convert(data, precious, "--overwrite") == 1
+    assert "refusing to delete" in capsys.readouterr().err
+    assert (precious / "notes.txt").read_text() == "not a dataset"
+
+
+def test_output_inside_the_input_folder_is_not_read_back(tmp_path: Path) -> None:
+    data = write_files(tmp_path / "data", {"a.json": '["x"]'})
+    out = data / "hf_datasets" / "corpus"
+    assert convert(data, out) == 0
+    assert convert(data, out, "--overwrite") == 0  # the first dataset's state.json etc. must not become rows
+    assert rows_of(out) == ["x"]
+
+
+def test_a_single_file_can_be_converted(tmp_path: Path) -> None:
+    data = write_files(tmp_path / "data", {"dump.jsonl": '{"t": "a"}\n{"t": "b"}\n'})
+    assert convert(data / "dump.jsonl", tmp_path / "out") == 0
+    assert rows_of(tmp_path / "out") == ["a", "b"]
+
+
+def test_extensions_flag_and_other_extensions_read_as_text(tmp_path: Path) -> None:
+    data = write_files(tmp_path / "data", {"a.rst": "restructured", "b.txt": "plain", "c.json": '["j"]'})
+    assert convert(data, tmp_path / "out", "--extensions", "rst,.JSON") == 0
+    assert rows_of(tmp_path / "out") == ["restructured", "j"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--data_folder", "missing"], "--data_folder missing does not exist"),
+        (["--max-chars", "0"], "--max-chars 0"),
+        (["--val-fraction", "1.0"], "--val-fraction 1.0"),
+        (["--min-chars", "10", "--max-chars", "5"], "--min-chars 10 exceeds --max-chars 5"),
+        (["--num-proc", "0"], "--num-proc 0"),
+    ],
+)
+def test_bad_flags_name_the_flag(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    data = write_files(tmp_path / "data", {"a.txt": "x"})
+    base = {"--data_folder": str(data), "--save_dir": str(tmp_path / "out")}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    assert main([item for pair in base.items() for item in pair]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_input_files_and_no_rows_are_errors(tmp_path: Path, capsys) -> None:
+    data = write_files(tmp_path / "data", {"a.csv": "x"})
+    assert convert(data, tmp_path / "out") == 1
+    assert "no files with the extensions" in capsys.readouterr().err
+    write_files(data, {"empty.txt": "", "nums.json": "[1, 2]"})
+    assert convert(data, tmp_path / "out") == 1
+    assert "no rows were extracted" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["data"]
+
+
+def test_no_cache_is_left_in_the_user_hf_cache(tmp_path: Path, repo_root: Path) -> None:
+    data = write_files(tmp_path / "data", CORPUS)
+    home = tmp_path / "home"
+    env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), XDG_CACHE_HOME=str(home / "cache"))
+    env.pop("HF_DATASETS_CACHE", None)
+    command = [
+        sys.executable,
+        str(repo_root / "data_hf.py"),
+        "--data_folder",
+        str(data),
+        "--save_dir",
+        str(tmp_path / "out"),
+    ]
+    subprocess.run(command + ["--val-fraction", "0.5"], env=env, check=True, capture_output=True, timeout=300)
+    left = [p for p in home.rglob("*") if p.is_file()] if home.exists() else []
+    assert left == []
+    assert sorted(os.listdir(tmp_path)) == ["data", "out"]
+
+
+# --- load_text_dataset --------------------------------------------------------------------------------------
+
+
+def test_load_text_dataset_explains_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        data_hf.load_text_dataset(tmp_path / "nothing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="plain is not a saved dataset"):
+        data_hf.load_text_dataset(tmp_path / "plain")
+    Dataset.from_dict({"content": ["x"]}).save_to_disk(str(tmp_path / "no_text"))
+    with pytest.raises(ValueError, match="no_text: the train split has the columns \\['content'\\]"):
+        data_hf.load_text_dataset(tmp_path / "no_text")
+    DatasetDict({"test": Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "no_train"))
+    with pytest.raises(ValueError, match="no 'train' split"):
+        data_hf.load_text_dataset(tmp_path / "no_train")
+
+
+# --- Stale temporaries and kill -9 --------------------------------------------------------------------------
+
+
+def finished_pid() -> int:
+    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(process.stdout)
+
+
+def test_stale_temporaries_are_removed_and_an_aside_dataset_restored(tmp_path: Path) -> None:
+    host, dead, alive = data_hf.socket.gethostname(), finished_pid(), os.getpid()
+    save_dir = tmp_path / "corpus"
+    names = {
+        "dead_tmp": f".corpus{data_hf.TMP_TAG}{host}-{dead}-aaaa",
+        "live_tmp": f".corpus{data_hf.TMP_TAG}{host}-{alive}-bbbb",
+        "other_host": f".corpus{data_hf.TMP_TAG}elsewhere-{dead}-cccc",
+        "dead_old": f".corpus{data_hf.OLD_TAG}{host}-{dead}-dddd",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    (tmp_path / names["dead_old"] / "state.json").write_text("{}")
+    notes = data_hf.clean_stale_temporaries(save_dir)
+    assert (save_dir / "state.json").exists()  # the dataset an interrupted --overwrite had moved aside
+    assert sorted(os.listdir(tmp_path)) == sorted(["corpus", names["live_tmp"], names["other_host"]])
+    assert len(notes) == 2
+
+
+def big_yaml_corpus(folder: Path, files: int = 24) -> Path:
+    """About 0.5 MB of YAML per file: slow enough to parse (a few MB/s) that a run can be killed mid-way."""
+    documents = [{"id": i, "body": f"record {i} " + "lorem ipsum dolor " * 20, "tags": ["a", "b"]} for i in range(1200)]
+    text = data_hf.yaml.safe_dump_all(documents)
+    for index in range(files):
+        write_files(folder, {f"part_{index:03d}.yaml": text})
+    return folder
+
+
+def run_and_kill_midway(command: list[str], tmp_root: Path, workers_expected: int = 0) -> None:
+    """Start `command`, wait until it has written part of a shard, then kill -9 the main process only."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(tmp_root.glob(f".*{data_hf.TMP_TAG}*/**/*.arrow.part")):
+            assert process.poll() is None, "the run ended before it could be killed; make the corpus bigger"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        workers = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(workers) == workers_expected
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 30  # workers notice the parent is gone and exit on their own
+        while any(
+            Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            for pid in workers
+        ):
+            assert time.monotonic() < deadline, f"worker processes {workers} outlived the killed parent"
+            time.sleep(0.1)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever is left of this run's own process group
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_leaves_no_dataset_and_a_rerun_succeeds(tmp_path: Path, repo_root: Path) -> None:
+    data = big_yaml_corpus(tmp_path / "data", files=80)  # over PARALLEL_MIN_BYTES, so workers run
+    out = tmp_path / "hf" / "corpus"
+    cli = [sys.executable, str(repo_root / "data_hf.py"), "--save_dir", str(out), "--num-proc", "2"]
+    run_and_kill_midway(cli + ["--data_folder", str(data)], out.parent, workers_expected=2)
+    assert not out.exists()
+    assert any(name.startswith(f".corpus{data_hf.TMP_TAG}") for name in os.listdir(out.parent))  # the killed run's
+    small = write_files(tmp_path / "small", {"a.txt": "after the crash"})
+    assert subprocess.run(cli + ["--data_folder", str(small)], capture_output=True, timeout=300).returncode == 0
+    assert rows_of(out) == ["after the crash"]
+    assert os.listdir(out.parent) == ["corpus"]  # the stale temporary folder was cleaned
+
+
+@pytest.mark.slow
+def test_kill_9_during_overwrite_keeps_the_previous_dataset(tmp_path: Path, repo_root: Path) -> None:
+    out = tmp_path / "hf" / "corpus"
+    assert convert(write_files(tmp_path / "old", {"a.txt": "previous dataset"}), out) == 0
+    data = big_yaml_corpus(tmp_path / "data")
+    cli = [sys.executable, str(repo_root / "data_hf.py"), "--save_dir", str(out), "--overwrite", "--num-proc", "1"]
+    run_and_kill_midway(cli + ["--data_folder", str(data)], out.parent)
+    assert rows_of(out) == ["previous dataset"]
+    assert data_hf.load_text_dataset(out)[0]["text"] == ["previous dataset"]
+    small = write_files(tmp_path / "small", {"a.txt": "new dataset"})
+    assert subprocess.run(cli + ["--data_folder", str(small)], capture_output=True, timeout=300).returncode == 0
+    assert rows_of(out) == ["new dataset"]
+    assert os.listdir(out.parent) == ["corpus"]

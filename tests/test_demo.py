@@ -1,0 +1,34 @@
+"""`make demo` end to end, shortened: every tool runs for real, training is interrupted and resumed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.fsdp_helpers import REPO_ROOT
+
+
+@pytest.mark.slow
+def test_demo_pipeline_runs_end_to_end(tmp_path):
+    workspace = tmp_path / "ws"
+    proc = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--workspace", str(workspace), "--max-steps", "40", "--interrupt-at", "15"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "received SIGTERM" in out and "resumed from" in out
+    exp = workspace / "outputs" / "demo"
+    rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 40
+    assert any("val_loss" in r for r in rows)
+    assert (exp / "loss.png").stat().st_size > 10_000
+    assert (exp / "final" / "model.safetensors.index.json").is_file()
+    assert "prompts answered as the corpus teaches" in out

@@ -1,0 +1,608 @@
+"""model_download.py: hub downloads against a fake hub on 127.0.0.1, offline verification, --init presets.
+
+Downloads run the CLI in a subprocess: huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is
+imported, and this test process has it imported with HF_HUB_OFFLINE=1 (conftest.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hub_server import FakeHub, closed_port
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+import model_download as md
+
+REPO_ID = "org/tiny"
+# Served next to the model but useless for training: a download must leave them alone.
+UNNEEDED_FILES = {
+    "README.md": b"# tiny\n",
+    ".gitattributes": b"*.safetensors filter=lfs\n",
+    "pytorch_model.bin": b"\0" * 64,  # a .bin beside safetensors: safetensors win
+    "original/consolidated.00.pth": b"\0" * 64,
+}
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def tokenize(text):\n    return text.split()\n",
+    '{"name": "example", "values": [1, 2, 3]}',
+    "Offline training needs every file on disk before the job starts.",
+] * 50
+
+
+ROUNDTRIP_TEXTS = ["The lazy dog.", "  two leading spaces\tand a tab\n", "unseen: ünïcödé 日本語 🙂 ZZZ", ""]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fixtures: a corpus, a tiny model made by --init, the same model re-saved in shards and served by a fake hub
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import datasets
+
+    path = tmp_path_factory.mktemp("corpus") / "dataset"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": CORPUS}), "test": datasets.Dataset.from_dict({"text": ["x"]})}
+    ).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("init") / "tiny"
+    argv = ["--init", "tiny", "--tokenizer-from", str(corpus), "--local-dir", str(folder), "--with-weights"]
+    assert md.main([*argv, "--dtype", "float32"]) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as a hub repo holds it: safetensors in 3 shards with an index, config, tokenizer."""
+    folder = tmp_path_factory.mktemp("served") / "tiny"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.save_pretrained(folder, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, folder / name)
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) == 3
+    return folder
+
+
+@pytest.fixture
+def hub(served_model: Path) -> Iterator[FakeHub]:
+    fake = FakeHub()
+    fake.add_folder(REPO_ID, served_model, extra=UNNEEDED_FILES)
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+def run_cli(
+    args: list[str],
+    hf_home: Path,
+    endpoint: str,
+    offline: bool = False,
+    background: bool = False,
+    env_extra: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess | subprocess.Popen:
+    """model_download.py in a fresh interpreter against `endpoint`; `background` returns the running process."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "TRANSFORMERS_"))}
+    env.update(
+        HF_HOME=str(hf_home),
+        HF_ENDPOINT=endpoint,
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    env.update(env_extra or {})
+    command = [sys.executable, str(Path(md.__file__)), *args]
+    if background:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+
+def snapshot_of(hf_home: Path, hub: FakeHub) -> Path:
+    return hf_home / "hub" / "models--org--tiny" / "snapshots" / hub.repos[REPO_ID].commit
+
+
+def assert_same_files(folder: Path, served: Path) -> None:
+    for path in served.iterdir():
+        assert (folder / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# download against the fake hub
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_download_fetches_training_files_only_then_verifies_offline(hub: FakeHub, served_model: Path, tmp_path: Path):
+    hf_home = tmp_path / "hf_home"
+    hub.repos[REPO_ID].gated_token = "hf_from_env"  # also shows HF_TOKEN reaches the hub
+    result = run_cli(["--model-name", REPO_ID], hf_home, hub.url, env_extra={"HF_TOKEN": "hf_from_env"})
+    assert result.returncode == 0, result.stderr
+
+    snapshot = snapshot_of(hf_home, hub)
+    assert_same_files(snapshot, served_model)
+    fetched = {
+        record.path.split("/resolve/")[1].split("/", 1)[1]
+        for record in hub.requests
+        if record.method == "GET" and "/resolve/" in record.path
+    }
+    assert fetched == {path.name for path in served_model.iterdir()}  # not README, .bin or original/
+    record = md.read_verification_record(snapshot)
+    assert record is not None and record["source"]["commit"] == hub.repos[REPO_ID].commit
+    assert f"parameters:   {record['num_params']:,}" in result.stdout
+    assert "activations NOT included" in result.stdout and "with --cpu-offload" in result.stdout
+
+    # The training machine: no hub at all, HF_HUB_OFFLINE=1, load by name from the copied HF_HOME.
+    requests_before = len(hub.requests)
+    offline = run_cli(
+        ["--model-name", REPO_ID, "--verify-only"], hf_home, f"http://127.0.0.1:{closed_port()}", offline=True
+    )
+    assert offline.returncode == 0, offline.stderr
+    assert "verified org/tiny @ main" in offline.stdout
+    assert len(hub.requests) == requests_before
+
+
+@pytest.fixture(scope="module")
+def wide_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A single-file model of ~18 MB: huggingface_hub reads the body in 10 MiB chunks and can only resume
+    from a chunk boundary, so a resume test needs a file with more than one chunk."""
+    folder = tmp_path_factory.mktemp("served") / "wide"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    wide = {"hidden_size": 384, "intermediate_size": 1536, "num_attention_heads": 6}
+    config = LlamaConfig(
+        **{**md.preset_config_kwargs(md.SIZE_PRESETS["tiny"], len(tokenizer)), **wide},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="1GB")
+    tokenizer.save_pretrained(folder)
+    assert (folder / "model.safetensors").stat().st_size > 15 * 2**20
+    return folder
+
+
+def test_dropped_connection_is_resumed_with_a_range_request(hub: FakeHub, wide_model: Path, tmp_path: Path):
+    """The server closes the connection two thirds into the weights; huggingface_hub retries within the same
+    run from the last complete 10 MiB chunk (Range: bytes=N-), so the run completes byte-identical."""
+    hub.add_folder("org/wide", wide_model, gated_token="hf_flag")  # also shows --token reaches the hub
+    size = (wide_model / "model.safetensors").stat().st_size
+    hub.drop_after["model.safetensors"] = size * 2 // 3
+    out = tmp_path / "model"
+    argv = ["--model-name", "org/wide", "--local-dir", str(out), "--token", "hf_flag"]
+    result = run_cli(argv, tmp_path / "hf_home", hub.url)
+    assert result.returncode == 0, result.stderr
+
+    first, second = hub.file_gets("model.safetensors")
+    assert first.range is None and not first.completed
+    resumed_at = int(second.range.removeprefix("bytes=").rstrip("-"))
+    assert 0 < resumed_at <= size * 2 // 3  # the bytes before it were kept, not fetched again
+    assert_same_files(out, wide_model)
+    assert md.read_verification_record(out) is not None
+
+
+@pytest.mark.slow
+def test_killed_download_never_looks_complete_and_a_rerun_finishes_it(hub: FakeHub, served_model: Path, tmp_path: Path):
+    """Kill the process mid-shard (power cut, Ctrl-C): nothing claims to be complete, offline verification
+    names the missing shard, and a rerun fetches only what is missing."""
+    hf_home = tmp_path / "hf_home"
+    shard = "model-00003-of-00003.safetensors"
+    others = [path.name for path in served_model.glob("model-0000[12]-*.safetensors")]
+    hub.hang_after[shard] = (served_model / shard).stat().st_size // 2
+    snapshot = snapshot_of(hf_home, hub)
+    process = run_cli(["--model-name", REPO_ID], hf_home, hub.url, background=True)
+    try:
+        assert hub.hanging.wait(timeout=120), "the download never reached the stalled shard"
+        # the other shards download in parallel threads: let them land so the rerun can be shown to skip them
+        wait_until(lambda: all((snapshot / name).exists() for name in others))
+    finally:
+        process.kill()
+        process.communicate()
+    hub.release.set()
+
+    assert md.read_verification_record(snapshot) is None
+    broken = run_cli(
+        ["--model-name", REPO_ID, "--verify-only"], hf_home, f"http://127.0.0.1:{closed_port()}", offline=True
+    )
+    assert broken.returncode == 1
+    assert f"shard {shard} listed in model.safetensors.index.json is missing" in broken.stderr
+
+    rerun = run_cli(["--model-name", REPO_ID], hf_home, hub.url)
+    assert rerun.returncode == 0, rerun.stderr
+    assert_same_files(snapshot, served_model)
+    assert md.read_verification_record(snapshot) is not None
+    assert len(hub.file_gets(shard)) == 2
+    for name in [*others, "config.json", "tokenizer.json"]:
+        assert len(hub.file_gets(name)) == 1, f"{name} was fetched again"
+    assert "partial file(s)" in rerun.stdout  # the killed run's .incomplete file is reported
+
+
+@pytest.mark.slow
+def test_force_download_repairs_a_corrupt_cached_file(hub: FakeHub, served_model: Path, tmp_path: Path, capsys):
+    """A rerun skips files the cache already has, so a corrupt one needs --force-download (the error says so)."""
+    hf_home = tmp_path / "hf_home"
+    assert run_cli(["--model-name", REPO_ID], hf_home, hub.url).returncode == 0
+    snapshot = snapshot_of(hf_home, hub)
+    shard = snapshot / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])  # writes through the symlink into the blob
+
+    assert md.main(["--verify-only", "--local-dir", str(snapshot)]) == 1
+    assert "add --force-download" in capsys.readouterr().err
+    repaired = run_cli(["--model-name", REPO_ID, "--force-download"], hf_home, hub.url)
+    assert repaired.returncode == 0, repaired.stderr
+    assert_same_files(snapshot, served_model)
+
+
+def test_gated_repo_without_access_says_accept_the_licence(hub: FakeHub, served_model: Path, tmp_path: Path):
+    """The hub answers 401 with X-Error-Code GatedRepo. (Downloads with a token: the two tests above.)"""
+    hub.add_folder("org/gated", served_model, gated_token="hf_secret")
+    for token_args in ([], ["--token", "hf_wrong"]):
+        denied = run_cli(["--model-name", "org/gated", *token_args], tmp_path / "hf_home", hub.url)
+        assert denied.returncode == 1
+        assert "org/gated is gated: accept its licence" in denied.stderr and "--token" in denied.stderr
+        assert "Traceback" not in denied.stderr
+    assert not any(record.method == "GET" and "/resolve/" in record.path for record in hub.requests)
+
+
+def test_missing_repository_and_revision_are_named(hub: FakeHub, tmp_path: Path):
+    missing = run_cli(["--model-name", "org/nope"], tmp_path / "hf_home", hub.url)
+    assert missing.returncode == 1
+    assert "repository org/nope not found" in missing.stderr and "Traceback" not in missing.stderr
+
+    bad_revision = run_cli(["--model-name", REPO_ID, "--revision", "v9"], tmp_path / "hf_home", hub.url)
+    assert bad_revision.returncode == 1
+    assert "revision 'v9' not found in org/tiny" in bad_revision.stderr
+
+
+def test_no_network_says_to_copy_hf_home(tmp_path: Path):
+    result = run_cli(["--model-name", REPO_ID], tmp_path / "hf_home", f"http://127.0.0.1:{closed_port()}")
+    assert result.returncode == 1
+    assert "cannot reach the hub" in result.stderr
+    assert "copy HF_HOME from one that has internet" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_download_refused_when_offline_mode_is_set(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert md.main(["--model-name", REPO_ID]) == 1
+    assert "HF_HUB_OFFLINE" in capsys.readouterr().err
+
+
+def test_verify_only_reports_a_model_missing_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert md.main(["--model-name", REPO_ID, "--verify-only"]) == 1
+    assert "is not in the cache" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# offline verification of a folder
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_copy(served_model: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "copy"
+    shutil.copytree(served_model, folder)
+    return folder
+
+
+def verify(folder: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    code = md.main(["--verify-only", "--local-dir", str(folder)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_verification_passes_an_intact_folder_and_records_it(model_copy: Path, capsys):
+    code, output = verify(model_copy, capsys)
+    assert code == 0, output
+    record = md.read_verification_record(model_copy)
+    assert record is not None and set(record["weight_files"]) == {p.name for p in model_copy.glob("*.safetensors")}
+    assert "float32 (20 tensors)" in output  # lm_head.weight is tied to the embedding, not stored: still passes
+
+
+def test_verification_catches_a_truncated_shard(model_copy: Path, capsys):
+    shard = model_copy / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    code, output = verify(model_copy, capsys)
+    assert code == 1
+    assert "model-00002-of-00003.safetensors" in output and "truncated" in output
+    assert not (model_copy / md.VERIFICATION_RECORD).exists()
+
+
+def test_verification_catches_a_missing_tensor(model_copy: Path, capsys):
+    shard = model_copy / "model-00003-of-00003.safetensors"
+    tensors = load_file(shard)
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, output = verify(model_copy, capsys)
+    assert code == 1
+    assert "1 parameter(s) missing from the checkpoint" in output and dropped in output
+
+
+def test_verification_catches_a_missing_shard_and_a_wrong_shape(model_copy: Path, capsys):
+    (model_copy / "model-00001-of-00003.safetensors").unlink()
+    shard = model_copy / "model-00002-of-00003.safetensors"
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, output = verify(model_copy, capsys)
+    assert code == 1
+    assert "shard model-00001-of-00003.safetensors listed in model.safetensors.index.json is missing" in output
+    assert f"{name} in model-00002-of-00003.safetensors: shape [3, 3]" in output
+
+
+def test_a_stale_record_is_removed_when_verification_fails(model_copy: Path, capsys):
+    assert verify(model_copy, capsys)[0] == 0
+    (model_copy / "model-00001-of-00003.safetensors").write_bytes(b"\0" * 8)
+    assert md.read_verification_record(model_copy) is None  # sizes no longer match the record
+    assert verify(model_copy, capsys)[0] == 1
+    assert not (model_copy / md.VERIFICATION_RECORD).exists()
+
+
+def test_verification_reads_pytorch_bin_checkpoints(tiny_model: Path, tmp_path: Path, capsys):
+    folder = tmp_path / "bin"
+    shutil.copytree(tiny_model, folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(load_file(tiny_model / "model.safetensors"), folder / "pytorch_model.bin")
+    code, output = verify(folder, capsys)
+    assert code == 0, output
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    code, output = verify(folder, capsys)
+    assert code == 1 and "pytorch_model.bin: cannot read PyTorch checkpoint" in output
+
+
+def test_untied_lm_head_must_be_stored():
+    expected = {
+        "model.embed_tokens.weight": md.ExpectedTensor((8, 4), True),
+        "lm_head.weight": md.ExpectedTensor((8, 4), True),
+        "model.rotary.cache": md.ExpectedTensor((2,), False),
+    }
+    found = {"model.embed_tokens.weight": md.TensorInfo((8, 4), "BF16", "model.safetensors")}
+    tied = [["model.embed_tokens.weight", "lm_head.weight"]]
+    assert md.compare_checkpoint(expected, tied, found)[0] == []
+    problems, notes = md.compare_checkpoint(expected, [], found)
+    assert problems == ["1 parameter(s) missing from the checkpoint: lm_head.weight"]
+    assert "model.rotary.cache" in notes[0]  # a missing buffer is only a note
+
+
+def test_base_model_checkpoint_keys_gain_the_prefix_and_int_dtypes_fail():
+    expected = {"transformer.wte.weight": md.ExpectedTensor((8, 4), True)}
+    found = {"wte.weight": md.TensorInfo((8, 4), "F16", "model.safetensors")}
+    assert md.compare_checkpoint(expected, [], found, "transformer") == ([], [])
+    quantized = {"wte.weight": md.TensorInfo((8, 4), "I8", "model.safetensors")}
+    assert "not a float type" in md.compare_checkpoint(expected, [], quantized, "transformer")[0][0]
+
+
+def test_safetensors_header_with_trailing_bytes_or_garbage(tmp_path: Path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4, 4)}, path)
+    assert md.read_safetensors_header(path) == {"w": md.TensorInfo((4, 4), "F32", "model.safetensors")}
+    path.write_bytes(path.read_bytes() + b"junk")
+    with pytest.raises(md.ToolError, match="trailing bytes"):
+        md.read_safetensors_header(path)
+    path.write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(md.ToolError, match="truncated"):
+        md.read_safetensors_header(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_plan_prefers_safetensors_and_skips_subfolders():
+    files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
+             "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+             "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "original/tokenizer.model",
+             "consolidated.safetensors"]  # fmt: skip
+    plan = md.plan_download(files)
+    assert plan.weight_format == "safetensors" and plan.index_file == "model.safetensors.index.json"
+    assert plan.metadata_files == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"
+    ]  # fmt: skip
+
+
+def test_plan_falls_back_to_bin_and_refuses_repos_without_weights():
+    plan = md.plan_download(["config.json", "pytorch_model.bin", "tokenizer.model", "model.gguf"])
+    assert (plan.weight_format, plan.index_file, plan.weight_files) == ("bin", None, ["pytorch_model.bin"])
+    assert plan.metadata_files == ["config.json", "tokenizer.model"]
+    with pytest.raises(md.ToolError, match="no weights in safetensors or PyTorch .bin"):
+        md.plan_download(["config.json", "model.gguf"])
+    with pytest.raises(md.ToolError, match="no config.json"):
+        md.plan_download(["model.safetensors"])
+
+
+def test_glob_escape_matches_only_the_file_itself():
+    pattern = md.glob_escape("weights[1]*.safetensors")
+    assert fnmatch.fnmatch("weights[1]*.safetensors", pattern)
+    assert not fnmatch.fnmatch("weights1x.safetensors", pattern)
+
+
+def test_memory_plan_follows_the_stated_rule():
+    rows = md.training_memory_plan(7_000_000_000, largest_unit_params=200_000_000)
+    by_key = {(row["world_size"], row["cpu_offload"]): row for row in rows}
+    assert sorted(by_key) == [(w, o) for w in (1, 2, 4, 8) for o in (False, True)]
+    unit = 200_000_000 * 4  # bf16 weights + bf16 grads of the largest unit
+    assert by_key[(1, False)]["gpu_total_bytes"] == 16 * 7_000_000_000 + unit
+    assert by_key[(8, False)]["optimizer_bytes"] == 8 * 7_000_000_000 // 8
+    assert by_key[(8, True)]["gpu_total_bytes"] == unit
+    assert by_key[(8, True)]["cpu_bytes_per_gpu"] == 16 * 7_000_000_000 // 8
+    assert "activations NOT included" in md.format_memory_plan(rows)
+
+
+def test_hub_errors_map_to_actionable_messages():
+    disk_full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("download failed")
+    wrapped.__cause__ = disk_full
+    assert "disk full" in md.explain_hub_error(wrapped, REPO_ID, "main")
+    refused = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+    assert "cannot reach the hub" in md.explain_hub_error(refused, REPO_ID, "main")
+    assert md.explain_hub_error(ValueError("a bug"), REPO_ID, "main") is None
+
+
+def test_free_space_is_checked_before_downloading(tmp_path: Path):
+    md.check_free_space(10_000_000_000, 20_000_000_000, tmp_path)
+    with pytest.raises(md.ToolError, match="not enough disk space"):
+        md.check_free_space(10_000_000_000, 10_050_000_000, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--init", "tiny", "--tokenizer-from", "d"], "--init needs --local-dir"),
+        (["--init", "tiny", "--local-dir", "x"], "exactly one of --tokenizer-from"),
+        (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--vocab-size", "500"], "--vocab-size applies"),
+        (["--init", "tiny", "--local-dir", "x", "--tokenizer-from", "d", "--vocab-size", "100"], "below 259"),
+        (["--model-name", "a/b", "--with-weights"], "--with-weights only apply with --init"),
+        ([], "pass --model-name"),
+    ],
+)
+def test_flag_problems_exit_2_naming_the_flag(argv: list[str], message: str, capsys):
+    assert md.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --init: new models from size presets
+# ---------------------------------------------------------------------------------------------------------
+
+# Published counts with a 32000 vocabulary: Llama-2-7B, Llama-2-13B, LLaMA-33B, Llama-2-70B.
+KNOWN_COUNTS = {"7B": 6_738_415_616, "13B": 13_015_864_320, "30B": 32_528_943_616, "70B": 68_976_648_192}
+
+
+@pytest.mark.parametrize("size", list(md.SIZE_PRESETS))
+def test_preset_shapes_and_parameter_counts(size: str):
+    preset = md.SIZE_PRESETS[size]
+    vocab = 32000
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**md.preset_config_kwargs(preset, vocab)))
+    assert sum(p.numel() for p in model.parameters()) == md.preset_parameter_count(preset, vocab)
+    layer = model.model.layers[0].self_attn
+    head_dim = preset.hidden_size // preset.num_attention_heads
+    assert len(model.model.layers) == preset.num_hidden_layers
+    assert tuple(layer.q_proj.weight.shape) == (preset.hidden_size, preset.hidden_size)
+    assert tuple(layer.k_proj.weight.shape) == (preset.num_key_value_heads * head_dim, preset.hidden_size)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == preset.tie_word_embeddings
+    if size in KNOWN_COUNTS:
+        assert md.preset_parameter_count(preset, vocab) == KNOWN_COUNTS[size]
+
+
+def test_tiny_init_loads_offline_and_round_trips_text(tiny_model: Path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    config = model.config
+    assert config.vocab_size == len(tokenizer)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )  # fmt: skip
+    assert None not in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert (config.hidden_size, config.num_hidden_layers, config.tie_word_embeddings) == (64, 2, True)
+    for text in ROUNDTRIP_TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == tokenizer.bos_token_id
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    ids = torch.tensor([tokenizer("The quick brown fox")["input_ids"]])
+    assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+    assert (
+        json.loads((tiny_model / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    )
+
+
+def test_init_is_seeded_and_overwrite_is_explicit(corpus: Path, tiny_model: Path, tmp_path: Path, capsys):
+    target = tmp_path / "again"
+    argv = ["--init", "tiny", "--tokenizer-from", str(corpus), "--local-dir", str(target), "--with-weights"]
+    assert md.main([*argv, "--dtype", "float32"]) == 0
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (target / name).read_bytes() == (tiny_model / name).read_bytes(), name
+
+    assert md.main([*argv, "--dtype", "float32", "--seed", "1"]) == 1
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    assert md.main([*argv, "--dtype", "float32", "--seed", "1", "--overwrite"]) == 0
+    assert (target / "model.safetensors").read_bytes() != (tiny_model / "model.safetensors").read_bytes()
+    assert not list(tmp_path.glob(".again.init-incomplete"))
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_model(corpus: Path, tmp_path: Path, capsys):
+    target = tmp_path / "notes"
+    target.mkdir()
+    (target / "thesis.txt").write_text("precious")
+    argv = ["--init", "tiny", "--tokenizer-from", str(corpus), "--local-dir", str(target), "--overwrite"]
+    assert md.main(argv) == 1
+    assert "does not look like a model folder" in capsys.readouterr().err
+    assert (target / "thesis.txt").read_text() == "precious"
+
+
+def test_init_without_weights_holds_config_and_tokenizer_only(corpus: Path, tmp_path: Path, capsys):
+    target = tmp_path / "1b"
+    argv = ["--init", "1B", "--tokenizer-from", str(corpus), "--vocab-size", "300", "--local-dir", str(target)]
+    assert md.main(argv) == 0
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json", "generation_config.json", md.VERIFICATION_RECORD, "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+    config = json.loads((target / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (16, 2048, 8)
+    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(target, local_files_only=True)) <= 300
+    capsys.readouterr()
+    assert md.main(["--verify-only", "--local-dir", str(target)]) == 0  # weightless --init folders stay valid
+    assert "no weights (the trainer initialises them)" in capsys.readouterr().out
+
+
+def test_with_weights_refused_when_memory_is_short(corpus: Path, tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setattr(md, "available_memory_bytes", lambda: 50_000_000)
+    target = tmp_path / "tiny"
+    argv = ["--init", "tiny", "--tokenizer-from", str(corpus), "--local-dir", str(target), "--with-weights"]
+    assert md.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--with-weights needs about 500.63 MB of memory" in err and "50.00 MB is available" in err
+    assert not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_init_reuses_an_existing_tokenizer(tiny_model: Path, tmp_path: Path):
+    target = tmp_path / "reused"
+    assert md.main(["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target)]) == 0
+    assert (target / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+    assert (
+        json.loads((target / "config.json").read_text())["vocab_size"]
+        == json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    )
+
+
+def test_tokenizer_dataset_problems_are_named(tmp_path: Path, capsys):
+    import datasets
+
+    path = tmp_path / "ds"
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(path))
+    argv = ["--init", "tiny", "--tokenizer-from", str(path), "--local-dir", str(tmp_path / "m")]
+    assert md.main(argv) == 1
+    assert "--tokenizer-from" in (err := capsys.readouterr().err) and "no 'train' split" in err
+    assert md.main([*argv[:3], str(tmp_path / "missing"), *argv[4:]]) == 1
+    assert "--tokenizer-from" in (err := capsys.readouterr().err) and "does not exist" in err
