@@ -44,7 +44,6 @@ def test_tokenize_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "bench_tokenize.py", tmp_path)
     check = result["token_check"]
     assert check["fsdp_stream_equals_docs_plus_eos"], check
-    assert check["proposed_file_equals_current"], "the proposed tokenizer call must not change the tokens"
     assert check["eos_added"] == check["documents"] == result["params"]["documents"]
     (clm,) = result["runs"]["run_clm"]
     (fsdp,) = result["runs"]["fsdp_train"]
@@ -60,10 +59,7 @@ def test_checkpoint_quick(repo_root, tmp_path):
     assert all(v > 0 for v in result["gb_per_s"].values())
     blocked = result["blocked"]
     assert blocked["sync (--async-ckpt off)"]["runs_completed"] == 1
-    assert blocked["async, own gloo group (proposed fix)"]["runs_completed"] == 1
-    for runs in result["blocked_runs"].values():
-        for run in runs:
-            assert run["ok"] or "error" in run
+    assert blocked["async (--async-ckpt on)"]["runs_completed"] == 1, "async saves must not deadlock"
 
 
 @pytest.mark.slow
