@@ -251,8 +251,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
                 f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
             )
-    if cfg.compile == "on" and cfg.activation_checkpointing == "on" and cfg.ac_every_n_layers > 1:
-        pass  # allowed: compiled layers may or may not be checkpointed
     if cfg.dataset_name:
         problems += _dataset_problems(Path(cfg.dataset_name))
     if cfg.model_name:
