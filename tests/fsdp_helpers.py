@@ -17,6 +17,11 @@ TRAIN_SCRIPT = REPO_ROOT / "fsdp_train.py"
 BASE_FLAGS = ["--seq-length", "32", "--lr", "3e-3", "--precision", "fp32", "--log-freq", "1", "--warmup-steps", "2"]
 
 
+def trainer_args(experiment: str, dataset: Path, model: Path, save_dir: Path) -> list[str]:
+    """The flags every trainer test passes: where the inputs are, where outputs go, and BASE_FLAGS."""
+    return ["-e", experiment, "-d", str(dataset), "-m", str(model), "--save-dir", str(save_dir), *BASE_FLAGS]
+
+
 def arithmetic_documents(n_docs: int = 160, seed: int = 0) -> list[str]:
     """A corpus a tiny model learns within a few dozen steps: templated sums."""
     rng = random.Random(seed)

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from tests.fsdp_helpers import (
-    BASE_FLAGS,
     kill_tree,
     losses_by_step,
     make_dataset,
     make_model,
     output_of,
     run_trainer,
+    trainer_args,
 )
 
 pytestmark = pytest.mark.slow
@@ -36,15 +36,7 @@ def inputs(tmp_path_factory) -> tuple[Path, Path]:
 def flags(inputs, save_dir: Path, exp: str = "run", *extra: str) -> list[str]:
     dataset, model = inputs
     return [
-        "-e",
-        exp,
-        "-d",
-        str(dataset),
-        "-m",
-        str(model),
-        "--save-dir",
-        str(save_dir),
-        *BASE_FLAGS,
+        *trainer_args(exp, dataset, model, save_dir),
         "--max-steps",
         str(STEPS),
         "--ckpt-freq",

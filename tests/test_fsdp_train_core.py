@@ -11,13 +11,13 @@ import torch
 
 import fsdp_train as ft
 from tests.fsdp_helpers import (
-    BASE_FLAGS,
     losses_by_step,
     make_dataset,
     make_model,
     output_of,
     read_metrics,
     run_trainer,
+    trainer_args,
 )
 
 
@@ -141,15 +141,7 @@ def test_packed_blocks_cover_every_transition():
 def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_model):
     proc = run_trainer(
         [
-            "-e",
-            "learn",
-            "-d",
-            str(dataset_dir),
-            "-m",
-            str(scratch_model),
-            "--save-dir",
-            str(tmp_path),
-            *BASE_FLAGS,
+            *trainer_args("learn", dataset_dir, scratch_model, tmp_path),
             "-b",
             "4",
             "--num-epochs",
@@ -190,15 +182,7 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_mode
 
 def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra: str) -> dict[int, float]:
     args = [
-        "-e",
-        "run",
-        "--save-dir",
-        str(save),
-        "-d",
-        str(dataset_dir),
-        "-m",
-        str(model),
-        *BASE_FLAGS,
+        *trainer_args("run", dataset_dir, model, save),
         "--max-steps",
         "8",
         "--seed",
@@ -255,15 +239,7 @@ def test_bf16_mixed_precision_trains(tmp_path, dataset_dir, scratch_model, full_
 def test_injected_nan_loss_skips_the_step(tmp_path, dataset_dir, scratch_model):
     proc = run_trainer(
         [
-            "-e",
-            "nan",
-            "-d",
-            str(dataset_dir),
-            "-m",
-            str(scratch_model),
-            "--save-dir",
-            str(tmp_path),
-            *BASE_FLAGS,
+            *trainer_args("nan", dataset_dir, scratch_model, tmp_path),
             "--max-steps",
             "6",
         ],
@@ -280,15 +256,7 @@ def test_injected_nan_loss_skips_the_step(tmp_path, dataset_dir, scratch_model):
 def test_too_many_bad_steps_stop_the_run(tmp_path, dataset_dir, scratch_model):
     proc = run_trainer(
         [
-            "-e",
-            "bad",
-            "-d",
-            str(dataset_dir),
-            "-m",
-            str(scratch_model),
-            "--save-dir",
-            str(tmp_path),
-            *BASE_FLAGS,
+            *trainer_args("bad", dataset_dir, scratch_model, tmp_path),
             "--max-steps",
             "8",
             "--max-bad-steps",
@@ -332,15 +300,7 @@ def test_other_architectures_train_with_no_code_change(tmp_path, dataset_dir, ar
     model = make_model(tmp_path / arch, arch=arch, tied=tied)
     proc = run_trainer(
         [
-            "-e",
-            arch,
-            "-d",
-            str(dataset_dir),
-            "-m",
-            str(model),
-            "--save-dir",
-            str(tmp_path),
-            *BASE_FLAGS,
+            *trainer_args(arch, dataset_dir, model, tmp_path),
             "--max-steps",
             "6",
             "-b",
