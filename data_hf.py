@@ -1086,7 +1086,8 @@ def _one_line(summary: dict[str, Any]) -> str:
 
 def load_text_dataset(path: str | Path) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """(train, validation or None) from a folder written by data_hf.py: a Dataset, or a DatasetDict with a
-    `train` and an optional `validation` split, each with a `text` column. Memory-mapped, never copied."""
+    `train` and an optional `validation` split, each with a `text` column (plain text) or a `messages` column
+    (conversations: lists of {"role", "content"}). Memory-mapped, never copied."""
     import datasets
     import pyarrow as pa
 
@@ -1107,9 +1108,10 @@ def load_text_dataset(path: str | Path) -> tuple[datasets.Dataset, datasets.Data
     else:
         train, validation = loaded, None
     for name, split in (("train", train), ("validation", validation)):
-        if split is not None and "text" not in split.column_names:
+        if split is not None and not {"text", "messages"} & set(split.column_names):
             raise ValueError(
-                f"{folder}: the {name} split has the columns {split.column_names} but no 'text' column; {how_to_make}"
+                f"{folder}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
+                f"column; {how_to_make}"
             )
     return train, validation
 
