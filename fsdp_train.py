@@ -79,6 +79,16 @@ class TrainConfig:
     batch_size: int = _opt(1, "sequences per process per micro-batch", short="-b")
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step")
     seq_length: int = _opt(1024, "tokens per packed training block")
+    document_masking: str = _opt(
+        "on", "packed documents never attend to each other (position ids restart per document)", choices=ON_OFF
+    )
+    loss_on: str = _opt(
+        "assistant",
+        "conversation data (a 'messages' column): train on the assistant turns only, or on every token; "
+        "text data always trains on every token",
+        choices=("assistant", "all"),
+    )
+    chat_template: str = _opt("", "Jinja chat template file, for a tokenizer without one (conversation data)")
     precision: str = _opt(
         "auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp16", "fp32")
     )
@@ -115,7 +125,7 @@ class TrainConfig:
 
 
 # Settings that change the math or the data: a resume with a different value is refused.
-RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer")
+RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer", "data_format")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -251,6 +261,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
                 f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
             )
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
     if cfg.dataset_name:
         problems += _dataset_problems(Path(cfg.dataset_name))
     if cfg.model_name:
@@ -446,29 +458,135 @@ def encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=True)["input_ids"]
 
 
-def tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: int = 1000) -> int:
-    """Tokenise the `text` column into one flat token stream, EOS after each document.
+class ChatFormatError(ValueError):
+    """A conversation the chat template cannot render, or renders inconsistently; the row is skipped and counted."""
 
-    Streams in row batches (memory stays flat) and writes under a temporary name, renamed at the end,
-    so a reader never sees a partial stream. Returns the number of tokens.
+
+@dataclass
+class ChatEncoder:
+    """Renders conversations with the tokenizer's chat template and marks the tokens that carry loss.
+
+    With loss_on="assistant", the trained tokens are those of each assistant turn: its content and the template's
+    end-of-turn marker. Templates rarely mark those spans (`{% generation %}`), so they are derived by rendering
+    prefixes: turn i's span runs from the end of render(turns[:i], add_generation_prompt=True) to the end of
+    render(turns[:i+1]). A template that renders a prefix differently from the start of the whole conversation
+    (e.g. one that rewrites earlier turns) makes that conversation a counted skip, never a wrong mask.
+    """
+
+    tokenizer: Any
+    loss_on: str  # "assistant" or "all"
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, templates raise their own messages
+            raise ChatFormatError(f"the chat template refused it ({str(exc)[:120]})") from exc
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns."""
+        full = self.render(messages, False)
+        spans = []
+        for i, turn in enumerate(messages):
+            if turn.get("role") != "assistant" or self.loss_on == "all":
+                continue
+            before = self.render(messages[:i], True) if i else ""
+            through = full if i == len(messages) - 1 else self.render(messages[: i + 1], False)
+            if not (full.startswith(through) and through.startswith(before)):
+                raise ChatFormatError("the chat template renders a conversation's start differently from the whole")
+            spans.append((len(before), len(through)))
+        return full, spans
+
+    def encode(self, conversations: list[list[dict]], skipped: dict[str, int]) -> list[tuple[list[int], np.ndarray]]:
+        """(token ids, trained mask) per conversation; a conversation that cannot be encoded is counted in skipped."""
+        rendered = []
+        for messages in conversations:
+            try:
+                rendered.append(self.assistant_spans([dict(m) for m in messages]))
+            except ChatFormatError as exc:
+                skipped[str(exc)] = skipped.get(str(exc), 0) + 1
+        encodings = self.tokenizer.backend_tokenizer.encode_batch(
+            [text for text, _ in rendered], add_special_tokens=False
+        )
+        out = []
+        for (_, spans), encoding in zip(rendered, encodings):
+            if self.loss_on == "all":
+                mask = np.ones(len(encoding.ids), dtype=np.uint8)
+            else:
+                starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64, count=len(encoding.ids))
+                mask = np.zeros(len(encoding.ids), dtype=np.uint8)
+                for a, b in spans:
+                    mask |= (starts >= a) & (starts < b)
+            out.append((encoding.ids, mask))
+        return out
+
+
+def chat_template_hash(tokenizer: Any) -> str:
+    template = json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
+    return hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def _stream_paths(tokens_path: Path) -> dict[str, Path]:
+    """A token stream's files: token ids, document end offsets, and (chat) the per-token trained mask."""
+    return {"tokens": tokens_path, "docs": tokens_path.with_suffix(".docs"), "mask": tokens_path.with_suffix(".mask")}
+
+
+def tokenize_to_file(
+    dataset: Any, tokenizer: Any, out_path: Path, batch_rows: int = 1000, chat: ChatEncoder | None = None
+) -> int:
+    """Tokenise a split into one flat token stream plus its document end offsets (and, for conversations, a
+    trained-token mask). Text rows get EOS after each document; conversations end as their template ends them.
+
+    Streams in row batches (memory stays flat) and writes under temporary names, renamed at the end with the
+    token file last, so a reader that sees the token file sees complete side files. Returns the number of tokens.
     """
     eos = tokenizer.eos_token_id
     dtype = _token_dtype(len(tokenizer))
     tokenizer.model_max_length = sys.maxsize  # documents are packed into blocks later; silence the length warning
-    tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}.{socket.gethostname()}")
-    total = 0
-    with open(tmp, "wb") as fh:
+    paths = _stream_paths(out_path)
+    names = ("docs", "mask", "tokens") if chat is not None else ("docs", "tokens")
+    tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}.{socket.gethostname()}") for k in names}
+    handles = {k: open(tmp[k], "wb") for k in names}
+    total, skipped = 0, {}
+    try:
         for batch in dataset.iter(batch_size=batch_rows):
-            encoded = encode_batch(tokenizer, batch["text"])
-            pieces = [np.asarray(ids + [eos] if not ids or ids[-1] != eos else ids, dtype=dtype) for ids in encoded]
+            if chat is not None:
+                encoded = chat.encode(batch["messages"], skipped)
+                pieces = [np.asarray(ids, dtype=dtype) for ids, _ in encoded]
+                if encoded:
+                    np.concatenate([mask for _, mask in encoded]).tofile(handles["mask"])
+            else:
+                encoded_text = encode_batch(tokenizer, batch["text"])
+                pieces = [
+                    np.asarray(ids + [eos] if not ids or ids[-1] != eos else ids, dtype=dtype) for ids in encoded_text
+                ]
             if pieces:
-                chunk = np.concatenate(pieces)
-                chunk.tofile(fh)
-                total += chunk.size
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out_path)
+                np.concatenate(pieces).tofile(handles["tokens"])
+                (total + np.cumsum([p.size for p in pieces], dtype=np.int64)).tofile(handles["docs"])
+                total += sum(p.size for p in pieces)
+        for fh in handles.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        for fh in handles.values():
+            fh.close()
+    for reason, count in sorted(skipped.items()):
+        log(f"skipped {count} conversation(s) of {out_path.stem}: {reason}")
+    for k in names:  # the token file last: its presence means the stream is complete
+        os.replace(tmp[k], paths[k])
     return total
+
+
+@dataclass
+class Batch:
+    """One micro-batch: inputs, targets (-100 = no loss) and, with document masking, per-document positions."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids))
 
 
 @dataclass
@@ -476,53 +594,91 @@ class PackedBlocks:
     """Blocks of seq_length+1 tokens over a flat token stream, with stride seq_length.
 
     Block i gives inputs tokens[i*L : i*L+L] and targets tokens[i*L+1 : i*L+L+1], so every token
-    transition in the stream is trained on exactly once per epoch.
+    transition in the stream is trained on exactly once per epoch. `trained` (conversations) marks the tokens
+    that carry loss as targets. With `doc_ends` (document masking), position ids restart at 0 at each document
+    start and at the block start, so the attention of one document never sees another, and the transition into
+    a new document's first token (unpredictable from the previous document) carries no loss.
     """
 
     tokens: np.ndarray
     seq_length: int
+    trained: np.ndarray | None = None  # uint8 per token: 1 = a target that carries loss (None = all)
+    doc_ends: np.ndarray | None = None  # end offset (exclusive) of every document; None = no document masking
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_length)
 
-    def gather(self, indices: list[int]) -> torch.Tensor:
-        L = self.seq_length
-        rows = [np.asarray(self.tokens[i * L : i * L + L + 1], dtype=np.int64) for i in indices]
-        return torch.from_numpy(np.stack(rows))
+    def block(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(inputs, labels, position ids or None) of block i."""
+        L, start = self.seq_length, i * self.seq_length
+        window = np.asarray(self.tokens[start : start + L + 1], dtype=np.int64)
+        labels = window[1:].copy()
+        if self.trained is not None:
+            labels[np.asarray(self.trained[start + 1 : start + L + 1]) == 0] = -100
+        if self.doc_ends is None:
+            return window[:-1], labels, None
+        lo, hi = np.searchsorted(self.doc_ends, [start, start + L], side="right")
+        doc_starts = np.asarray(self.doc_ends[lo:hi], dtype=np.int64) - start  # in (0, L]: where a new doc begins
+        labels[doc_starts - 1] = -100
+        restart = np.zeros(L, dtype=np.int64)
+        inside = doc_starts[doc_starts < L]
+        restart[inside] = inside
+        positions = np.arange(L, dtype=np.int64) - np.maximum.accumulate(restart)
+        return window[:-1], labels, positions
+
+    def gather(self, indices: list[int]) -> Batch:
+        parts = [self.block(i) for i in indices]
+        inputs, labels = (torch.from_numpy(np.stack([p[k] for p in parts])) for k in (0, 1))
+        positions = None if self.doc_ends is None else torch.from_numpy(np.stack([p[2] for p in parts]))
+        return Batch(inputs, labels, positions)
+
+    def trained_tokens(self, indices: list[int]) -> int:
+        """Targets that carry loss in these blocks: what the loss of a global batch is averaged over."""
+        if self.trained is None and self.doc_ends is None:
+            return len(indices) * self.seq_length
+        return int(sum((self.block(i)[1] != -100).sum() for i in indices))
 
 
 def load_token_stream(
-    split: Any, split_name: str, tokenizer: Any, tok_hash: str, cfg: TrainConfig, d: Dist
-) -> np.ndarray:
-    """Tokenise once per node into a cache keyed by dataset fingerprint and tokenizer, then memory-map it.
+    split: Any, split_name: str, tokenizer: Any, cache_key: str, cfg: TrainConfig, d: Dist, chat: ChatEncoder | None
+) -> PackedBlocks:
+    """Tokenise once per node into a cache keyed by dataset fingerprint, tokenizer and chat settings, then
+    memory-map it as packed blocks of --seq-length.
 
     The cache holds the flat token stream, so any --seq-length reuses it. Local rank 0 builds it;
     the others poll for the file instead of waiting in a collective, which would time out on a large corpus.
     """
     fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
-    key = hashlib.sha256(f"{fingerprint}|{tok_hash}|eos-v1".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{fingerprint}|{cache_key}|docs-v2".encode()).hexdigest()[:20]
     cache_dir = Path(cfg.save_dir) / ".token_cache" / key
-    tokens_path = cache_dir / f"{split_name}.tokens"
+    paths = _stream_paths(cache_dir / f"{split_name}.tokens")
     failed_path = cache_dir / f"{split_name}.failed"
-    if d.local_rank == 0 and not tokens_path.exists():
+    if d.local_rank == 0 and not paths["tokens"].exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         failed_path.unlink(missing_ok=True)
-        log(f"tokenising {split_name} split ({len(split)} rows) into {tokens_path}")
+        log(f"tokenising {split_name} split ({len(split)} rows) into {paths['tokens']}")
         start = time.perf_counter()
         try:
-            count = tokenize_to_file(split, tokenizer, tokens_path)
+            count = tokenize_to_file(split, tokenizer, paths["tokens"], chat=chat)
         except BaseException as exc:
             failed_path.write_text(repr(exc))
             raise
         log(f"tokenised {count:,} tokens in {time.perf_counter() - start:.1f}s")
     deadline = time.monotonic() + cfg.collective_timeout_s
-    while not tokens_path.exists():
+    while not paths["tokens"].exists():
         if failed_path.exists():
             raise TrainError(f"tokenisation failed on local rank 0: {failed_path.read_text()}")
         if time.monotonic() > deadline:
-            raise TrainError(f"waited {cfg.collective_timeout_s}s for {tokens_path}; raise --collective-timeout-s")
+            raise TrainError(f"waited {cfg.collective_timeout_s}s for {paths['tokens']}; raise --collective-timeout-s")
         time.sleep(0.5)
-    return np.memmap(tokens_path, dtype=_token_dtype(len(tokenizer)), mode="r")
+
+    def mapped(path: Path, dtype: Any) -> np.ndarray:
+        return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
+
+    tokens = mapped(paths["tokens"], _token_dtype(len(tokenizer)))
+    trained = mapped(paths["mask"], np.uint8) if chat is not None else None
+    doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
+    return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
 
 
 @dataclass
@@ -549,16 +705,24 @@ class DataPlan:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.blocks), generator=g)
 
-    def micro_batches(self, order: torch.Tensor, step_in_epoch: int) -> list[torch.Tensor]:
-        """This rank's micro-batches for one optimizer step: slot (a * world + rank) of the global batch."""
+    def step_blocks(self, order: torch.Tensor, step_in_epoch: int) -> list[int]:
         start = step_in_epoch * self.global_batch
-        step_blocks = order[start : start + self.global_batch].tolist()
+        return order[start : start + self.global_batch].tolist()
+
+    def micro_batches(self, order: torch.Tensor, step_in_epoch: int) -> list[Batch]:
+        """This rank's micro-batches for one optimizer step: slot (a * world + rank) of the global batch."""
+        step_blocks = self.step_blocks(order, step_in_epoch)
         accum = self.global_batch // (self.world_size * self.micro_batch)
         out = []
         for a in range(accum):
             slot = (a * self.world_size + self.rank) * self.micro_batch
             out.append(self.blocks.gather(step_blocks[slot : slot + self.micro_batch]))
         return out
+
+    def trained_tokens(self, order: torch.Tensor, step_in_epoch: int) -> int:
+        """Targets carrying loss in the whole global batch (all ranks): every rank computes the same number from
+        the deterministic plan, so the loss can be normalised by it without a collective."""
+        return self.blocks.trained_tokens(self.step_blocks(order, step_in_epoch))
 
 
 @dataclass
@@ -568,6 +732,24 @@ class TrainData:
     tokenizer: Any
     tokenizer_hash: str
     dataset_fingerprint: str
+    data_format: str  # what turns rows into trained tokens: text or chat (template, --loss-on), document masking
+
+
+def chat_encoder(cfg: TrainConfig, tokenizer: Any, columns: list[str]) -> ChatEncoder | None:
+    """A ChatEncoder when the dataset holds conversations (a `messages` column), after checking the template."""
+    if "messages" not in columns:
+        return None
+    if cfg.chat_template:
+        tokenizer.chat_template = Path(cfg.chat_template).read_text()
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainError(
+            f"--dataset-name {cfg.dataset_name} holds conversations, but the tokenizer of --model-name "
+            f"{cfg.model_name} has no chat template; pass --chat-template FILE (a Jinja chat template, e.g. the one "
+            f"of the model's instruct version)"
+        )
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise TrainError(f"--model-name {cfg.model_name}: chat training needs a fast (Rust) tokenizer, tokenizer.json")
+    return ChatEncoder(tokenizer, cfg.loss_on)
 
 
 def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
@@ -584,12 +766,12 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         raise TrainError(
             f"--model-name {cfg.model_name}: the tokenizer has no EOS token, needed between packed documents"
         )
+    chat = chat_encoder(cfg, tokenizer, train_split.column_names)
     tok_hash = tokenizer_hash(model_dir)
-    train_tokens = load_token_stream(train_split, "train", tokenizer, tok_hash, cfg, d)
+    data_format = f"chat:{chat_template_hash(tokenizer)}:loss-on-{cfg.loss_on}" if chat else "text"
+    train_blocks = load_token_stream(train_split, "train", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat)
     global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
-    plan = DataPlan(
-        PackedBlocks(train_tokens, cfg.seq_length), cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank
-    )
+    plan = DataPlan(train_blocks, cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank)
     if plan.steps_per_epoch == 0:
         raise TrainError(
             f"--dataset-name {cfg.dataset_name}: {len(plan.blocks)} packed blocks of {cfg.seq_length} tokens are fewer "
@@ -598,9 +780,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         )
     validation = None
     if val_split is not None and len(val_split):
-        validation = PackedBlocks(
-            load_token_stream(val_split, "validation", tokenizer, tok_hash, cfg, d), cfg.seq_length
-        )
+        validation = load_token_stream(val_split, "validation", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat)
         if len(validation) == 0:
             log("validation split is shorter than one block; validation is skipped")
             validation = None
@@ -608,9 +788,16 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     log(
         f"data: {len(plan.blocks):,} train blocks of {cfg.seq_length} tokens, global batch {global_batch} "
         f"({d.world_size} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
-        f"{len(validation) if validation else 0} validation blocks"
+        f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
     )
-    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint)
+    if chat is not None:
+        share = float(np.mean(train_blocks.trained)) if len(train_blocks.trained) else 0.0
+        log(
+            f"SFT on conversations (a 'messages' column): chat template {chat_template_hash(tokenizer)}, loss on "
+            f"{cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
+        )
+    data_format += f":document-masking-{cfg.document_masking}"
+    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1080,7 +1267,8 @@ class Checkpointer:
         return payload
 
     def check_compatible(self, saved: dict, path: Path) -> None:
-        changed = [k for k in RESUME_PINNED if saved.get(k) != self.fingerprint.get(k)]
+        # A key the checkpoint lacks was added by a later version of this script: not a change of settings.
+        changed = [k for k in RESUME_PINNED if k in saved and saved[k] != self.fingerprint.get(k)]
         if not changed:
             return
         details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {self.fingerprint.get(k)!r}" for k in changed)
@@ -1398,7 +1586,7 @@ class Metrics:
 
     def _new_window(self) -> None:
         self.window_loss = torch.zeros((), device=self.d.device, dtype=torch.float64)
-        self.window_steps = 0
+        self.window_steps = self.window_trained = 0
         self.window_start = time.perf_counter()
         self.timer.reset()
         reset_peak_memory(self.d.device)
@@ -1417,10 +1605,12 @@ class Metrics:
             ]
             self.path.write_text("".join(f"{line}\n" for line in kept))
 
-    def record(self, local_loss_sum: torch.Tensor) -> None:
+    def record(self, local_loss_sum: torch.Tensor, trained_tokens: int) -> None:
+        """trained_tokens: the global batch's targets that carry loss (the same number on every rank)."""
         self.window_loss += local_loss_sum.detach().double()
         self.window_steps += 1
-        self.last_loss = local_loss_sum.detach().double()
+        self.window_trained += trained_tokens
+        self.last_loss, self.last_trained = local_loss_sum.detach().double(), trained_tokens
         if self.bar is not None:
             self.bar.update(1)
 
@@ -1432,17 +1622,19 @@ class Metrics:
         sums = torch.stack([self.last_loss, self.window_loss]).to(self.d.device)
         dist.all_reduce(sums)
         elapsed = time.perf_counter() - self.window_start
-        step_loss, window_loss = (sums / self.tokens_per_step).tolist()
+        step_sum, window_sum = sums.tolist()
         record = {
             "step": state.step,
             "epoch": self.epoch_progress(state),
-            "loss": step_loss,
-            "loss_avg": window_loss / max(1, self.window_steps),
+            "loss": step_sum / max(1, self.last_trained),
+            "loss_avg": window_sum / max(1, self.window_trained),
             "lr": lr,
             "grad_norm": float(grad_norm.item()),
             "skipped_steps": guard.sync(state),
         }
-        record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed
+        record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed  # all tokens, trained or not
+        record["trained_tokens"] = self.window_trained
+        record["trained_tokens_per_s"] = self.window_trained / elapsed
         record.update(self.timer.averages(self.window_steps))
         record.update(memory_stats(self.d.device))
         if self.peak:
@@ -1540,27 +1732,32 @@ def _nan_injection_steps() -> set[int]:
     return {int(s) for s in raw.split(",") if s.strip()}
 
 
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the targets that carry loss (label -100 = none), in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
 def forward_backward(
     model: nn.Module,
-    micro_batches: list[torch.Tensor],
-    tokens_per_step: int,
+    micro_batches: list[Batch],
+    trained_tokens: int,
     guard: BadStepGuard,
     d: Dist,
     timer: PhaseTimer,
     poison: bool,
 ) -> torch.Tensor:
-    """Run the micro-batches; gradients end up as those of the mean loss over every target token of the
+    """Run the micro-batches; gradients end up as those of the mean loss over every trained target token of the
     global batch (all micro-batches, all ranks). Returns this rank's summed loss (no sync)."""
-    # FSDP averages gradients over the data-parallel ranks, so each rank scales its token sum by world/tokens.
-    loss_scale = d.world_size / tokens_per_step
+    # FSDP averages gradients over the data-parallel ranks, so each rank scales its token sum by world/tokens;
+    # trained_tokens is the global batch's count, known on every rank from the data plan.
+    loss_scale = d.world_size / max(1, trained_tokens)
     local_sum = torch.zeros((), device=d.device)
     for batch in micro_batches:
         with timer.phase("data"):
-            batch = batch.to(d.device, non_blocking=True)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+            batch = batch.to(d.device)
         with timer.phase("forward"):
-            logits = model(input_ids=inputs).logits
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            loss_sum = token_loss_sum(logits, batch.labels)
             if poison:
                 loss_sum = loss_sum * float("nan")
         with timer.phase("backward"):
@@ -1604,7 +1801,7 @@ def optimizer_step(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
-    """Token-weighted validation loss. Every rank runs the same number of micro-batches (padded with
+    """Validation loss weighted by trained target tokens. Every rank runs the same number of micro-batches (padded with
     weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
     model.eval()
     count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
@@ -1616,10 +1813,9 @@ def evaluate(model: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) 
         real = len(idx)
         idx = idx + [0] * (cfg.batch_size - real)
         batch = blocks.gather(idx).to(d.device)
-        logits = model(input_ids=batch[:, :-1]).logits.float()
-        per_token = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none").view(len(idx), -1)
-        totals[0] += per_token[:real].sum().double()
-        totals[1] += per_token[:real].numel()
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        totals[0] += token_loss_sum(logits[:real], batch.labels[:real]).double()
+        totals[1] += (batch.labels[:real] != -100).sum()
     dist.all_reduce(totals)
     model.train()
     loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
@@ -1701,6 +1897,7 @@ def run(cfg: TrainConfig) -> int:
         "global_batch_size": data.train.global_batch,
         "seed": cfg.seed,
         "tokenizer": data.tokenizer_hash,
+        "data_format": data.data_format,
     }
     checkpointer = Checkpointer(cfg, d, fingerprint)
     latest = checkpointer.latest_complete()
@@ -1752,17 +1949,16 @@ def train_loop(
             order, order_epoch = plan.epoch_order(state.epoch), state.epoch
         with metrics.timer.phase("data"):
             micro_batches = plan.micro_batches(order, state.samples_in_epoch // plan.global_batch)
+            trained = plan.trained_tokens(order, state.samples_in_epoch // plan.global_batch)
         poison = (state.step + 1) in nan_steps and d.rank == 0
-        loss_sum = forward_backward(
-            bundle.model, micro_batches, metrics.tokens_per_step, guard, d, metrics.timer, poison
-        )
+        loss_sum = forward_backward(bundle.model, micro_batches, trained, guard, d, metrics.timer, poison)
         lr = lr_at(state.step, cfg, last_step)
         with metrics.timer.phase("update"):
             grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
         state.advance(plan.global_batch, plan.steps_per_epoch)
         if delay_s:
             time.sleep(delay_s)
-        metrics.record(loss_sum)
+        metrics.record(loss_sum, trained)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
         metrics.validate_if_due(state, last_step, bundle.model, data.validation)

@@ -205,3 +205,74 @@ def losses_by_step(exp_dir: Path) -> dict[int, float]:
 
 def output_of(proc) -> str:
     return (proc.stdout or "") + (proc.stderr or "")
+
+
+# --- conversations (chat SFT) ---------------------------------------------------------------------
+
+CHAT_TEMPLATES = REPO_ROOT / "tests" / "fixtures" / "chat_templates"
+CHAT_SPECIAL_TOKENS = [
+    "<|bos|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "[INST]",
+    "[/INST]",
+]
+
+
+def arithmetic_conversations(n: int = 120, seed: int = 0, system: bool = True) -> list[list[dict]]:
+    """Conversations a tiny model learns: the user asks sums, the assistant answers them (1-2 exchanges)."""
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(n):
+        turns = [{"role": "system", "content": "You add numbers."}] if system and i % 2 else []
+        for _ in range(1 + i % 2):
+            a, b = rng.randrange(10), rng.randrange(10)
+            turns.append({"role": "user", "content": f"What is {a} plus {b}?"})
+            turns.append({"role": "assistant", "content": f"{a} plus {b} is {a + b}."})
+        conversations.append(turns)
+    return conversations
+
+
+def make_chat_dataset(path: Path, n: int = 120, system: bool = True, validation: bool = True) -> Path:
+    import datasets
+
+    conversations = arithmetic_conversations(n, system=system)
+    if validation:
+        data = datasets.DatasetDict(
+            {
+                "train": datasets.Dataset.from_dict({"messages": conversations[:-12]}),
+                "validation": datasets.Dataset.from_dict({"messages": conversations[-12:]}),
+            }
+        )
+    else:
+        data = datasets.Dataset.from_dict({"messages": conversations})
+    data.save_to_disk(str(path))
+    return path
+
+
+def make_chat_model(folder: Path, template: str | None = "llama3", with_weights: bool = False) -> Path:
+    """A tiny Llama whose tokenizer knows the special tokens of the fixture templates; `template` (a file name
+    under tests/fixtures/chat_templates, without .jinja) becomes its chat template, None leaves it without one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = [" ".join(t["content"] for t in c) for c in arithmetic_conversations(60)] + arithmetic_documents(40)
+    folder.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(folder, texts, vocab_size=160)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"bos_token": "<|bos|>", "additional_special_tokens": CHAT_SPECIAL_TOKENS[1:]})
+    if template:
+        tokenizer.chat_template = (CHAT_TEMPLATES / f"{template}.jinja").read_text()
+    tokenizer.save_pretrained(folder)
+    config = tiny_config("llama", len(tokenizer), tokenizer.eos_token_id)
+    if with_weights:
+        torch.manual_seed(1234)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return folder

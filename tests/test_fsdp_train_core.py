@@ -105,7 +105,7 @@ def test_lr_schedule_shapes():
 
 def _block_ids(plan: ft.DataPlan, order: torch.Tensor, step: int) -> list[int]:
     # tokens are 0..N-1, so a block's first token divided by seq_length is its index
-    return [int(row[0]) // plan.blocks.seq_length for mb in plan.micro_batches(order, step) for row in mb]
+    return [int(row[0]) // plan.blocks.seq_length for mb in plan.micro_batches(order, step) for row in mb.input_ids]
 
 
 @pytest.mark.parametrize("world,micro,accum", [(1, 4, 2), (2, 2, 2), (4, 1, 2), (8, 1, 1)])
@@ -130,9 +130,9 @@ def test_every_block_once_per_epoch_and_same_global_batches_at_any_world_size(wo
 def test_packed_blocks_cover_every_transition():
     blocks = ft.PackedBlocks(np.arange(21), 5)
     batch = blocks.gather(list(range(len(blocks))))
-    assert batch.shape == (4, 6)
-    assert batch[:, :-1].flatten().tolist() == list(range(20))
-    assert batch[:, 1:].flatten().tolist() == list(range(1, 21))
+    assert batch.input_ids.shape == batch.labels.shape == (4, 5) and batch.position_ids is None
+    assert batch.input_ids.flatten().tolist() == list(range(20))
+    assert batch.labels.flatten().tolist() == list(range(1, 21))
 
 
 # --- training runs --------------------------------------------------------------------------------

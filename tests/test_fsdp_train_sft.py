@@ -1,0 +1,269 @@
+"""Chat SFT and document masking: assistant-only labels from real-style templates, packing that never lets one
+document attend to another, and real 2-process training runs on conversations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fsdp_train as ft
+from tests.fsdp_helpers import (
+    CHAT_TEMPLATES,
+    arithmetic_conversations,
+    losses_by_step,
+    make_chat_dataset,
+    make_chat_model,
+    output_of,
+    read_metrics,
+    run_trainer,
+    tiny_config,
+    trainer_args,
+)
+
+# What each fixture template renders for an assistant turn with content C (the tokens that must carry loss).
+ASSISTANT_SPANS = {
+    "llama3": lambda c: c.strip() + "<|eot_id|>",
+    "qwen2.5": lambda c: c + "<|im_end|>\n",
+    "mistral": lambda c: " " + c + "<|eos|>",
+    "gemma": lambda c: c.strip() + "<end_of_turn>\n",
+}
+NO_SYSTEM_ROLE = {"mistral", "gemma"}
+
+
+@pytest.fixture(scope="module")
+def chat_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat_models")
+    return {name: make_chat_model(root / name, name) for name in ASSISTANT_SPANS}
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+# --- assistant-only labels -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", sorted(ASSISTANT_SPANS))
+def test_trained_tokens_are_exactly_the_assistant_turns(template, chat_models):
+    tokenizer = _tokenizer(chat_models[template])
+    conversations = arithmetic_conversations(6, system=template not in NO_SYSTEM_ROLE)
+    skipped: dict[str, int] = {}
+    encoded = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, skipped)
+    assert not skipped and len(encoded) == len(conversations)
+    for conversation, (ids, mask) in zip(conversations, encoded):
+        ids = np.asarray(ids)
+        expected = "".join(ASSISTANT_SPANS[template](t["content"]) for t in conversation if t["role"] == "assistant")
+        assert tokenizer.decode(ids[mask == 1]) == expected
+        # the masked tokens are one run per assistant turn, and everything else renders the prompts
+        assert np.count_nonzero(np.diff(np.concatenate([[0], mask, [0]])) == 1) == sum(
+            t["role"] == "assistant" for t in conversation
+        )
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conversation, tokenize=False)
+
+
+def test_loss_on_all_trains_every_token(chat_models):
+    tokenizer = _tokenizer(chat_models["qwen2.5"])
+    [(ids, mask)] = ft.ChatEncoder(tokenizer, "all").encode(arithmetic_conversations(1), {})
+    assert mask.all() and len(ids) == len(mask)
+
+
+def test_masks_equal_transformers_generation_markers(chat_models):
+    """Where a template marks assistant text with {% generation %}, transformers' own mask is the reference."""
+    tokenizer = _tokenizer(chat_models["qwen2.5"])
+    conversations = arithmetic_conversations(8)
+    ours = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, {})
+    tokenizer.chat_template = (CHAT_TEMPLATES / "qwen2.5_generation_markers.jinja").read_text()
+    for conversation, (ids, mask) in zip(conversations, ours):
+        reference = tokenizer.apply_chat_template(
+            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert reference["input_ids"] == list(ids)
+        assert reference["assistant_masks"] == mask.tolist()
+
+
+def test_conversations_a_template_refuses_are_skipped_and_counted(chat_models):
+    tokenizer = _tokenizer(chat_models["gemma"])
+    conversations = arithmetic_conversations(4, system=True)  # conversations 1 and 3 have a system turn
+    skipped: dict[str, int] = {}
+    encoded = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, skipped)
+    assert len(encoded) == 2
+    assert list(skipped.values()) == [2] and "System role not supported" in next(iter(skipped))
+
+
+def test_a_template_that_rewrites_earlier_turns_is_a_counted_skip(chat_models):
+    tokenizer = _tokenizer(chat_models["qwen2.5"])
+    # renders the last user turn differently once an assistant answer follows it: prefixes do not match
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %} [end]{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    skipped: dict[str, int] = {}
+    assert ft.ChatEncoder(tokenizer, "assistant").encode(arithmetic_conversations(3), skipped) == []
+    assert sum(skipped.values()) == 3 and "differently" in next(iter(skipped))
+
+
+# --- packing with document masking ---------------------------------------------------------------
+
+
+def test_document_masking_restarts_positions_and_skips_cross_document_targets():
+    tokens = np.arange(100, 121)  # documents [0,7), [7,9), [9,21)
+    blocks = ft.PackedBlocks(tokens, 5, doc_ends=np.array([7, 9, 21]))
+    batch = blocks.gather([0, 1, 2, 3])
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 0], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    # targets 107 and 109 begin documents: nothing before them in the block predicts them
+    assert batch.labels.tolist() == [
+        [101, 102, 103, 104, 105],
+        [106, -100, 108, -100, 110],
+        [111, 112, 113, 114, 115],
+        [116, 117, 118, 119, 120],
+    ]
+    assert blocks.trained_tokens([0, 1, 2, 3]) == 18
+    unmasked = ft.PackedBlocks(tokens, 5).gather([1])
+    assert unmasked.position_ids is None and unmasked.labels.tolist() == [[106, 107, 108, 109, 110]]
+
+
+def test_trained_mask_and_document_masking_combine():
+    tokens = np.arange(11)
+    trained = np.array([0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=np.uint8)
+    blocks = ft.PackedBlocks(tokens, 5, trained=trained, doc_ends=np.array([5, 11]))
+    batch = blocks.gather([0, 1])
+    assert batch.labels.tolist() == [[-100, 2, 3, -100, -100], [-100, -100, 7, 8, -100]][:1] + [[-100, 7, 8, -100, 10]]
+    assert blocks.trained_tokens([0, 1]) == int((batch.labels != -100).sum())
+
+
+def test_changing_one_document_leaves_the_next_documents_logits_unchanged(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", 64, 0)
+    config.use_cache = False  # as in training: with a KV cache, transformers ignores packed position ids
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    rng = np.random.default_rng(0)
+    first, second = rng.integers(1, 64, 12), rng.integers(1, 64, 20)
+    blocks = ft.PackedBlocks(np.concatenate([first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
+    changed_first = rng.integers(1, 64, 12)
+    other = ft.PackedBlocks(np.concatenate([changed_first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
+    with torch.no_grad():
+        a, b = (
+            model(input_ids=x.input_ids, position_ids=x.position_ids).logits
+            for x in (blocks.gather([0]), other.gather([0]))
+        )
+        alone = model(input_ids=torch.from_numpy(second)[None]).logits
+        leak_a, leak_b = (model(input_ids=x.gather([0]).input_ids).logits for x in (blocks, other))
+    assert torch.equal(blocks.gather([0]).position_ids[0, 12:], torch.arange(20))
+    torch.testing.assert_close(a[0, 12:], b[0, 12:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(a[0, 12:], alone[0], rtol=0, atol=1e-5)  # as if the document were alone
+    assert not torch.allclose(leak_a[0, 12:], leak_b[0, 12:], atol=1e-3)  # without masking, it would leak
+
+
+# --- training runs -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_dataset(tmp_path_factory) -> Path:
+    return make_chat_dataset(tmp_path_factory.mktemp("chat_data") / "conversations")
+
+
+def test_sft_run_trains_on_assistant_tokens_and_reports_them(tmp_path, chat_dataset, chat_models):
+    args = trainer_args("sft", chat_dataset, chat_models["llama3"], tmp_path) + ["-b", "2", "--max-steps", "12"]
+    result = run_trainer(args)
+    out = output_of(result)
+    assert result.returncode == 0, out
+    assert "SFT on conversations" in out and "loss on assistant tokens" in out
+    rows = read_metrics(tmp_path / "sft")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert all(0 < r["trained_tokens"] < 2 * 2 * 32 for r in rows)  # a window of one step: 128 targets
+    assert all(r["trained_tokens_per_s"] < r["tokens_per_s"] for r in rows)
+    val = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in r for r in val)
+    assert (tmp_path / "sft" / "final" / "tokenizer_config.json").is_file()
+
+
+def test_masked_loss_is_the_same_at_any_split_of_the_global_batch(tmp_path, chat_dataset, chat_models):
+    """1 process x accum 2 == 2 processes x accum 1: the mean is over the global batch's trained tokens."""
+    losses = {}
+    for nproc, accum in ((1, 2), (2, 1)):
+        exp = f"split_{nproc}x{accum}"
+        args = trainer_args(exp, chat_dataset, chat_models["qwen2.5"], tmp_path)
+        args += ["-b", "2", "--grad-accum-steps", str(accum), "--max-steps", "4"]
+        result = run_trainer(args, nproc=nproc)
+        assert result.returncode == 0, output_of(result)
+        losses[nproc] = losses_by_step(tmp_path / exp)
+    assert losses[1].keys() == losses[2].keys() == {1, 2, 3, 4}
+    for step in losses[1]:
+        assert losses[1][step] == pytest.approx(losses[2][step], rel=1e-5)
+
+
+def test_chat_data_without_a_template_names_the_flag(tmp_path, chat_dataset):
+    model = make_chat_model(tmp_path / "no_template", template=None)
+    result = run_trainer(trainer_args("nt", chat_dataset, model, tmp_path) + ["--max-steps", "1"], nproc=1)
+    assert result.returncode != 0 and "--chat-template" in output_of(result)
+    fixed = trainer_args("nt", chat_dataset, model, tmp_path)
+    fixed += ["--max-steps", "2", "--chat-template", str(CHAT_TEMPLATES / "llama3.jinja")]
+    result = run_trainer(fixed, nproc=1)
+    assert result.returncode == 0, output_of(result)
+    exported = json.loads((tmp_path / "nt" / "final" / "tokenizer_config.json").read_text())
+    assert (
+        "start_header_id" in str(exported.get("chat_template"))
+        or (tmp_path / "nt" / "final" / "chat_template.jinja").is_file()
+    )
+
+
+# --- resume of SFT runs --------------------------------------------------------------------------
+
+SFT_STEPS = 10
+
+
+def sft_flags(dataset: Path, model: Path, save: Path, nproc: int = 2) -> list[str]:
+    """Global batch 4 at 1 or 2 processes; constant LR so runs of different lengths share the schedule."""
+    args = trainer_args("run", dataset, model, save) + ["-b", "2", "--grad-accum-steps", str(2 // nproc)]
+    args += ["--max-steps", str(SFT_STEPS), "--ckpt-freq", "4", "--lr-schedule", "constant"]
+    args[args.index("--warmup-steps") + 1] = "0"
+    return args
+
+
+@pytest.fixture(scope="module")
+def sft_reference(chat_dataset, chat_models, tmp_path_factory) -> dict[int, float]:
+    save = tmp_path_factory.mktemp("sft_reference")
+    proc = run_trainer(sft_flags(chat_dataset, chat_models["llama3"], save))
+    assert proc.returncode == 0, output_of(proc)
+    return losses_by_step(save / "run")
+
+
+def test_sft_kill9_then_rerun_is_bit_identical(chat_dataset, chat_models, sft_reference, tmp_path):
+    import signal
+    import time
+
+    from tests.fsdp_helpers import kill_tree
+
+    args = sft_flags(chat_dataset, chat_models["llama3"], tmp_path)
+    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
+    deadline = time.monotonic() + 180
+    while max(losses_by_step(tmp_path / "run"), default=0) < 6:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+    kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = run_trainer(args)
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "at step 4" in output_of(rerun)
+    resumed = losses_by_step(tmp_path / "run")
+    assert all(resumed[s] == sft_reference[s] for s in range(5, SFT_STEPS + 1)), (resumed, sft_reference)
+
+
+def test_sft_resume_on_one_process_continues_the_two_process_run(chat_dataset, chat_models, sft_reference, tmp_path):
+    first = sft_flags(chat_dataset, chat_models["llama3"], tmp_path)
+    first[first.index("--max-steps") + 1] = "5"
+    assert run_trainer(first).returncode == 0
+    resumed = run_trainer(sft_flags(chat_dataset, chat_models["llama3"], tmp_path, nproc=1), nproc=1)
+    assert resumed.returncode == 0, output_of(resumed)
+    assert "world size changed (2 -> 1)" in output_of(resumed)
+    got = losses_by_step(tmp_path / "run")
+    for step in range(6, SFT_STEPS + 1):
+        assert got[step] == pytest.approx(sft_reference[step], abs=1e-5)
