@@ -285,13 +285,13 @@ def test_large_json_and_yaml_are_streamed_with_the_same_rows(tmp_path: Path, mon
     in_memory = {name: read_file(tmp_path / name).rows for name in ("big.json", "big.yaml")}
     monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 1024)
     streamed_files = []
-    real_streamed = data_hf._strings_streamed
+    real_streamed = data_hf._items_streamed
 
-    def spy(kind: str, path: str, result: data_hf.FileResult):
+    def spy(kind: str, path: str, *args: object):
         streamed_files.append(Path(path).name)
-        return real_streamed(kind, path, result)
+        return real_streamed(kind, path, *args)
 
-    monkeypatch.setattr(data_hf, "_strings_streamed", spy)
+    monkeypatch.setattr(data_hf, "_items_streamed", spy)
     for name, rows in in_memory.items():
         streamed = read_file(tmp_path / name, max_chars=100)
         assert streamed.rows == rows and len(rows) == 1500 and streamed.problems == []
