@@ -2,10 +2,14 @@
 
     python data_hf.py --data_folder splits --save_dir hf_datasets/my_corpus
     python data_hf.py --data-folder raw_text --save-dir hf_datasets/my_corpus --val-fraction 0.01 --overwrite
+    python data_hf.py --data-folder chat_data --save-dir hf_datasets/my_chat --format chat --val-fraction 0.01
 
-The result is a `datasets.Dataset` with one string column `text` (or, with --val-fraction, a `DatasetDict` with
-`train` and `validation`), written with the layout of `save_to_disk` so `datasets.load_from_disk` and
-fsdp_train.py read it directly. One row per extracted string:
+The result is a `datasets.Dataset` (or, with --val-fraction, a `DatasetDict` with `train` and `validation`),
+written with the layout of `save_to_disk` so `datasets.load_from_disk` and fsdp_train.py read it directly. It has
+one column: `text` (a string), or with --format chat `messages` (a list of {"role", "content"} turns, Arrow type
+list<struct<role: string, content: string>>, one conversation per record; see parse_conversation for the record
+shapes). --format auto (the default) writes `messages` when every record read is a conversation, else `text`.
+Text rows, one per extracted string (--json-mode records: one per record):
 
 - .txt / .md (and any extension not listed below): the file's text, split at blank lines when longer than
   --max-chars characters;
@@ -618,6 +622,9 @@ class Extraction:
         records = value if split_lists and isinstance(value, list) else (value,)
         for record in records:
             result.records_seen += 1
+            if isinstance(record, str) and self.data_format != "chat":
+                yield record  # the text of a bare string record in either --json-mode: no bookkeeping needed
+                continue
             shaped = conversation_shape(record) is not None
             if self.data_format == "chat" or (self.data_format == "auto" and shaped):
                 conversation = self._conversation(record, result, records_seen, line)
