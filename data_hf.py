@@ -1796,7 +1796,9 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
             for result in output.files:
                 tally.add_piece(result)
                 progress.update(result.piece == result.pieces - 1)
-    rows = Counter({column: writer.rows for (column, _), writer in writers.items()})
+    rows: Counter[str] = Counter()
+    for (column, _), writer in writers.items():
+        rows[column] += writer.rows
     column = choose_column(args.data_format, rows["text"] - tally.rows_from_conversations, rows["messages"])
     if args.data_format == "auto" and column == "messages":
         tally.adopt_chat_problems()

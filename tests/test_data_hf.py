@@ -702,6 +702,10 @@ def test_auto_writes_conversations_when_every_record_is_one(tmp_path: Path, caps
     summary = summary_of(tmp_path / "auto")
     assert summary["column"] == "messages" and summary["counts_by_reason"] == {"no_assistant_turn": 1}
     assert "--format auto: every record read is a conversation" in capsys.readouterr().out
+    assert convert(data, tmp_path / "split", "--val-fraction", "0.5") == 0  # the choice counts every split's rows
+    split = load_from_disk(str(tmp_path / "split"))
+    assert split["train"].column_names == split["validation"].column_names == ["messages"]
+    assert len(split["train"]) + len(split["validation"]) == len(GOOD)
 
 
 def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_path: Path, capsys) -> None:
