@@ -109,8 +109,6 @@ REASONS = {
     "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
     "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
     "text_file_in_chat_run": "a text file (not .json/.jsonl/.yaml) in a --format chat run: not read",
-    "conversation_in_text_run": "conversation records left out of a text dataset (--format auto with other text "
-    "present): convert them with --format chat",
 }
 
 # Rows travel from workers as the two buffers of an Arrow string array: UTF-8 bytes and int32 offsets (Arrow's
@@ -132,6 +130,8 @@ _YAML_DEEP_BLOCK = re.compile(rb"^(?:[ \t]|[-?:][ \t]){%d}" % (YAML_C_MAX_DEPTH 
 _FLOW_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
 
+# One chat row: (role, content) turns with the standard roles; written as a list of {"role", "content"} structs.
+Conversation = tuple[tuple[str, str], ...]
 DATA_FORMATS = ("auto", "text", "chat")
 JSON_MODES = ("strings", "records")
 # Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
@@ -398,9 +398,6 @@ def iter_json_values(read: Callable[[int], str], *, whole_objects: bool = False)
 
 # --- Conversations -----------------------------------------------------------------------------------------
 
-# One chat row: (role, content) turns with the standard roles; written as a list of {"role", "content"} structs.
-Conversation = tuple[tuple[str, str], ...]
-
 
 class BadRecord(Exception):
     """A record that cannot be a conversation row; `reason` is a key of REASONS."""
@@ -617,9 +614,11 @@ class Extraction:
         if self.data_format == "text" and self.json_mode == "strings" and not isinstance(value, (dict, list)):
             yield from extract_strings(value)  # the common scalar case, without the record bookkeeping below
             return
-        strings_seen = set() if yaml_document else None
-        records_seen = set() if yaml_document else None
         records = value if split_lists and isinstance(value, list) else (value,)
+        strings_seen: set[int] | None = None
+        records_seen: set[int] | None = None
+        if yaml_document:  # aliases: each container is read once; the document itself counts as read
+            strings_seen, records_seen = {id(value)} if records is value else set(), set()
         for record in records:
             result.records_seen += 1
             if isinstance(record, str) and self.data_format != "chat":
@@ -642,9 +641,9 @@ class Extraction:
         if self.json_mode == "strings":
             yield from strings
             return
-        joined = "\n".join(string for string in strings if string.strip())
-        if joined or _holds_a_string(record):
-            yield joined
+        held = list(strings)  # a record's strings: the row is built from them anyway
+        if held:  # a record without strings gives no row; one of blank strings an empty row, counted as dropped
+            yield "\n".join(string for string in held if string.strip())
 
     def _conversation(
         self, record: object, result: FileResult, records_seen: set[int] | None, line: int | None
@@ -668,10 +667,6 @@ class Extraction:
 class ConversationText(str):
     """A string of a conversation-shaped record in an auto run: counted apart, because it is kept only if the run
     writes text; if every record is a conversation the run writes conversations instead."""
-
-
-def _holds_a_string(value: object) -> bool:
-    return next(extract_strings(value), None) is not None
 
 
 def _json_items(
