@@ -656,18 +656,19 @@ def test_chat_conversion_is_the_same_with_workers_and_in_pieces(tmp_path: Path, 
     monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)  # the big file is read in pieces by several workers
     lines = [json.dumps({"question": f"q{i} \u00e9", "answer": f"a{i}" * (i % 30 + 1)}) for i in range(2000)]
-    lines[1500] = json.dumps({"question": "no answer"})
+    lines[1500] = json.dumps({"question": "no answer", "answer": " "})
     files = {"big.jsonl": "\n".join(lines) + "\n", **{f"small/{i:03d}.json": json.dumps(GOOD) for i in range(40)}}
     data = write_files(tmp_path / "data", files)
     outputs = []
-    for num_proc in ("1", "2"):
-        out = tmp_path / f"out{num_proc}"
-        cli = ["--data_folder", str(data), "--save_dir", str(out), "--format", "chat", "--num-proc", num_proc]
+    for data_format, num_proc in (("chat", "1"), ("chat", "2"), ("auto", "2")):
+        out = tmp_path / f"out_{data_format}{num_proc}"
+        cli = ["--data_folder", str(data), "--save_dir", str(out), "--format", data_format, "--num-proc", num_proc]
         assert main([*cli, "--max-chars", "1000"]) == 0
         outputs.append((load_from_disk(str(out))["messages"][:], summary_of(out)))
-    assert outputs[0][0] == outputs[1][0] and len(outputs[0][0]) == 1999 + 40 * 5
-    assert outputs[0][1]["content_digest"] == outputs[1][1]["content_digest"]
-    assert [(p["reason"], p["line"]) for p in outputs[1][1]["problems"]] == [("not_a_conversation", 1501)]
+    assert outputs[0][0] == outputs[1][0] == outputs[2][0] and len(outputs[0][0]) == 1999 + 40 * 5
+    assert outputs[0][1]["content_digest"] == outputs[1][1]["content_digest"] == outputs[2][1]["content_digest"]
+    for _, summary in outputs[1:]:  # line numbers count every piece before, in auto runs too
+        assert [(p["reason"], p["line"]) for p in summary["problems"]] == [("no_assistant_turn", 1501)]
 
 
 def test_chat_val_fraction_is_a_stable_split_by_conversation(tmp_path: Path) -> None:
