@@ -745,9 +745,23 @@ def _items_in_memory(
         try:  # the fast path; the streaming parser below keeps what comes before an error
             value = json.loads(text)
         except (ValueError, RecursionError):
-            yield from _json_items(io.StringIO(text).read, result, extraction, extraction.whole_records)
+            # Several values one after another (JSON Lines saved as .json), or a malformed file. Top-level objects
+            # are records only if they all parse (or with --format chat): a truncated object is read member by
+            # member, as --format text always does, so that its values before the error are kept.
+            whole = extraction.data_format == "chat" or (extraction.whole_records and _parses(text))
+            yield from _json_items(io.StringIO(text).read, result, extraction, whole)
         else:
             yield from extraction.items(value, result, split_lists=True)
+
+
+def _parses(text: str) -> bool:
+    """Whether every top-level value of a JSON text parses (values are not kept: memory stays that of the text)."""
+    try:
+        for _ in iter_json_values(io.StringIO(text).read, whole_objects=True):
+            pass
+    except JsonStreamError:
+        return False
+    return True
 
 
 def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[str | Conversation]:

@@ -731,6 +731,24 @@ def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_pat
     assert "because the folder also holds other text" in printed
 
 
+def test_auto_reads_json_like_text_does_when_nothing_is_a_conversation(tmp_path: Path) -> None:
+    data = write_files(
+        tmp_path / "data",
+        {
+            "cut.json": '{"title": "Half-written", "facts": ["kept", "Mount',  # a truncated top-level object
+            "lines.json": '{"t": "a"}\n{"t": "b", "n": {"deep": "c"}}\n',  # JSON Lines saved as .json
+            "conversations_as_json_lines.json": json.dumps(GOOD[3]) + "\n" + json.dumps(GOOD[4]) + "\n",
+            "notes.txt": "text",
+        },
+    )
+    for data_format in ("auto", "text"):
+        assert convert(data, tmp_path / data_format, "--format", data_format) == 0
+    assert rows_of(tmp_path / "auto") == rows_of(tmp_path / "text")
+    assert "Half-written" in rows_of(tmp_path / "auto")  # the member before the malformed one, as in text runs
+    assert summary_of(tmp_path / "auto")["conversation_records_as_text"] == 2  # each line of the .json is a record
+    assert summary_of(tmp_path / "auto")["counts_by_reason"] == {"invalid_json": 1}
+
+
 def test_format_chat_refuses_a_folder_without_conversations(tmp_path: Path, capsys) -> None:
     data = write_files(tmp_path / "data", {"a.txt": "text", "b.md": "# more"})
     assert convert(data, tmp_path / "out", "--format", "chat") == 1
