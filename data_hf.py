@@ -1289,6 +1289,7 @@ def arrow_type(column: str) -> pa.DataType:
 
 
 def column_features(column: str) -> datasets.Features:
+    """The datasets features of a dataset with the one column `column` ("text" or "messages")."""
     import datasets
 
     if column == "text":
@@ -1355,10 +1356,6 @@ class Tally:
     _current: FileResult | None = None
     _rows_in_file: int = 0
     _lines_before: int = 0
-
-    @property
-    def files_with_rows(self) -> int:
-        return self.files_with_text + self.files_with_conversations
 
     def add_problem(self, problem: Problem, *, skipped_file: bool = False) -> None:
         self.counts_by_reason[problem.reason] += 1
@@ -1428,6 +1425,7 @@ def _summary(
     tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWriter], column: str, seconds: float
 ) -> dict[str, Any]:
     rows = {split: writer.rows for split, writer in writers.items()}
+    text = column == "text"  # the text counters describe rows that a conversation dataset does not hold
     return {
         "data_folder": str(args.data_folder),
         "save_dir": str(args.save_dir),
@@ -1450,13 +1448,13 @@ def _summary(
         "rows": rows,
         "rows_total": sum(rows.values()),
         "text_bytes": sum(writer.text_bytes for writer in writers.values()),
-        "strings_found": tally.strings_found,
+        "strings_found": tally.strings_found if text else 0,
         "conversations_found": tally.conversations_found,
-        "conversation_records_as_text": tally.conversation_shaped_as_text if column == "text" else 0,
-        "conversation_text_files": tally.conversation_text_files if column == "text" else {},
-        "dropped_empty_strings": tally.dropped_empty,
-        "dropped_below_min_chars": tally.dropped_short,
-        "extra_rows_from_splitting": tally.extra_rows_from_splitting,
+        "conversation_records_as_text": tally.conversation_shaped_as_text if text else 0,
+        "conversation_text_files": tally.conversation_text_files if text else {},
+        "dropped_empty_strings": tally.dropped_empty if text else 0,
+        "dropped_below_min_chars": tally.dropped_short if text else 0,
+        "extra_rows_from_splitting": tally.extra_rows_from_splitting if text else 0,
         "rows_with_lone_surrogates_replaced": tally.rows_with_surrogates,
         "counts_by_reason": dict(sorted(tally.counts_by_reason.items())),
         "skipped_files": tally.skipped_files,
