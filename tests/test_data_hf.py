@@ -476,6 +476,19 @@ def test_bad_flags_name_the_flag(tmp_path: Path, capsys, args: list[str], messag
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--format", "xml"), ("--json-mode", "lines")])
+def test_unknown_format_or_json_mode_is_refused_naming_the_choices(
+    tmp_path: Path, capsys, flag: str, value: str
+) -> None:
+    data = write_files(tmp_path / "data", {"a.txt": "x"})
+    with pytest.raises(SystemExit) as exited:
+        convert(data, tmp_path / "out", flag, value)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert flag in error and value in error and ("chat" in error or "records" in error)
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_input_files_and_no_rows_are_errors(tmp_path: Path, capsys) -> None:
     data = write_files(tmp_path / "data", {"a.csv": "x"})
     assert convert(data, tmp_path / "out") == 1
