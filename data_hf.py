@@ -2,10 +2,14 @@
 
     python data_hf.py --data_folder splits --save_dir hf_datasets/my_corpus
     python data_hf.py --data-folder raw_text --save-dir hf_datasets/my_corpus --val-fraction 0.01 --overwrite
+    python data_hf.py --data-folder chat_data --save-dir hf_datasets/my_chat --format chat --val-fraction 0.01
 
-The result is a `datasets.Dataset` with one string column `text` (or, with --val-fraction, a `DatasetDict` with
-`train` and `validation`), written with the layout of `save_to_disk` so `datasets.load_from_disk` and
-fsdp_train.py read it directly. One row per extracted string:
+The result is a `datasets.Dataset` (or, with --val-fraction, a `DatasetDict` with `train` and `validation`),
+written with the layout of `save_to_disk` so `datasets.load_from_disk` and fsdp_train.py read it directly. It has
+one column: `text` (a string), or with --format chat `messages` (a list of {"role", "content"} turns, Arrow type
+list<struct<role: string, content: string>>, one conversation per record; see parse_conversation for the record
+shapes). --format auto (the default) writes `messages` when every record read is a conversation, else `text`.
+Text rows, one per extracted string (--json-mode records: one per record):
 
 - .txt / .md (and any extension not listed below): the file's text, split at blank lines when longer than
   --max-chars characters;
@@ -92,6 +96,19 @@ REASONS = {
     "too_deep": "nested deeper than the JSON/YAML parser's recursion limit",
     "no_text": "parsed, but holds no string values",
     "read_error": "could not be read (permissions, broken link, not a regular file)",
+    # Conversation records (--format chat, or auto): each bad record is skipped and counted, never fragmented.
+    "not_a_conversation": "a record with none of the conversation shapes (messages, conversations, instruction + "
+    "output, prompt + completion/response, question + answer)",
+    "bad_message": "a turn that is not an object with role/content (or ShareGPT from/value), or a messages or "
+    "conversations value that is not a list",
+    "unknown_role": "a role other than system/user/assistant (or the aliases human, gpt, bot, model)",
+    "non_string_content": "a turn, instruction, prompt, answer or system prompt that is not a string (e.g. null, "
+    "a list of multimodal parts, a tool call)",
+    "misplaced_system_turn": "a system turn that is not the first turn",
+    "no_assistant_turn": "a conversation without an assistant turn that has text: nothing to learn from",
+    "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
+    "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
+    "text_file_in_chat_run": "a text file (not .json/.jsonl/.yaml) in a --format chat run: not read",
 }
 
 # Rows travel from workers as the two buffers of an Arrow string array: UTF-8 bytes and int32 offsets (Arrow's
@@ -112,6 +129,32 @@ YAML_C_MAX_DEPTH = 2000
 _YAML_DEEP_BLOCK = re.compile(rb"^(?:[ \t]|[-?:][ \t]){%d}" % (YAML_C_MAX_DEPTH // 4), re.M)
 _FLOW_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
+
+# One chat row: (role, content) turns with the standard roles; written as a list of {"role", "content"} structs.
+Conversation = tuple[tuple[str, str], ...]
+DATA_FORMATS = ("auto", "text", "chat")
+JSON_MODES = ("strings", "records")
+# Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
+# Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool and function turns are not accepted.
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+}
+# Record shapes, tried in this order: (shape, key groups); a record has the shape when it has one key of each group.
+CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
+    ("messages", (("messages",),)),
+    ("conversations", (("conversations",),)),
+    ("alpaca", (("instruction",), ("output",))),
+    ("prompt", (("prompt",), ("completion", "response"))),
+    ("question", (("question",), ("answer",))),
+)
+# Per piece of a file, the bad records listed with their detail; past this they are only counted.
+RECORD_PROBLEMS_LISTED = MAX_LISTED
 
 
 # --- Pure extraction -----------------------------------------------------------------------------------------
@@ -136,10 +179,18 @@ class FileResult:
     """What reading one file (or one piece of a large file) gave."""
 
     path: str
-    rows: list[str] = field(default_factory=list)
+    rows: list[str | Conversation] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     bytes_read: int = 0
-    strings_found: int = 0  # extracted strings before splitting and filtering
+    strings_found: int = 0  # extracted strings (--json-mode records: records) before splitting and filtering
+    conversations_found: int = 0  # conversation rows (--format chat or auto)
+    records_seen: int = 0  # JSON/YAML records looked at, to number the bad ones
+    conversation_shaped_as_text: int = 0  # records that look like conversations, extracted as text
+    rows_from_conversations: int = 0  # of the text rows kept, those from conversation-shaped records (auto)
+    unlisted_problems: Counter[str] = field(default_factory=Counter)  # bad records past RECORD_PROBLEMS_LISTED
+    # auto: bad conversation records, which count as problems only if the run writes conversations
+    pending_chat_problems: list[Problem] = field(default_factory=list)
+    unlisted_chat_problems: Counter[str] = field(default_factory=Counter)
     rows_kept: int = 0  # len(rows), kept when rows are sent separately as Arrow data
     dropped_empty: int = 0  # empty or whitespace-only strings
     dropped_short: int = 0  # rows under --min-chars
@@ -152,20 +203,34 @@ class FileResult:
     @property
     def skipped_reason(self) -> str | None:
         """The reason nothing was kept from this file, or None if rows were kept or nothing went wrong."""
-        if self.strings_found or not self.problems:
+        if self.strings_found or self.conversations_found or not self.problems:
             return None
         return self.problems[0].reason
 
+    def skip_record(self, problem: Problem, pending: bool = False) -> None:
+        """Count a bad record; the first RECORD_PROBLEMS_LISTED are kept with their detail, so that a file of a
+        million records that are not conversations does not hold a million problems in memory. `pending`: an
+        auto run's bad conversation, a problem only if the run writes conversations."""
+        listed, unlisted = (
+            (self.pending_chat_problems, self.unlisted_chat_problems) if pending
+            else (self.problems, self.unlisted_problems)
+        )  # fmt: skip
+        if len(listed) < RECORD_PROBLEMS_LISTED:
+            listed.append(problem)
+        else:
+            unlisted[problem.reason] += 1
 
-def extract_strings(value: object, *, track_shared: bool = False) -> Iterator[str]:
+
+def extract_strings(value: object, *, track_shared: bool = False, seen: set[int] | None = None) -> Iterator[str]:
     """Every string value inside `value`, in document order. Dict keys are not text; numbers and booleans are not
     strings. Iterative, so nesting of any depth is walked without recursion.
 
     track_shared: visit each container object once. YAML aliases make one mapping or list appear in several
     places, or even inside itself; visiting it once stops self-reference loops and "billion laughs" alias
-    bombs (an alias to a plain string still repeats the string).
+    bombs (an alias to a plain string still repeats the string). `seen`: share the visited set between calls (the
+    records of one YAML document).
     """
-    seen: set[int] = set()
+    seen = set() if seen is None else seen
     stack: list[Iterator[object]] = [iter((value,))]
     while stack:
         for item in stack[-1]:
@@ -302,16 +367,17 @@ class _JsonReader:
             return result
 
 
-def iter_json_values(read: Callable[[int], str]) -> Iterator[object]:
+def iter_json_values(read: Callable[[int], str], *, whole_objects: bool = False) -> Iterator[object]:
     """The top-level values of a JSON text read incrementally with `read(n)`: the elements of a top-level array,
-    the member values of a top-level object, or the value itself. Several top-level values one after another
-    (JSON Lines saved as .json) are all read. Memory holds one element, not the whole document.
+    the member values of a top-level object (the object itself with `whole_objects`), or the value itself.
+    Several top-level values one after another (JSON Lines saved as .json) are all read. Memory holds one element,
+    not the whole document.
 
     Raises JsonStreamError after yielding every value before the first malformed or too deeply nested one.
     """
     reader = _JsonReader(read)
     while opener := reader.peek():
-        if opener not in "[{":
+        if opener not in "[{" or (opener == "{" and whole_objects):
             yield reader.value()
             continue
         closer = "]" if opener == "[" else "}"
@@ -328,6 +394,101 @@ def iter_json_values(read: Callable[[int], str]) -> Iterator[object]:
             yield reader.value()
             if reader.expect("," + closer, f"Expecting ',' or '{closer}'") == closer:
                 break
+
+
+# --- Conversations -----------------------------------------------------------------------------------------
+
+
+class BadRecord(Exception):
+    """A record that cannot be a conversation row; `reason` is a key of REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def conversation_shape(record: object) -> str | None:
+    """The first of CONVERSATION_SHAPES whose keys `record` has ("messages", "alpaca", ...), else None."""
+    if not isinstance(record, dict):
+        return None
+    for shape, key_groups in CONVERSATION_SHAPES:
+        if all(any(key in record for key in group) for group in key_groups):
+            return shape
+    return None
+
+
+def _text_field(record: dict, key: str) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise BadRecord("non_string_content", f"{key!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def _turns_of_list(turns: object, key: str) -> list[tuple[str, str]]:
+    """(role, content) of a `messages` (role/content) or `conversations` (ShareGPT from/value) list; either key
+    pair is accepted in both, as real dumps mix them."""
+    if not isinstance(turns, list):
+        raise BadRecord("bad_message", f"{key!r} is {type(turns).__name__}, not a list of turns")
+    result = []
+    for number, turn in enumerate(turns, 1):
+        role_key = "role" if isinstance(turn, dict) and "role" in turn else "from"
+        content_key = "content" if isinstance(turn, dict) and "content" in turn else "value"
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise BadRecord("bad_message", f"turn {number} of {key!r} is not an object with role/content or from/value")
+        role, content = turn[role_key], turn[content_key]
+        if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
+            raise BadRecord("unknown_role", f"turn {number} of {key!r} has the role {role!r}")
+        if not isinstance(content, str):
+            raise BadRecord("non_string_content", f"turn {number} of {key!r} has {type(content).__name__} content")
+        result.append((ROLE_ALIASES[role.strip().lower()], content))
+    return result
+
+
+def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
+    """The user and assistant turns of the single-exchange shapes (Alpaca, prompt/completion, question/answer)."""
+    if shape == "alpaca":
+        user = _text_field(record, "instruction")
+        extra = record.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise BadRecord("non_string_content", f"'input' is {type(extra).__name__}, not a string")
+        if extra and extra.strip():
+            user = f"{user}\n\n{extra}"
+        return [("user", user), ("assistant", _text_field(record, "output"))]
+    if shape == "prompt":
+        answer_key = "completion" if "completion" in record else "response"
+        return [("user", _text_field(record, "prompt")), ("assistant", _text_field(record, answer_key))]
+    return [("user", _text_field(record, "question")), ("assistant", _text_field(record, "answer"))]
+
+
+def parse_conversation(record: object) -> Conversation:
+    """The turns of one conversation record, in any of CONVERSATION_SHAPES, with a top-level `system` string
+    prepended as a system turn. Raises BadRecord with the reason when it cannot be used as a chat row."""
+    shape = conversation_shape(record)
+    if shape is None or not isinstance(record, dict):
+        keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
+        raise BadRecord("not_a_conversation", f"{keys}; expected messages, conversations, instruction + output, "
+                        "prompt + completion/response or question + answer")  # fmt: skip
+    if shape in ("messages", "conversations"):
+        turns = _turns_of_list(record[shape], shape)
+    else:
+        turns = _turns_of_pair(record, shape)
+    if "system" in record and record["system"] is not None:
+        system = _text_field(record, "system")
+        if system.strip():
+            turns.insert(0, ("system", system))
+    for number, (role, _) in enumerate(turns[1:], 2):
+        if role == "system":
+            raise BadRecord("misplaced_system_turn", f"turn {number} is a system turn; only the first turn may be")
+    if not any(role == "assistant" and content.strip() for role, content in turns):
+        raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text")
+    return tuple(turns)
+
+
+def conversation_json(conversation: Conversation) -> str:
+    """The canonical JSON of a conversation, as HF writes messages: what --val-fraction hashes."""
+    messages = [{"role": role, "content": content} for role, content in conversation]
+    return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
 
 
 # --- Reading one file ---------------------------------------------------------------------------------------
@@ -428,18 +589,102 @@ def _scan_large_file(path: str) -> tuple[bool, str, YamlDepthBound]:
     return has_nul, "utf-8-sig" if is_utf8 else "cp1252" if is_cp1252 else "latin-1", depth
 
 
-def _json_strings(read: Callable[[int], str], result: FileResult) -> Iterator[str]:
+@dataclass(frozen=True)
+class Extraction:
+    """What a value parsed from JSON, JSON Lines or YAML gives: text rows (--json-mode strings: one per string;
+    records: one per record, its strings joined by newlines) or conversations (--format chat, or auto for
+    conversation-shaped records). A record is an element of a top-level JSON array, a top-level JSON object, a
+    JSON Lines line, a YAML document, or an element of a YAML document that is a list."""
+
+    data_format: str = "text"  # one of DATA_FORMATS
+    json_mode: str = "strings"  # one of JSON_MODES
+    max_chars: int = DEFAULT_MAX_CHARS
+
+    @property
+    def whole_records(self) -> bool:
+        """Whether a top-level JSON object must be parsed whole, as one record."""
+        return self.data_format != "text" or self.json_mode == "records"
+
+    def items(
+        self, value: object, result: FileResult, *, split_lists: bool, yaml_document: bool = False,
+        line: int | None = None,
+    ) -> Iterator[str | Conversation]:  # fmt: skip
+        """Rows of one parsed value. `split_lists`: a list value holds records (a whole JSON document, a YAML
+        document). `yaml_document`: the value is a YAML document, whose aliases are followed once."""
+        if self.data_format == "text" and self.json_mode == "strings" and not isinstance(value, (dict, list)):
+            yield from extract_strings(value)  # the common scalar case, without the record bookkeeping below
+            return
+        records = value if split_lists and isinstance(value, list) else (value,)
+        strings_seen: set[int] | None = None
+        records_seen: set[int] | None = None
+        if yaml_document:  # aliases: each container is read once; the document itself counts as read
+            strings_seen, records_seen = {id(value)} if records is value else set(), set()
+        for record in records:
+            result.records_seen += 1
+            if isinstance(record, str) and self.data_format != "chat":
+                yield record  # the text of a bare string record in either --json-mode: no bookkeeping needed
+                continue
+            shaped = conversation_shape(record) is not None
+            if self.data_format == "chat" or (self.data_format == "auto" and shaped):
+                conversation = self._conversation(record, result, records_seen, line)
+                if conversation is not None:
+                    yield conversation
+                if self.data_format == "chat":
+                    continue
+            result.conversation_shaped_as_text += shaped
+            texts = self._texts(record, strings_seen)
+            # auto: the text of a conversation is kept only if the run turns out to be a text run (see Tally)
+            yield from (map(ConversationText, texts) if shaped and self.data_format == "auto" else texts)
+
+    def _texts(self, record: object, strings_seen: set[int] | None) -> Iterator[str]:
+        strings = extract_strings(record, track_shared=strings_seen is not None, seen=strings_seen)
+        if self.json_mode == "strings":
+            yield from strings
+            return
+        held = list(strings)  # a record's strings: the row is built from them anyway
+        if held:  # a record without strings gives no row; one of blank strings an empty row, counted as dropped
+            yield "\n".join(string for string in held if string.strip())
+
+    def _conversation(
+        self, record: object, result: FileResult, records_seen: set[int] | None, line: int | None
+    ) -> Conversation | None:
+        try:
+            if records_seen is not None and isinstance(record, dict):
+                if id(record) in records_seen:
+                    raise BadRecord("repeated_yaml_alias", "an alias to a record already read")
+                records_seen.add(id(record))
+            conversation = parse_conversation(record)
+            chars = sum(len(content) for _, content in conversation)
+            if chars > self.max_chars:
+                raise BadRecord("conversation_too_long", f"{chars} characters > --max-chars {self.max_chars}")
+        except BadRecord as err:
+            where = "" if line is not None else f"record {result.records_seen}: "
+            result.skip_record(Problem(result.path, err.reason, where + err.detail, line), self.data_format == "auto")
+            return None
+        return conversation
+
+
+class ConversationText(str):
+    """A string of a conversation-shaped record in an auto run: counted apart, because it is kept only if the run
+    writes text; if every record is a conversation the run writes conversations instead."""
+
+
+def _json_items(
+    read: Callable[[int], str], result: FileResult, extraction: Extraction, whole_objects: bool
+) -> Iterator[str | Conversation]:
     count = 0
     try:
-        for item in iter_json_values(read):
+        for item in iter_json_values(read, whole_objects=whole_objects):
             count += 1
-            yield from extract_strings(item)
+            yield from extraction.items(item, result, split_lists=False)
     except JsonStreamError as err:
         kept = f"; read {count} value(s) before it" if count else ""
         result.problems.append(Problem(result.path, err.reason, err.detail + kept))
 
 
-def _yaml_strings(stream: str | io.TextIOBase, loader: type, result: FileResult) -> Iterator[str]:
+def _yaml_items(
+    stream: str | io.TextIOBase, loader: type, result: FileResult, extraction: Extraction
+) -> Iterator[str | Conversation]:
     documents = yaml.load_all(stream, Loader=loader)
     count = 0
     while True:
@@ -455,15 +700,15 @@ def _yaml_strings(stream: str | io.TextIOBase, loader: type, result: FileResult)
             detail = " ".join(str(err).split())
         else:
             count += 1
-            yield from extract_strings(document, track_shared=True)
+            yield from extraction.items(document, result, split_lists=True, yaml_document=True)
             continue
         kept = f"; read {count} document(s) before it" if count else ""
         result.problems.append(Problem(result.path, reason, detail + kept))
         return
 
 
-def _jsonl_strings(data: bytes, result: FileResult) -> Iterator[str]:
-    """Strings of every line of JSON Lines bytes. Lines are parsed from bytes (json.loads decodes UTF-8 and drops a
+def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction) -> Iterator[str | Conversation]:
+    """Rows of every line of JSON Lines bytes. Lines are parsed from bytes (json.loads decodes UTF-8 and drops a
     BOM itself), so the piece is never held a second time as text; a line that is not UTF-8 is decoded like a
     legacy text file."""
     result.newlines = data.count(b"\n")
@@ -486,25 +731,42 @@ def _jsonl_strings(data: bytes, result: FileResult) -> Iterator[str]:
         except ValueError as err:
             result.problems.append(Problem(result.path, "invalid_jsonl_line", str(err), number))
             continue
-        yield from extract_strings(value)
+        yield from extraction.items(value, result, split_lists=False, line=number)
 
 
-def _strings_in_memory(kind: str, text: str, yaml_loader: type, result: FileResult) -> Iterator[str]:
+def _items_in_memory(
+    kind: str, text: str, yaml_loader: type, result: FileResult, extraction: Extraction
+) -> Iterator[str | Conversation]:
     if kind == "text":
         yield text
     elif kind == "yaml":
-        yield from _yaml_strings(text, yaml_loader, result)
+        yield from _yaml_items(text, yaml_loader, result, extraction)
     else:
         try:  # the fast path; the streaming parser below keeps what comes before an error
             value = json.loads(text)
         except (ValueError, RecursionError):
-            yield from _json_strings(io.StringIO(text).read, result)
+            # Several values one after another (JSON Lines saved as .json), or a malformed file. Top-level objects
+            # are records only if they all parse (or with --format chat): a truncated object is read member by
+            # member, as --format text always does, so that its values before the error are kept.
+            whole = extraction.data_format == "chat" or (extraction.whole_records and _parses(text))
+            yield from _json_items(io.StringIO(text).read, result, extraction, whole)
         else:
-            yield from extract_strings(value)
+            yield from extraction.items(value, result, split_lists=True)
 
 
-def _strings_streamed(kind: str, path: str, result: FileResult) -> Iterator[str]:
-    """Strings of a large JSON or YAML file, parsed from the open file one element or document at a time."""
+def _parses(text: str) -> bool:
+    """Whether every top-level value of a JSON text parses (values are not kept: memory stays that of the text)."""
+    try:
+        for _ in iter_json_values(io.StringIO(text).read, whole_objects=True):
+            pass
+    except JsonStreamError:
+        return False
+    return True
+
+
+def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[str | Conversation]:
+    """Rows of a large JSON or YAML file, parsed from the open file one element or document at a time. A top-level
+    JSON object is read member by member here, whatever the mode, so that memory stays flat."""
     has_nul, encoding, depth = _scan_large_file(path)
     result.bytes_read = os.path.getsize(path)
     if has_nul:
@@ -514,17 +776,17 @@ def _strings_streamed(kind: str, path: str, result: FileResult) -> Iterator[str]
         result.fallback_encoding = encoding
     with open(path, encoding=encoding, newline="") as fh:
         if kind == "json":
-            yield from _json_strings(fh.read, result)
+            yield from _json_items(fh.read, result, extraction, whole_objects=False)
         else:
-            yield from _yaml_strings(fh, _yaml_loader(depth), result)
+            yield from _yaml_items(fh, _yaml_loader(depth), result, extraction)
 
 
-def _raw_strings(
-    path: str, kind: str, start: int, end: int | None, max_chars: int, result: FileResult
-) -> Iterator[str]:
+def _raw_items(
+    path: str, kind: str, start: int, end: int | None, extraction: Extraction, result: FileResult
+) -> Iterator[str | Conversation]:
     whole = start == 0 and end is None
-    if kind in ("json", "yaml") and whole and os.path.getsize(path) > piece_bytes_for(max_chars):
-        yield from _strings_streamed(kind, path, result)
+    if kind in ("json", "yaml") and whole and os.path.getsize(path) > piece_bytes_for(extraction.max_chars):
+        yield from _items_streamed(kind, path, result, extraction)
         return
     offset, data = _read_bytes(path, kind, start, end)
     result.bytes_read = len(data)
@@ -536,14 +798,14 @@ def _raw_strings(
         result.problems.append(Problem(path, "empty_file", "0 bytes" if not data else "only whitespace"))
         return
     if kind == "jsonl":
-        yield from _jsonl_strings(data, result)
+        yield from _jsonl_items(data, result, extraction)
         return
     depth = YamlDepthBound()
     if kind == "yaml":
         depth.feed(data)
     text, result.fallback_encoding = decode_bytes(data, at_file_start=offset == 0)
     del data  # a piece is held once, as text
-    yield from _strings_in_memory(kind, text, _yaml_loader(depth), result)
+    yield from _items_in_memory(kind, text, _yaml_loader(depth), result, extraction)
 
 
 def iter_rows(
@@ -553,13 +815,22 @@ def iter_rows(
     min_chars: int = 0,
     start: int = 0,
     end: int | None = None,
-) -> Iterator[str]:
-    """Rows of one file (or of the piece [start, end) of a large one), recording problems and counts in `result`.
-    A generator, so a large JSON or YAML file is never held whole."""
+    *,
+    data_format: str = "text",
+    json_mode: str = "strings",
+) -> Iterator[str | Conversation]:
+    """Rows of one file (or of the piece [start, end) of a large one), recording problems and counts in `result`:
+    text rows (str) and conversations. A generator, so a large JSON or YAML file is never held whole."""
+    extraction = Extraction(data_format, json_mode, max_chars)
     try:
-        for string in _raw_strings(str(path), file_kind(path), start, end, max_chars, result):
+        for item in _raw_items(str(path), file_kind(path), start, end, extraction, result):
+            if not isinstance(item, str):
+                result.conversations_found += 1
+                yield item
+                continue
             result.strings_found += 1
-            rows = split_long_text(string, max_chars) if len(string) > max_chars else (string,)
+            from_conversation = isinstance(item, ConversationText)
+            rows = split_long_text(item, max_chars) if len(item) > max_chars else (item,)
             result.extra_rows_from_splitting += len(rows) - 1
             for row in rows:
                 if not row or row.isspace():
@@ -567,17 +838,26 @@ def iter_rows(
                 elif min_chars and (len(row) < min_chars or len(row.strip()) < min_chars):
                     result.dropped_short += 1
                 else:
-                    yield row
+                    result.rows_from_conversations += from_conversation
+                    yield str(row)
     except OSError as err:
         result.problems.append(Problem(str(path), "read_error", err.strerror or str(err)))
 
 
 def read_file(
-    path: str | Path, max_chars: int = DEFAULT_MAX_CHARS, min_chars: int = 0, start: int = 0, end: int | None = None
+    path: str | Path,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    min_chars: int = 0,
+    start: int = 0,
+    end: int | None = None,
+    *,
+    data_format: str = "text",
+    json_mode: str = "strings",
 ) -> FileResult:
     """All rows of one file (or of the piece [start, end) of a large one) with what was skipped and why."""
     result = FileResult(path=str(path))
-    result.rows = list(iter_rows(path, result, max_chars, min_chars, start, end))
+    modes = {"data_format": data_format, "json_mode": json_mode}
+    result.rows = list(iter_rows(path, result, max_chars, min_chars, start, end, **modes))
     result.rows_kept = len(result.rows)
     if start == 0 and end is None:
         _note_no_text(result)
@@ -586,7 +866,7 @@ def read_file(
 
 def _note_no_text(result: FileResult) -> None:
     """A whole file that parsed fine but held no string at all gets a problem, so it does not vanish silently."""
-    if not result.strings_found and not result.problems:
+    if not result.strings_found and not result.conversations_found and not result.problems:
         result.problems.append(Problem(result.path, "no_text", REASONS["no_text"]))
 
 
@@ -619,6 +899,8 @@ class Options:
     max_chars: int
     min_chars: int
     val_fraction: float
+    data_format: str = "text"  # --format
+    json_mode: str = "strings"  # --json-mode
 
 
 def normalize_extensions(values: Iterable[str]) -> tuple[str, ...]:
@@ -721,13 +1003,23 @@ def plan_tasks(files: Iterable[tuple[Path, int]], piece_bytes: int) -> list[Task
 
 @dataclass
 class EncodedRows:
-    """Rows as the buffers of an Arrow string array, built without pyarrow (which is also ~7x faster than
-    pa.array for non-ASCII text) and wrapped into an array by the parent without a copy."""
+    """Rows as the buffers of an Arrow array, built without pyarrow (which is also ~7x faster than pa.array for
+    non-ASCII text) and wrapped into an array by the parent without a copy. A `text` chunk is one string array; a
+    `messages` chunk is a list array whose `offsets` index the messages, with the roles and contents of all its
+    messages as two string arrays (and `values` empty)."""
 
     count: int
-    offsets: bytes  # count + 1 int32 offsets into values
+    offsets: bytes  # count + 1 int32 offsets into values (text) or into the messages (messages)
     values: bytes  # the rows' UTF-8 bytes, back to back
-    digest: bytes  # blake2b of both, for the dataset fingerprint
+    digest: bytes  # blake2b of every buffer, for the dataset fingerprint
+    column: str = "text"  # "text" or "messages"
+    roles: EncodedRows | None = None
+    contents: EncodedRows | None = None
+
+    @property
+    def text_bytes(self) -> int:
+        parts = (self, self.roles, self.contents)
+        return sum(len(part.values) for part in parts if part is not None)
 
 
 @dataclass
@@ -739,53 +1031,92 @@ class TaskOutput:
     rows_with_surrogates: int = 0
 
 
+def _utf8(strings: list[str]) -> tuple[list[bytes], int]:
+    """UTF-8 of `strings` and how many had lone surrogates (from JSON "\\udXXX" escapes, which have no UTF-8
+    form) replaced by U+FFFD."""
+    try:
+        return [string.encode("utf-8") for string in strings], 0
+    except UnicodeEncodeError:
+        replaced = sum(1 for string in strings if _SURROGATE.search(string))
+        return [_SURROGATE.sub("\ufffd", string).encode("utf-8") for string in strings], replaced
+
+
+def _chunk_bounds(sizes: list[int]) -> list[int]:
+    """Row indices that cut rows of `sizes` bytes into chunks under CHUNK_BYTES (Arrow's int32 offsets)."""
+    if sum(sizes) < CHUNK_BYTES:
+        return [0, len(sizes)]
+    bounds, size = [0], 0  # rare: a task's text over 1 GiB, e.g. with a huge --max-chars
+    for index, row_size in enumerate(sizes):
+        if size + row_size >= CHUNK_BYTES and index > bounds[-1]:
+            bounds.append(index)
+            size = 0
+        size += row_size
+    bounds.append(len(sizes))
+    return bounds
+
+
+def _string_chunk(encoded: list[bytes]) -> EncodedRows:
+    offsets = array(_INT32, accumulate(map(len, encoded), initial=0)).tobytes()
+    values = b"".join(encoded)
+    digest = hashlib.blake2b(offsets, digest_size=16)
+    digest.update(values)
+    return EncodedRows(len(encoded), offsets, values, digest.digest())
+
+
 def encode_rows(rows: list[str]) -> tuple[list[EncodedRows], int]:
     """(Arrow-layout chunks of `rows`, number of rows whose lone surrogates were replaced by U+FFFD)."""
-    try:
-        encoded = [row.encode("utf-8") for row in rows]
-        replaced = 0
-    except UnicodeEncodeError:  # lone surrogates from JSON "\udXXX" escapes have no UTF-8 form
-        replaced = sum(1 for row in rows if _SURROGATE.search(row))
-        encoded = [_SURROGATE.sub("\ufffd", row).encode("utf-8") for row in rows]
-    bounds = [0, len(encoded)]
-    if sum(map(len, encoded)) >= CHUNK_BYTES:  # rare: a task's text over 1 GiB, e.g. with a huge --max-chars
-        bounds, size = [0], 0
-        for index, blob in enumerate(encoded):
-            if size + len(blob) >= CHUNK_BYTES and index > bounds[-1]:
-                bounds.append(index)
-                size = 0
-            size += len(blob)
-        bounds.append(len(encoded))
+    encoded, replaced = _utf8(rows)
+    bounds = _chunk_bounds(list(map(len, encoded)))
+    return [_string_chunk(encoded[first:last]) for first, last in zip(bounds, bounds[1:], strict=False)], replaced
+
+
+def encode_conversations(conversations: list[Conversation]) -> tuple[list[EncodedRows], int]:
+    """(Arrow-layout chunks of a `messages` column, number of messages whose lone surrogates were replaced)."""
+    contents, replaced = _utf8([content for conversation in conversations for _, content in conversation])
+    turns = [len(conversation) for conversation in conversations]
+    ends = list(accumulate(turns, initial=0))
+    bounds = _chunk_bounds([sum(map(len, contents[ends[i] : ends[i + 1]])) for i in range(len(conversations))])
     chunks = []
     for first, last in zip(bounds, bounds[1:], strict=False):
-        part = encoded[first:last]
-        offsets = array(_INT32, accumulate(map(len, part), initial=0)).tobytes()
-        values = b"".join(part)
-        digest = hashlib.blake2b(offsets, digest_size=16)
-        digest.update(values)
-        chunks.append(EncodedRows(len(part), offsets, values, digest.digest()))
+        roles = _string_chunk([role.encode() for conversation in conversations[first:last] for role, _ in conversation])
+        texts = _string_chunk(contents[ends[first] : ends[last]])
+        offsets = array(_INT32, accumulate(turns[first:last], initial=0)).tobytes()
+        digest = hashlib.blake2b(offsets + roles.digest + texts.digest, digest_size=16).digest()
+        chunks.append(EncodedRows(last - first, offsets, b"", digest, "messages", roles, texts))
     return chunks, replaced
 
 
-def _rows_to_output(rows: list[str], files: list[FileResult], val_fraction: float) -> TaskOutput:
-    by_split: dict[str, list[str]] = {"train": rows}
+def row_split(row: str | Conversation, val_fraction: float) -> str:
+    """The split of a text row, or of a conversation by the hash of its canonical JSON."""
+    return assign_split(row if isinstance(row, str) else conversation_json(row), val_fraction)
+
+
+def _rows_to_output(rows: list[str | Conversation], files: list[FileResult], val_fraction: float) -> TaskOutput:
+    by_split: dict[str, list[str | Conversation]] = {"train": rows}
     if val_fraction > 0:
         by_split = {"train": [], "validation": []}
         for row in rows:
-            by_split[assign_split(row, val_fraction)].append(row)
+            by_split[row_split(row, val_fraction)].append(row)
     output = TaskOutput(splits={}, files=files)
     for split, split_rows in by_split.items():
-        output.splits[split], replaced = encode_rows(split_rows)
+        texts = [row for row in split_rows if isinstance(row, str)]
+        conversations = [row for row in split_rows if not isinstance(row, str)]
+        output.splits[split], replaced = encode_rows(texts)
+        if conversations:
+            chunks, replaced_in_messages = encode_conversations(conversations)
+            output.splits[split] += chunks
+            replaced += replaced_in_messages
         output.rows_with_surrogates += replaced
     return output
 
 
 def process_task(task: Task, options: Options) -> TaskOutput:
     """Read every piece of a task (runs in a worker process)."""
-    rows: list[str] = []
+    rows: list[str | Conversation] = []
     files = []
     for piece in task.pieces:
-        result = read_file(piece.path, options.max_chars, options.min_chars, piece.start, piece.end)
+        modes = {"data_format": options.data_format, "json_mode": options.json_mode}
+        result = read_file(piece.path, options.max_chars, options.min_chars, piece.start, piece.end, **modes)
         result.piece, result.pieces = piece.index, piece.count
         rows.extend(result.rows)
         result.rows = []
@@ -797,12 +1128,13 @@ def _stream_task(task: Task, options: Options) -> Iterator[TaskOutput]:
     """Rows of a large JSON or YAML file in outputs of about MIN_PIECE_BYTES characters (runs in the parent)."""
     piece = task.pieces[0]
     result = FileResult(path=piece.path)
-    rows: list[str] = []
+    rows: list[str | Conversation] = []
     size = 0
-    for row in iter_rows(piece.path, result, options.max_chars, options.min_chars):
+    modes = {"data_format": options.data_format, "json_mode": options.json_mode}
+    for row in iter_rows(piece.path, result, options.max_chars, options.min_chars, **modes):
         rows.append(row)
         result.rows_kept += 1
-        size += len(row)
+        size += len(row) if isinstance(row, str) else sum(len(content) for _, content in row)
         if size >= MIN_PIECE_BYTES:
             yield _rows_to_output(rows, [], options.val_fraction)
             rows, size = [], 0
@@ -859,14 +1191,15 @@ class SplitWriter:
     """Writes one split as Arrow stream shards plus the state.json/dataset_info.json that `save_to_disk` would
     write, streaming batch by batch: nothing is memory-mapped back, so memory does not grow with the output."""
 
-    def __init__(self, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    def __init__(self, folder: Path, column: str = "text", shard_bytes: int = SHARD_BYTES) -> None:
         import pyarrow as pa
 
         self._pa = pa
         # A plain Arrow schema: datasets takes the features from dataset_info.json (written from its own template)
-        # and infers Value("string") from the Arrow type, so nothing version-specific is written by hand.
-        self.schema = pa.schema([pa.field("text", pa.string())])
-        self.folder = folder
+        # and infers them from the Arrow type, so nothing version-specific is written by hand.
+        self.column = column
+        self.schema = pa.schema([pa.field(column, arrow_type(column))])
+        self.folder = folder  # where the shards are written; finish() moves them to the split's folder
         self.shard_bytes = shard_bytes
         self.rows = 0
         self.text_bytes = 0
@@ -880,6 +1213,8 @@ class SplitWriter:
     def write(self, chunk: EncodedRows) -> None:
         if chunk.count == 0:
             return
+        if chunk.column != self.column:
+            raise ValueError(f"a {chunk.column!r} chunk cannot go into a {self.column!r} column")
         pa = self._pa
         if self._writer is None:
             part = self.folder / f"data-{len(self._parts):05d}.arrow.part"
@@ -887,14 +1222,32 @@ class SplitWriter:
             self._sink = pa.OSFile(str(part), "wb")
             self._writer = pa.ipc.new_stream(self._sink, self.schema)
             self._shard_size = 0
-        array = pa.StringArray.from_buffers(chunk.count, pa.py_buffer(chunk.offsets), pa.py_buffer(chunk.values))
-        self._writer.write_batch(pa.record_batch([array], schema=self.schema))
+        self._writer.write_batch(pa.record_batch([self._array(chunk)], schema=self.schema))
         self.rows += chunk.count
-        self.text_bytes += len(chunk.values)
+        self.text_bytes += chunk.text_bytes
         self.digest.update(chunk.digest)
-        self._shard_size += len(chunk.values) + len(chunk.offsets)
+        self._shard_size += chunk.text_bytes + len(chunk.offsets)
         if self._shard_size >= self.shard_bytes:
             self._close_shard()
+
+    def _array(self, chunk: EncodedRows) -> pa.Array:
+        """The chunk's buffers wrapped as an Arrow array, without a copy."""
+        pa = self._pa
+        if chunk.roles is None or chunk.contents is None:
+            return pa.StringArray.from_buffers(chunk.count, pa.py_buffer(chunk.offsets), pa.py_buffer(chunk.values))
+        turns = [
+            pa.StringArray.from_buffers(part.count, pa.py_buffer(part.offsets), pa.py_buffer(part.values))
+            for part in (chunk.roles, chunk.contents)
+        ]
+        list_type = self.schema.field(0).type
+        messages = pa.StructArray.from_arrays(turns, fields=list(list_type.value_type))
+        offsets = pa.Array.from_buffers(pa.int32(), chunk.count + 1, [None, pa.py_buffer(chunk.offsets)])
+        return pa.ListArray.from_arrays(offsets, messages, type=list_type)
+
+    def discard(self) -> None:
+        """Drop what was written (the column --format auto did not choose)."""
+        self._close_shard()
+        _remove(self.folder)
 
     def _close_shard(self) -> None:
         if self._writer is not None and self._sink is not None:
@@ -902,9 +1255,11 @@ class SplitWriter:
             self._sink.close()
         self._writer = self._sink = None
 
-    def finish(self, state_template: dict[str, Any], info_template: dict[str, Any]) -> None:
-        """Close the last shard, give shards their final names and write the metadata load_from_disk reads."""
+    def finish(self, folder: Path, state_template: dict[str, Any], info_template: dict[str, Any]) -> None:
+        """Close the last shard, move the shards into `folder` under their final names and write the metadata
+        load_from_disk reads there."""
         self._close_shard()
+        folder.mkdir(parents=True, exist_ok=True)
         if not self._parts:  # an empty split still needs one shard holding the schema
             part = self.folder / "data-00000.arrow.part"
             with self._pa.OSFile(str(part), "wb") as sink, self._pa.ipc.new_stream(sink, self.schema):
@@ -913,29 +1268,51 @@ class SplitWriter:
         names = []
         for index, part in enumerate(self._parts):
             name = f"data-{index:05d}-of-{len(self._parts):05d}.arrow"
-            part.rename(self.folder / name)
+            part.rename(folder / name)
             names.append({"filename": name})
+        if self.folder != folder:
+            _remove(self.folder)
         # The templates come from datasets' own save_to_disk, so only the two fields it fills from the data change.
         state = dict(state_template, _data_files=names, _fingerprint=self.digest.hexdigest())
-        (self.folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-        (self.folder / "dataset_info.json").write_text(json.dumps(info_template, indent=2, sort_keys=True) + "\n")
+        (folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        (folder / "dataset_info.json").write_text(json.dumps(info_template, indent=2, sort_keys=True) + "\n")
 
 
-def _metadata_templates(scratch: Path, splits: list[str]) -> dict[str, dict[str, Any]]:
+def arrow_type(column: str) -> pa.DataType:
+    """The Arrow type of a column: `text` a string; `messages` list<struct<role: string, content: string>>, the
+    type datasets gives Features({"messages": [{"role": Value("string"), "content": Value("string")}]})."""
+    import pyarrow as pa
+
+    if column == "text":
+        return pa.string()
+    return pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
+
+
+def column_features(column: str) -> datasets.Features:
+    """The datasets features of a dataset with the one column `column` ("text" or "messages")."""
+    import datasets
+
+    if column == "text":
+        return datasets.Features({"text": datasets.Value("string")})
+    turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    return datasets.Features({"messages": datasets.List(turn)})
+
+
+def _metadata_templates(scratch: Path, splits: list[str], column: str = "text") -> dict[str, dict[str, Any]]:
     """The JSON metadata files of an empty dataset with `splits`, keyed by relative path ("state.json",
     "train/state.json", "dataset_dict.json", ...), exactly as the installed datasets version's save_to_disk
     writes them. Saved in `scratch`, inside the temporary output folder, so no cache is left anywhere."""
     import datasets
 
-    features = datasets.Features({"text": datasets.Value("string")})
+    features = column_features(column)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
         if splits == ["train"]:
-            datasets.Dataset.from_dict({"text": []}, features=features).save_to_disk(str(scratch))
+            datasets.Dataset.from_dict({column: []}, features=features).save_to_disk(str(scratch))
         else:
             empty = {
-                split: datasets.Dataset.from_dict({"text": []}, features=features, split=split) for split in splits
+                split: datasets.Dataset.from_dict({column: []}, features=features, split=split) for split in splits
             }
             datasets.DatasetDict(empty).save_to_disk(str(scratch))
     finally:
@@ -955,8 +1332,16 @@ class Tally:
 
     files_found: int = 0
     files_read: int = 0
-    files_with_rows: int = 0
+    files_with_text: int = 0
+    files_with_conversations: int = 0
     files_skipped: int = 0
+    conversations_found: int = 0
+    conversation_shaped_as_text: int = 0
+    rows_from_conversations: int = 0
+    # files with conversation-shaped records extracted as text, and how many (the first MAX_LISTED files)
+    conversation_text_files: dict[str, int] = field(default_factory=dict)
+    pending_chat_problems: list[Problem] = field(default_factory=list)
+    unlisted_chat_problems: Counter[str] = field(default_factory=Counter)
     bytes_read: int = 0
     strings_found: int = 0
     dropped_empty: int = 0
@@ -994,6 +1379,17 @@ class Tally:
         self._lines_before += result.newlines
         self._rows_in_file += result.rows_kept
         file.strings_found += result.strings_found
+        file.conversations_found += result.conversations_found
+        file.conversation_shaped_as_text += result.conversation_shaped_as_text
+        self.rows_from_conversations += result.rows_from_conversations
+        self.counts_by_reason.update(result.unlisted_problems)
+        for problem in result.pending_chat_problems:
+            line = None if problem.line is None else problem.line + self._lines_before - result.newlines
+            if len(self.pending_chat_problems) < MAX_LISTED:
+                self.pending_chat_problems.append(Problem(problem.path, problem.reason, problem.detail, line))
+            else:
+                self.unlisted_chat_problems[problem.reason] += 1
+        self.unlisted_chat_problems.update(result.unlisted_chat_problems)
         for name in ("bytes_read", "dropped_empty", "dropped_short", "extra_rows_from_splitting"):
             setattr(self, name, getattr(self, name) + getattr(result, name))
         if result.fallback_encoding:
@@ -1005,22 +1401,39 @@ class Tally:
                 _note_no_text(file)
             self._finish_file(file)
 
+    def adopt_chat_problems(self) -> None:
+        """An auto run that writes conversations: its bad conversation records become problems."""
+        for problem in self.pending_chat_problems:
+            self.add_problem(problem)
+        self.counts_by_reason.update(self.unlisted_chat_problems)
+
     def _finish_file(self, file: FileResult) -> None:
         self.strings_found += file.strings_found
-        if self._rows_in_file:
-            self.files_with_rows += 1
+        self.conversations_found += file.conversations_found
+        self.conversation_shaped_as_text += file.conversation_shaped_as_text
+        self.files_with_text += self._rows_in_file > file.conversations_found
+        self.files_with_conversations += file.conversations_found > 0
+        if file.conversation_shaped_as_text and len(self.conversation_text_files) < MAX_LISTED:
+            self.conversation_text_files[file.path] = file.conversation_shaped_as_text
         skipped = file.skipped_reason is not None
         self.files_skipped += skipped
         for index, problem in enumerate(file.problems):
             self.add_problem(problem, skipped_file=skipped and index == 0)
 
 
-def _summary(tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWriter], seconds: float) -> dict[str, Any]:
+def _summary(
+    tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWriter], column: str, seconds: float
+) -> dict[str, Any]:
     rows = {split: writer.rows for split, writer in writers.items()}
+    text = column == "text"  # the text counters describe rows that a conversation dataset does not hold
     return {
         "data_folder": str(args.data_folder),
         "save_dir": str(args.save_dir),
+        "column": column,
+        "notes": _format_notes(tally, args.data_format, column),
         "options": {
+            "format": args.data_format,
+            "json_mode": args.json_mode,
             "extensions": list(args.extensions),
             "max_chars": args.max_chars,
             "min_chars": args.min_chars,
@@ -1029,16 +1442,19 @@ def _summary(tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWri
         },
         "files_found": tally.files_found,
         "files_read": tally.files_read,
-        "files_with_rows": tally.files_with_rows,
+        "files_with_rows": tally.files_with_conversations if column == "messages" else tally.files_with_text,
         "files_skipped": tally.files_skipped,
         "bytes_read": tally.bytes_read,
         "rows": rows,
         "rows_total": sum(rows.values()),
         "text_bytes": sum(writer.text_bytes for writer in writers.values()),
-        "strings_found": tally.strings_found,
-        "dropped_empty_strings": tally.dropped_empty,
-        "dropped_below_min_chars": tally.dropped_short,
-        "extra_rows_from_splitting": tally.extra_rows_from_splitting,
+        "strings_found": tally.strings_found if text else 0,
+        "conversations_found": tally.conversations_found,
+        "conversation_records_as_text": tally.conversation_shaped_as_text if text else 0,
+        "conversation_text_files": tally.conversation_text_files if text else {},
+        "dropped_empty_strings": tally.dropped_empty if text else 0,
+        "dropped_below_min_chars": tally.dropped_short if text else 0,
+        "extra_rows_from_splitting": tally.extra_rows_from_splitting if text else 0,
         "rows_with_lone_surrogates_replaced": tally.rows_with_surrogates,
         "counts_by_reason": dict(sorted(tally.counts_by_reason.items())),
         "skipped_files": tally.skipped_files,
@@ -1049,6 +1465,26 @@ def _summary(tally: Tally, args: argparse.Namespace, writers: dict[str, SplitWri
         "seconds": round(seconds, 3),
         "reasons": {reason: REASONS[reason] for reason in sorted(tally.counts_by_reason)},
     }
+
+
+def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:
+    """What the user should know about conversations in this run (printed, and saved in the summary)."""
+    if column == "messages" and data_format == "auto":
+        return [
+            f"--format auto: every record read is a conversation, so the dataset has a 'messages' column "
+            f"({tally.conversations_found} conversations), as --format chat writes; pass --format text to extract "
+            "their strings as text instead"
+        ]
+    shaped = tally.conversation_shaped_as_text
+    if column != "text" or not shaped:
+        return []
+    files = ", ".join(list(tally.conversation_text_files)[:3])
+    why = " because the folder also holds other text" if data_format == "auto" else ""
+    return [
+        f"{shaped} record(s) look like conversations (messages, conversations, instruction/output, prompt/completion, "
+        f"question/answer; e.g. in {files}) and were extracted as text{why}. To fine-tune on them as chat, convert "
+        "them on their own: python data_hf.py --format chat --data_folder <their folder> --save_dir <new dataset>"
+    ]
 
 
 def _print_summary(summary: dict[str, Any], shown: int = 20) -> None:
@@ -1065,6 +1501,8 @@ def _print_summary(summary: dict[str, Any], shown: int = 20) -> None:
             print(f"  ... {len(entries) - shown} more listed in {SUMMARY_NAME}")
     for path, encoding in list(summary["fallback_decoded_files"].items())[:shown]:
         print(f"data_hf: note: {path} is not UTF-8; decoded as {encoding}")
+    for note in summary["notes"]:
+        print(f"data_hf: note: {note}")
 
 
 def _one_line(summary: dict[str, Any]) -> str:
@@ -1074,8 +1512,9 @@ def _one_line(summary: dict[str, Any]) -> str:
     split_text = f" (train {rows['train']}, validation {rows['validation']})" if "validation" in rows else ""
     counts = summary["counts_by_reason"]
     reasons = f" ({', '.join(f'{reason} {count}' for reason, count in counts.items())})" if counts else ""
+    unit = "conversations" if summary["column"] == "messages" else "rows"
     return (
-        f"data_hf: {summary['files_found']} files, {megabytes:.1f} MB -> {summary['rows_total']} rows{split_text} "
+        f"data_hf: {summary['files_found']} files, {megabytes:.1f} MB -> {summary['rows_total']} {unit}{split_text} "
         f"in {summary['seconds']:.1f} s ({speed:.1f} MB/s); {summary['files_skipped']} files skipped, "
         f"{sum(counts.values())} problems{reasons}"
     )
@@ -1212,7 +1651,8 @@ def _available_cores() -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="data_hf.py",
-        description="Convert text/Markdown/JSON/JSONL/YAML files into a Hugging Face dataset with one 'text' column.",
+        description="Convert text/Markdown/JSON/JSONL/YAML files into a Hugging Face dataset with one 'text' column "
+        "(plain text) or one 'messages' column (conversations).",
     )
     parser.add_argument(
         "--data_folder", "--data-folder", dest="data_folder", type=Path, required=True,
@@ -1229,8 +1669,21 @@ def build_parser() -> argparse.ArgumentParser:
         "and .yml are parsed, any other extension is read as plain text",
     )  # fmt: skip
     parser.add_argument(
+        "--format", dest="data_format", choices=DATA_FORMATS, default="auto",
+        help="text: a 'text' column; chat: a 'messages' column, one conversation per record (messages, ShareGPT "
+        "conversations, instruction/input/output, prompt/completion, question/answer; .txt/.md are skipped); auto: "
+        "chat if every record read is a conversation, else text, with a note counting the conversations "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json-mode", "--json_mode", dest="json_mode", choices=JSON_MODES, default="strings",
+        help="text from JSON/JSONL/YAML: strings, one row per string value; records, one row per record (array "
+        "element, top-level object, line, YAML document) with its strings joined by newlines (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-chars", "--max_chars", dest="max_chars", type=int, default=DEFAULT_MAX_CHARS,
-        help="longest row in characters; longer text is split at blank lines, else at newlines (default: %(default)s)",
+        help="longest row in characters; longer text is split at blank lines, else at newlines; a longer "
+        "conversation is skipped (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--min-chars", "--min_chars", dest="min_chars", type=int, default=0,
@@ -1239,7 +1692,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--val-fraction", "--val_fraction", dest="val_fraction", type=float, default=0.0,
-        help="share of rows for a 'validation' split, chosen by a hash of the text so reruns agree; writes a "
+        help="share of rows for a 'validation' split, chosen by a hash of the text (of a conversation: of its "
+        "JSON) so reruns agree; writes a "
         "DatasetDict with 'train' and 'validation' (default: 0, a single Dataset)",
     )  # fmt: skip
     parser.add_argument(
@@ -1295,39 +1749,88 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def _chat_inputs(files: list[tuple[Path, int]], data_format: str) -> tuple[list[tuple[Path, int]], list[Problem]]:
+    """With --format chat, text files are not read (they cannot hold conversations): each is a skipped file."""
+    if data_format != "chat":
+        return files, []
+    skipped = [
+        Problem(str(path), "text_file_in_chat_run", "conversations are read from .json/.jsonl/.ndjson/.yaml/.yml "
+                "files only; convert text files with --format text")
+        for path, _ in files if file_kind(path) == "text"
+    ]  # fmt: skip
+    return [(path, size) for path, size in files if file_kind(path) != "text"], skipped
+
+
+def choose_column(data_format: str, plain_text_rows: int, conversations: int) -> str:
+    """The column a run writes: "text" for --format text, "messages" for --format chat; --format auto writes
+    "messages" when it found conversations and no other text (rows from text files or from records that are not
+    conversations), else "text", exactly as --format text would."""
+    if data_format == "auto":
+        return "messages" if conversations and not plain_text_rows else "text"
+    return "messages" if data_format == "chat" else "text"
+
+
 def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[str, SplitWriter]]:
     """Read the input and write the dataset into the empty folder `tmp`. Returns the summary and the writers."""
     started = time.monotonic()
     files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
-    tally = Tally(files_found=len(files) + len(walk_problems), files_read=len(files), files_skipped=len(walk_problems))
-    for problem in walk_problems:
+    files, text_files_skipped = _chat_inputs(files, args.data_format)
+    skipped = walk_problems + text_files_skipped
+    tally = Tally(files_found=len(files) + len(skipped), files_read=len(files), files_skipped=len(skipped))
+    for problem in skipped:
         tally.add_problem(problem, skipped_file=True)
     if not files:
+        kinds = "conversation files (.json .jsonl .ndjson .yaml .yml; --format chat)" if text_files_skipped else (
+            f"files with the extensions {' '.join(args.extensions)}")  # fmt: skip
         raise DataHfError(
-            f"no files with the extensions {' '.join(args.extensions)} under --data_folder {args.data_folder} "
-            "(hidden files and folders are skipped); check the path or pass --extensions"
+            f"no {kinds} under --data_folder {args.data_folder} (hidden files and folders are skipped); check the path "
+            "or pass --extensions"
         )
-    options = Options(args.max_chars, args.min_chars, args.val_fraction)
+    options = Options(args.max_chars, args.min_chars, args.val_fraction, args.data_format, args.json_mode)
     tasks = plan_tasks(files, piece_bytes_for(args.max_chars))
     splits = ["train", "validation"] if args.val_fraction > 0 else ["train"]
-    writers = {split: SplitWriter(tmp / split if len(splits) > 1 else tmp) for split in splits}
+    columns = {"text": ["text"], "chat": ["messages"], "auto": ["text", "messages"]}[args.data_format]
+    # Shards go to a folder per column: an auto run learns only at the end which of the two it keeps.
+    writers = {(c, split): SplitWriter(tmp / f"parts-{c}" / split, c) for c in columns for split in splits}
     with tqdm(total=len(files), unit="file", desc="data_hf", disable=None, file=sys.stderr) as progress:
         small = sum(size for _, size in files) < PARALLEL_MIN_BYTES
         for output in run_tasks(tasks, options, 1 if small else min(args.num_proc, len(tasks))):
             for split, chunks in output.splits.items():
                 for chunk in chunks:
-                    writers[split].write(chunk)
+                    if chunk.count:
+                        writers[chunk.column, split].write(chunk)
             tally.rows_with_surrogates += output.rows_with_surrogates
             for result in output.files:
                 tally.add_piece(result)
                 progress.update(result.piece == result.pieces - 1)
-    templates = _metadata_templates(tmp / ".templates", splits)
-    for split, writer in writers.items():
+    rows: Counter[str] = Counter()
+    for (column, _), writer in writers.items():
+        rows[column] += writer.rows
+    column = choose_column(args.data_format, rows["text"] - tally.rows_from_conversations, rows["messages"])
+    if args.data_format == "auto" and column == "messages":
+        tally.adopt_chat_problems()
+    chosen = _finish_writers(writers, column, splits, tmp)
+    return _summary(tally, args, chosen, column, time.monotonic() - started), chosen
+
+
+def _finish_writers(
+    writers: dict[tuple[str, str], SplitWriter], column: str, splits: list[str], tmp: Path
+) -> dict[str, SplitWriter]:
+    """Finish the writers of `column` into the dataset layout in `tmp`, drop the others; returns them by split."""
+    templates = _metadata_templates(tmp / ".templates", splits, column)
+    chosen = {}
+    for (writer_column, split), writer in writers.items():
+        if writer_column != column:
+            writer.discard()
+            continue
         prefix = f"{split}/" if len(splits) > 1 else ""
-        writer.finish(templates[f"{prefix}state.json"], templates[f"{prefix}dataset_info.json"])
+        writer.finish(tmp / prefix, templates[f"{prefix}state.json"], templates[f"{prefix}dataset_info.json"])
+        chosen[split] = writer
+    for writer_column in {writer_column for writer_column, _ in writers}:
+        _remove(tmp / f"parts-{writer_column}")
     if "dataset_dict.json" in templates:
         (tmp / "dataset_dict.json").write_text(json.dumps(templates["dataset_dict.json"]) + "\n")
-    return _summary(tally, args, writers, time.monotonic() - started), writers
+    return chosen
 
 
 def _refusals(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -1337,7 +1840,9 @@ def _refusals(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if args.strict and problems:
         refusals.append(f"--strict: {problems} problem(s) found (listed above); fix them or drop --strict")
     if summary["rows_total"] == 0:
-        refusals.append(f"no rows were extracted from --data_folder {args.data_folder}; nothing to save")
+        what = "conversations were found (see the counts by reason above)" if summary["column"] == "messages" else (
+            "rows were extracted")  # fmt: skip
+        refusals.append(f"no {what} from --data_folder {args.data_folder}; nothing to save")
     return refusals
 
 

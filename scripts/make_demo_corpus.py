@@ -3,6 +3,7 @@
 
     python scripts/make_demo_corpus.py --out demo_workspace/raw
     python scripts/make_demo_corpus.py --out /tmp/corpus --seed 1 --num-docs 500 --no-bad-files
+    python scripts/make_demo_corpus.py --out demo_workspace/raw --chat-out demo_workspace/chat
 
 The corpus is a few thousand short, templated facts ("The capital of Norland is Vesk.", "The cow says moo.",
 "Monday, Tuesday, Wednesday, Thursday, ...") repeated in varied order: a model of a few hundred thousand
@@ -12,6 +13,12 @@ format data_hf.py reads (.txt .md .json .jsonl .yaml, one multi-document YAML fi
 with same-named files in different folders, plus two deliberately bad files (malformed JSON, binary bytes
 in a .txt) that the pipeline must skip; --no-bad-files leaves those out. Same --seed and --num-docs,
 same bytes.
+
+--chat-out writes the conversation corpus for a chat fine-tune into its own folder, apart from --out so that the
+text pipeline never reads it: conversations.jsonl, a few hundred short question-and-answer conversations about the
+same facts (DEMO_CHAT_ANSWERS), one per line in the record shapes data_hf.py --format chat reads (messages with and
+without a system turn, ShareGPT conversations, Alpaca instruction/input/output, prompt/completion,
+question/answer), plus two bad records (no assistant turn, an unknown role) that it must skip and count.
 """
 
 from __future__ import annotations
@@ -242,6 +249,81 @@ def generate_corpus(seed: int = 0, num_docs: int = 6000, bad_files: bool = True)
 
 
 # --------------------------------------------------------------------------------------------------------
+# Conversations (--chat-out): the same facts as questions and one-sentence answers
+# --------------------------------------------------------------------------------------------------------
+
+CHAT_FILE = "conversations.jsonl"
+CHAT_SYSTEM = "You answer questions about the demo world in one sentence."
+DEMO_CHAT_ANSWERS: dict[str, str] = {
+    "What is the capital of Norland?": "The capital of Norland is Vesk.",
+    "What does the cow say?": "The cow says moo.",
+    "What is the opposite of hot?": "The opposite of hot is cold.",
+    "What is 2 + 3?": "2 + 3 = 5.",
+}
+
+
+def _question_answer(rng: random.Random) -> tuple[str, str]:
+    """One question about a fact of the corpus, and the sentence the text corpus states it in."""
+    topic = rng.choice(sorted(TOPICS))
+    if topic == "geography":
+        country = rng.choice(sorted(CAPITALS))
+        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+    if topic == "colors":
+        thing = rng.choice(sorted(COLORS))
+        return f"What color is {thing}?", f"The color of {thing} is {COLORS[thing]}."
+    if topic == "animals":
+        animal = rng.choice(sorted(ANIMAL_SOUNDS))
+        return f"What does the {animal} say?", f"The {animal} says {ANIMAL_SOUNDS[animal]}."
+    if topic == "calendar":
+        index = rng.randrange(len(WEEKDAYS))
+        return f"What day comes after {WEEKDAYS[index]}?", f"After {WEEKDAYS[index]} comes {WEEKDAYS[(index + 1) % 7]}."
+    if topic == "numbers":
+        first, second, total = SUMS[rng.randrange(len(SUMS))]
+        return f"What is {first} + {second}?", f"{first} + {second} = {total}."
+    word = rng.choice(sorted(OPPOSITES))
+    return f"What is the opposite of {word}?", f"The opposite of {word} is {OPPOSITES[word]}."
+
+
+def make_conversation(rng: random.Random, number: int) -> dict:
+    """One conversation record, in the record shape number % 6 picks (every shape data_hf.py --format chat reads)."""
+    question, answer = _question_answer(rng)
+    shape = number % 6
+    if shape in (0, 1):  # messages, with a system turn in half of them, and sometimes a second exchange
+        turns = [{"role": "system", "content": CHAT_SYSTEM}] if shape == 0 else []
+        turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        if rng.random() < 0.3:
+            second_question, second_answer = _question_answer(rng)
+            turns += [{"role": "user", "content": second_question}, {"role": "assistant", "content": second_answer}]
+        return {"id": number, "messages": turns}
+    if shape == 2:
+        return {"id": number, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+    if shape == 3:
+        return {"instruction": "Answer the question in one sentence.", "input": question, "output": answer}
+    if shape == 4:
+        return {"prompt": question, "completion": answer, "system": CHAT_SYSTEM}
+    return {"question": question, "answer": answer}
+
+
+BAD_CHAT_RECORDS = (
+    {"messages": [{"role": "user", "content": "What is the capital of Norland?"}]},  # no assistant turn
+    {"messages": [{"role": "narrator", "content": "Once upon a time."}, {"role": "assistant", "content": "Yes."}]},
+)
+
+
+def generate_conversations(seed: int = 0, num_conversations: int = 600, bad_records: bool = True) -> dict[str, bytes]:
+    """The conversation corpus as {relative path: file bytes}; the same arguments always give the same bytes."""
+    rng = random.Random(seed)
+    records = [make_conversation(rng, number) for number in range(num_conversations)]
+    for question, answer in DEMO_CHAT_ANSWERS.items():  # every demo question is in the data word for word
+        records.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+    if bad_records:
+        records[len(records) // 3 : len(records) // 3] = [BAD_CHAT_RECORDS[0]]
+        records[2 * len(records) // 3 : 2 * len(records) // 3] = [BAD_CHAT_RECORDS[1]]
+    lines = [json.dumps(record, ensure_ascii=False) for record in records]
+    return {CHAT_FILE: ("\n".join(lines) + "\n").encode("utf-8")}
+
+
+# --------------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------------
 
@@ -250,14 +332,14 @@ def generate_corpus(seed: int = 0, num_docs: int = 6000, bad_files: bool = True)
 RECORD_NAME = ".demo_corpus.json"
 
 
-def write_corpus(out_dir: Path, corpus: dict[str, bytes]) -> None:
+def write_corpus(out_dir: Path, corpus: dict[str, bytes], flag: str = "--out") -> None:
     record_path = out_dir / RECORD_NAME
     earlier: list[str] = []
     if record_path.is_file():
         earlier = json.loads(record_path.read_text(encoding="utf-8"))["files"]
     elif out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(
-            f"--out {out_dir} is not empty and holds no corpus from this script; choose an empty or new --out"
+            f"{flag} {out_dir} is not empty and holds no corpus from this script; choose an empty or new {flag}"
         )
     for rel_path in sorted(set(earlier) - set(corpus)):
         stale = out_dir / rel_path
@@ -269,6 +351,19 @@ def write_corpus(out_dir: Path, corpus: dict[str, bytes]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     record_path.write_text(json.dumps({"files": sorted(corpus)}, indent=1) + "\n", encoding="utf-8")
+
+
+def _chat_out_problem(out: Path, chat_out: Path | None, num_conversations: int) -> str | None:
+    if num_conversations < 0:
+        return f"--num-conversations must be 0 or more, got {num_conversations}"
+    if chat_out is None:
+        return None
+    if chat_out.resolve().is_relative_to(out.resolve()) or out.resolve().is_relative_to(chat_out.resolve()):
+        return (
+            f"--chat-out {chat_out} and --out {out} overlap, so the text pipeline would read the conversations as "
+            "text (or the chat one the text); choose a folder beside --out, e.g. --chat-out demo_workspace/chat"
+        )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -289,7 +384,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-bad-files",
         dest="bad_files",
         action="store_false",
-        help=f"leave out the deliberately unreadable files ({', '.join(BAD_FILES)})",
+        help=f"leave out the deliberately unreadable files ({', '.join(BAD_FILES)}) and bad conversation records",
+    )
+    parser.add_argument(
+        "--chat-out",
+        "--chat_out",
+        dest="chat_out",
+        type=Path,
+        help=f"also write {CHAT_FILE}, conversations for a chat fine-tune (data_hf.py --format chat), into this "
+        "folder; keep it apart from --out, which the text pipeline reads whole",
+    )
+    parser.add_argument(
+        "--num-conversations",
+        dest="num_conversations",
+        type=int,
+        default=600,
+        help="with --chat-out: generated conversations, besides one per DEMO_CHAT_ANSWERS question (default: 600)",
     )
     args = parser.parse_args(argv)
     if args.num_docs < len(CORPUS_FILES):
@@ -299,14 +409,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    corpus = generate_corpus(args.seed, args.num_docs, args.bad_files)
-    try:
-        write_corpus(args.out, corpus)
-    except ValueError as exc:
-        print(f"make_demo_corpus.py: error: {exc}", file=sys.stderr)
+    error = _chat_out_problem(args.out, args.chat_out, args.num_conversations)
+    if error:
+        print(f"make_demo_corpus.py: error: {error}", file=sys.stderr)
         return 2
-    total = sum(len(data) for data in corpus.values())
-    print(f"make_demo_corpus.py: wrote {len(corpus)} files, {total / 1e6:.2f} MB to {args.out} (seed {args.seed})")
+    outputs = [("--out", args.out, generate_corpus(args.seed, args.num_docs, args.bad_files))]
+    if args.chat_out is not None:
+        conversations = generate_conversations(args.seed, args.num_conversations, args.bad_files)
+        outputs.append(("--chat-out", args.chat_out, conversations))
+    for flag, out_dir, files in outputs:
+        try:
+            write_corpus(out_dir, files, flag)
+        except ValueError as exc:
+            print(f"make_demo_corpus.py: error: {exc}", file=sys.stderr)
+            return 2
+        total = sum(len(data) for data in files.values())
+        print(f"make_demo_corpus.py: wrote {len(files)} files, {total / 1e6:.2f} MB to {out_dir} (seed {args.seed})")
     return 0
 
 

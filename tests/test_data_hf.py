@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from itertools import islice
 from pathlib import Path
 
@@ -285,13 +286,13 @@ def test_large_json_and_yaml_are_streamed_with_the_same_rows(tmp_path: Path, mon
     in_memory = {name: read_file(tmp_path / name).rows for name in ("big.json", "big.yaml")}
     monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 1024)
     streamed_files = []
-    real_streamed = data_hf._strings_streamed
+    real_streamed = data_hf._items_streamed
 
-    def spy(kind: str, path: str, result: data_hf.FileResult):
+    def spy(kind: str, path: str, *args: object):
         streamed_files.append(Path(path).name)
-        return real_streamed(kind, path, result)
+        return real_streamed(kind, path, *args)
 
-    monkeypatch.setattr(data_hf, "_strings_streamed", spy)
+    monkeypatch.setattr(data_hf, "_items_streamed", spy)
     for name, rows in in_memory.items():
         streamed = read_file(tmp_path / name, max_chars=100)
         assert streamed.rows == rows and len(rows) == 1500 and streamed.problems == []
@@ -475,6 +476,19 @@ def test_bad_flags_name_the_flag(tmp_path: Path, capsys, args: list[str], messag
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--format", "xml"), ("--json-mode", "lines")])
+def test_unknown_format_or_json_mode_is_refused_naming_the_choices(
+    tmp_path: Path, capsys, flag: str, value: str
+) -> None:
+    data = write_files(tmp_path / "data", {"a.txt": "x"})
+    with pytest.raises(SystemExit) as exited:
+        convert(data, tmp_path / "out", flag, value)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert flag in error and value in error and ("chat" in error or "records" in error)
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_input_files_and_no_rows_are_errors(tmp_path: Path, capsys) -> None:
     data = write_files(tmp_path / "data", {"a.csv": "x"})
     assert convert(data, tmp_path / "out") == 1
@@ -502,6 +516,305 @@ def test_no_cache_is_left_in_the_user_hf_cache(tmp_path: Path, repo_root: Path) 
     left = [p for p in home.rglob("*") if p.is_file()] if home.exists() else []
     assert left == []
     assert sorted(os.listdir(tmp_path)) == ["data", "out"]
+
+
+# --- Conversations (--format chat / auto) and --json-mode ---------------------------------------------------
+
+
+def turns(*pairs: str) -> tuple[tuple[str, str], ...]:
+    """turns("user", "hi", "assistant", "hello") -> (("user", "hi"), ("assistant", "hello"))"""
+    return tuple(zip(pairs[::2], pairs[1::2], strict=True))
+
+
+def messages_of(conversation: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in conversation]
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        (
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4."}]},
+            turns("system", "Be brief.", "user", "2+2?", "assistant", "4."),
+        ),
+        (  # role aliases, several exchanges, extra keys ignored
+            {"id": 3, "messages": [{"role": "Human", "content": "a"}, {"role": "model", "content": "b"},
+                                   {"role": "user", "content": "c"}, {"role": "bot", "content": "d", "x": 1}]},
+            turns("user", "a", "assistant", "b", "user", "c", "assistant", "d"),
+        ),
+        (
+            {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello!"}]},
+            turns("system", "S", "user", "Hi", "assistant", "Hello!"),
+        ),
+        (
+            {"instruction": "Add the numbers.", "input": "1 and 2", "output": "3"},
+            turns("user", "Add the numbers.\n\n1 and 2", "assistant", "3"),
+        ),
+        ({"instruction": "Say hi.", "input": "", "output": "hi"}, turns("user", "Say hi.", "assistant", "hi")),
+        ({"instruction": "Say hi.", "output": "hi", "system": "Be kind."},
+         turns("system", "Be kind.", "user", "Say hi.", "assistant", "hi")),
+        ({"prompt": "The sky is", "completion": " blue."}, turns("user", "The sky is", "assistant", " blue.")),
+        ({"prompt": "p", "response": "r"}, turns("user", "p", "assistant", "r")),
+        ({"question": "Why?", "answer": "Because.", "system": ""}, turns("user", "Why?", "assistant", "Because.")),
+        (
+            {"system": "Top.", "messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]},
+            turns("system", "Top.", "user", "u", "assistant", "a"),
+        ),
+    ],
+)  # fmt: skip
+def test_parse_conversation_reads_every_record_shape(record: dict, expected: tuple) -> None:
+    assert data_hf.parse_conversation(record) == expected
+
+
+BAD_RECORDS = [
+    ({"text": "plain"}, "not_a_conversation"),
+    ("a bare string", "not_a_conversation"),
+    ({"instruction": "no output"}, "not_a_conversation"),
+    ({"messages": "hi"}, "bad_message"),
+    ({"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}, "bad_message"),
+    ({"messages": ["user: hi", {"role": "assistant", "content": "a"}]}, "bad_message"),
+    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "a"}]}, "unknown_role"),
+    ({"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "a"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "a"}]},
+     "non_string_content"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, "non_string_content"),
+    ({"instruction": 7, "output": "a"}, "non_string_content"),
+    ({"instruction": "i", "input": ["x"], "output": "a"}, "non_string_content"),
+    ({"question": "q", "answer": "a", "system": {"text": "s"}}, "non_string_content"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                   {"role": "assistant", "content": "a"}]}, "misplaced_system_turn"),
+    ({"system": "s", "messages": [{"role": "system", "content": "s2"}, {"role": "user", "content": "q"},
+                                  {"role": "assistant", "content": "a"}]}, "misplaced_system_turn"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "no_assistant_turn"),
+    ({"messages": []}, "no_assistant_turn"),
+    ({"prompt": "p", "completion": "   "}, "no_assistant_turn"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("record", "reason"), BAD_RECORDS)
+def test_parse_conversation_rejects_bad_records_with_their_reason(record: object, reason: str) -> None:
+    with pytest.raises(data_hf.BadRecord) as caught:
+        data_hf.parse_conversation(record)
+    assert caught.value.reason == reason and reason in data_hf.REASONS
+
+
+def test_messages_column_has_the_arrow_type_datasets_gives_conversations() -> None:
+    features = Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
+    assert data_hf.arrow_type("messages") == features.arrow_schema.field("messages").type
+    assert str(data_hf.arrow_type("messages")) == "list<item: struct<role: string, content: string>>"
+
+
+GOOD = [
+    {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]},
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
+    {"instruction": "Add.", "input": "1 and 2", "output": "3", "system": "You add."},
+    {"prompt": "The sky is", "completion": " blue."},
+    {"question": "Capital of Norland?", "answer": "Vesk."},
+]
+
+
+def chat_corpus(root: Path) -> Path:
+    """Every record shape in every conversation file layout, each bad reason once, and a text file."""
+    bad_lines = [json.dumps(record) for record, _ in BAD_RECORDS]
+    return write_files(
+        root,
+        {
+            "a_array.json": json.dumps(GOOD[:2]),
+            "b_single.json": json.dumps(GOOD[2]),
+            "c_lines.jsonl": "\n".join([json.dumps(GOOD[3]), *bad_lines, "{broken", json.dumps(GOOD[4])]) + "\n",
+            "d_docs.yaml": data_hf.yaml.safe_dump_all([GOOD[0], GOOD[1:3]]),
+            "e_notes.txt": "a text file is not a conversation",
+        },
+    )
+
+
+CHAT_ROWS = [GOOD[0], GOOD[1], GOOD[2], GOOD[3], GOOD[4], GOOD[0], GOOD[1], GOOD[2]]
+
+
+def test_format_chat_writes_one_messages_row_per_conversation(tmp_path: Path, capsys) -> None:
+    data = chat_corpus(tmp_path / "data")
+    out = tmp_path / "chat"
+    assert convert(data, out, "--format", "chat") == 0
+    loaded = load_from_disk(str(out))
+    assert loaded.features == Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
+    assert loaded.column_names == ["messages"]
+    expected = [messages_of(data_hf.parse_conversation(record)) for record in CHAT_ROWS]
+    assert loaded["messages"][:] == expected
+    assert loaded[2]["messages"][0] == {"role": "system", "content": "You add."}
+    summary = summary_of(out)
+    reasons_expected = Counter(reason for _, reason in BAD_RECORDS)
+    reasons_expected.update(["text_file_in_chat_run", "invalid_jsonl_line"])
+    assert summary["counts_by_reason"] == dict(reasons_expected)
+    assert summary["column"] == "messages" and summary["rows_total"] == 8 == summary["conversations_found"]
+    assert [(p["path"], p["reason"]) for p in summary["skipped_files"]] == [
+        (str(data / "e_notes.txt"), "text_file_in_chat_run")
+    ]
+    first_bad = [p for p in summary["problems"] if p["path"].endswith("c_lines.jsonl")][0]
+    assert (first_bad["line"], first_bad["reason"]) == (2, BAD_RECORDS[0][1])  # JSON Lines problems carry the line
+    assert "8 conversations" in capsys.readouterr().out
+    train, validation = data_hf.load_text_dataset(out)
+    assert train.column_names == ["messages"] and validation is None
+
+
+def test_bad_records_of_a_json_array_are_numbered(tmp_path: Path) -> None:
+    path = write_files(tmp_path, {"a.json": json.dumps([GOOD[0], {"text": "x"}, GOOD[3]])}) / "a.json"
+    result = read_file(path, data_format="chat")
+    assert [len(row) for row in result.rows] == [2, 2]
+    assert [(p.reason, p.detail.split(":")[0]) for p in result.problems] == [("not_a_conversation", "record 2")]
+
+
+def test_chat_conversion_is_the_same_with_workers_and_in_pieces(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)  # the big file is read in pieces by several workers
+    lines = [json.dumps({"question": f"q{i} \u00e9", "answer": f"a{i}" * (i % 30 + 1)}) for i in range(2000)]
+    lines[1500] = json.dumps({"question": "no answer", "answer": " "})
+    files = {"big.jsonl": "\n".join(lines) + "\n", **{f"small/{i:03d}.json": json.dumps(GOOD) for i in range(40)}}
+    data = write_files(tmp_path / "data", files)
+    outputs = []
+    for data_format, num_proc in (("chat", "1"), ("chat", "2"), ("auto", "2")):
+        out = tmp_path / f"out_{data_format}{num_proc}"
+        cli = ["--data_folder", str(data), "--save_dir", str(out), "--format", data_format, "--num-proc", num_proc]
+        assert main([*cli, "--max-chars", "1000"]) == 0
+        outputs.append((load_from_disk(str(out))["messages"][:], summary_of(out)))
+    assert outputs[0][0] == outputs[1][0] == outputs[2][0] and len(outputs[0][0]) == 1999 + 40 * 5
+    assert outputs[0][1]["content_digest"] == outputs[1][1]["content_digest"] == outputs[2][1]["content_digest"]
+    for _, summary in outputs[1:]:  # line numbers count every piece before, in auto runs too
+        assert [(p["reason"], p["line"]) for p in summary["problems"]] == [("no_assistant_turn", 1501)]
+
+
+def test_chat_val_fraction_is_a_stable_split_by_conversation(tmp_path: Path) -> None:
+    records = [{"question": f"question {i}", "answer": f"answer {i}"} for i in range(400)]
+    data = write_files(tmp_path / "data", {"qa.jsonl": "".join(json.dumps(r) + "\n" for r in records)})
+    assert convert(data, tmp_path / "a", "--format", "chat", "--val-fraction", "0.25") == 0
+    assert convert(data, tmp_path / "b", "--format", "chat", "--val-fraction", "0.25") == 0
+    first, second = load_from_disk(str(tmp_path / "a")), load_from_disk(str(tmp_path / "b"))
+    assert isinstance(first, DatasetDict) and first["validation"].column_names == ["messages"]
+    assert first["train"]["messages"][:] == second["train"]["messages"][:]
+    validation = first["validation"]["messages"][:]
+    assert 60 < len(validation) < 140
+    for messages in validation:
+        conversation = tuple((turn["role"], turn["content"]) for turn in messages)
+        assert data_hf.assign_split(data_hf.conversation_json(conversation), 0.25) == "validation"
+    questions = sorted(m[0]["content"] for m in validation + first["train"]["messages"][:])
+    assert questions == sorted(f"question {i}" for i in range(400))
+    train, held_out = data_hf.load_text_dataset(tmp_path / "a")
+    assert len(train) + len(held_out) == 400
+
+
+def test_auto_writes_conversations_when_every_record_is_one(tmp_path: Path, capsys) -> None:
+    data = write_files(
+        tmp_path / "data",
+        {"a.jsonl": "".join(json.dumps(r) + "\n" for r in GOOD), "b.yaml": "question: q\nanswer: '   '\n"},
+    )
+    assert convert(data, tmp_path / "auto") == 0
+    assert convert(data, tmp_path / "chat", "--format", "chat") == 0
+    assert (
+        load_from_disk(str(tmp_path / "auto"))["messages"][:] == load_from_disk(str(tmp_path / "chat"))["messages"][:]
+    )
+    summary = summary_of(tmp_path / "auto")
+    assert summary["column"] == "messages" and summary["counts_by_reason"] == {"no_assistant_turn": 1}
+    assert "--format auto: every record read is a conversation" in capsys.readouterr().out
+    assert convert(data, tmp_path / "split", "--val-fraction", "0.5") == 0  # the choice counts every split's rows
+    split = load_from_disk(str(tmp_path / "split"))
+    assert split["train"].column_names == split["validation"].column_names == ["messages"]
+    assert len(split["train"]) + len(split["validation"]) == len(GOOD)
+
+
+def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_path: Path, capsys) -> None:
+    data = write_files(
+        tmp_path / "data",
+        {
+            "chat.jsonl": "".join(json.dumps(r) + "\n" for r in GOOD[:2]) + json.dumps({"messages": []}) + "\n",
+            "notes.txt": "plain text",
+        },
+    )
+    assert convert(data, tmp_path / "auto") == 0
+    assert convert(data, tmp_path / "text", "--format", "text") == 0
+    rows = rows_of(tmp_path / "auto")
+    assert rows == rows_of(tmp_path / "text") == ["user", "2+2?", "assistant", "4.", "human", "Hi", "gpt", "Hello!",
+                                                   "plain text"]  # fmt: skip
+    summary = summary_of(tmp_path / "auto")
+    assert summary["column"] == "text" and summary["counts_by_reason"] == {}  # the empty conversation is text too
+    assert summary["conversation_records_as_text"] == 3
+    assert summary["conversation_text_files"] == {str(data / "chat.jsonl"): 3}
+    printed = capsys.readouterr().out
+    assert "3 record(s) look like conversations" in printed and "--format chat" in printed
+    assert "because the folder also holds other text" in printed
+
+
+def test_auto_reads_json_like_text_does_when_nothing_is_a_conversation(tmp_path: Path) -> None:
+    data = write_files(
+        tmp_path / "data",
+        {
+            "cut.json": '{"title": "Half-written", "facts": ["kept", "Mount',  # a truncated top-level object
+            "lines.json": '{"t": "a"}\n{"t": "b", "n": {"deep": "c"}}\n',  # JSON Lines saved as .json
+            "conversations_as_json_lines.json": json.dumps(GOOD[3]) + "\n" + json.dumps(GOOD[4]) + "\n",
+            "notes.txt": "text",
+        },
+    )
+    for data_format in ("auto", "text"):
+        assert convert(data, tmp_path / data_format, "--format", data_format) == 0
+    assert rows_of(tmp_path / "auto") == rows_of(tmp_path / "text")
+    assert "Half-written" in rows_of(tmp_path / "auto")  # the member before the malformed one, as in text runs
+    assert summary_of(tmp_path / "auto")["conversation_records_as_text"] == 2  # each line of the .json is a record
+    assert summary_of(tmp_path / "auto")["counts_by_reason"] == {"invalid_json": 1}
+
+
+def test_format_chat_refuses_a_folder_without_conversations(tmp_path: Path, capsys) -> None:
+    data = write_files(tmp_path / "data", {"a.txt": "text", "b.md": "# more"})
+    assert convert(data, tmp_path / "out", "--format", "chat") == 1
+    assert "no conversation files" in capsys.readouterr().err
+    write_files(data, {"c.jsonl": json.dumps({"text": "not a conversation"}) + "\n"})
+    assert convert(data, tmp_path / "out", "--format", "chat") == 1
+    assert "no conversations were found" in capsys.readouterr().err
+    assert convert(data, tmp_path / "out", "--format", "chat", "--strict") == 1
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+
+def test_conversation_limits_aliases_and_surrogates(tmp_path: Path) -> None:
+    long = {"prompt": "p" * 50, "completion": "c" * 60}
+    data = write_files(
+        tmp_path / "data",
+        {
+            "a.jsonl": json.dumps(long) + "\n" + '{"question": "bad \\udc80 half", "answer": "a"}\n',
+            # the same record twice through an alias: read once (an equal record written out is read again)
+            "b.yaml": "- &r {question: q, answer: a}\n- *r\n- {question: q, answer: a}\n",
+        },
+    )
+    assert convert(data, tmp_path / "out", "--format", "chat", "--max-chars", "100") == 0
+    rows = load_from_disk(str(tmp_path / "out"))["messages"][:]
+    assert [row[0]["content"] for row in rows] == ["bad \ufffd half", "q", "q"]
+    summary = summary_of(tmp_path / "out")
+    assert summary["counts_by_reason"] == {"conversation_too_long": 1, "repeated_yaml_alias": 1}
+    assert summary["rows_with_lone_surrogates_replaced"] == 1
+
+
+def test_json_mode_records_keeps_one_row_per_record(tmp_path: Path, monkeypatch) -> None:
+    data = write_files(
+        tmp_path / "data",
+        {
+            "a.json": json.dumps([{"title": "T1", "body": {"p": ["x", "y"]}, "n": 1}, "bare", {"title": "T2"}]),
+            "b.json": json.dumps({"title": "one object", "tags": ["a", " "]}),
+            "c.jsonl": '{"t": "l1", "u": "l2"}\n{"n": 3}\n{"t": "l3"}\n',
+            "d.yaml": "title: doc\nfacts: [f1, f2]\n---\n- {k: r1}\n- {k: r2, j: r3}\n",
+        },
+    )
+    assert convert(data, tmp_path / "records", "--json-mode", "records") == 0
+    assert rows_of(tmp_path / "records") == [
+        "T1\nx\ny", "bare", "T2", "one object\na", "l1\nl2", "l3", "doc\nf1\nf2", "r1", "r2\nr3",
+    ]  # fmt: skip
+    assert convert(data, tmp_path / "strings", "--json-mode", "strings") == 0
+    assert rows_of(tmp_path / "strings") == [
+        "T1", "x", "y", "bare", "T2", "one object", "a", "l1", "l2", "l3", "doc", "f1", "f2", "r1", "r2", "r3",
+    ]  # fmt: skip
+    big = write_files(tmp_path / "big", {"big.json": json.dumps([{"a": f"r{i}", "b": "s"} for i in range(3000)])})
+    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 1024)  # so the file is parsed as a stream, element by element
+    spy = []
+    monkeypatch.setattr(data_hf, "_scan_large_file", lambda path: spy.append(path) or (False, "utf-8-sig", None))
+    streamed = read_file(big / "big.json", max_chars=100, json_mode="records")
+    assert streamed.rows == [f"r{i}\ns" for i in range(3000)] and spy == [str(big / "big.json")]
 
 
 # --- load_text_dataset --------------------------------------------------------------------------------------

@@ -130,3 +130,69 @@ def test_imports_no_torch() -> None:
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# --- The conversation corpus (--chat-out) -------------------------------------------------------------------
+
+
+def records_of(conversations: dict[str, bytes]) -> list[dict]:
+    return [json.loads(line) for line in conversations[make_demo_corpus.CHAT_FILE].decode().splitlines()]
+
+
+def test_conversations_use_every_shape_and_state_the_corpus_facts(corpus: dict[str, bytes]) -> None:
+    import data_hf
+
+    conversations = make_demo_corpus.generate_conversations(seed=0)
+    assert conversations == make_demo_corpus.generate_conversations(seed=0)
+    assert conversations != make_demo_corpus.generate_conversations(seed=1)
+    records = records_of(conversations)
+    good = [r for r in records if r not in make_demo_corpus.BAD_CHAT_RECORDS]
+    assert 300 <= len(good) <= 1000 and len(records) - len(good) == 2
+    assert {data_hf.conversation_shape(r) for r in good} == {
+        "messages",
+        "conversations",
+        "alpaca",
+        "prompt",
+        "question",
+    }
+    assert any("system" in r for r in good) and any(r.get("messages", [{}])[0].get("role") == "system" for r in good)
+    with pytest.raises(data_hf.BadRecord, match="none from the assistant"):
+        data_hf.parse_conversation(make_demo_corpus.BAD_CHAT_RECORDS[0])
+    with pytest.raises(data_hf.BadRecord, match="narrator"):
+        data_hf.parse_conversation(make_demo_corpus.BAD_CHAT_RECORDS[1])
+    # Every answer is a sentence of the text corpus: chat and text teach the same, consistent facts.
+    texts = " ".join(t for p, d in corpus.items() if p not in make_demo_corpus.BAD_FILES for t in texts_of(p, d))
+    answers = Counter()
+    for record in good:
+        for role, content in data_hf.parse_conversation(record):
+            if role == "assistant":
+                assert content in texts, content
+                answers[content] += 1
+    for question, answer in make_demo_corpus.DEMO_CHAT_ANSWERS.items():
+        asked = [r for r in good if r.get("messages", [{}])[-2:][0].get("content") == question]
+        assert asked and answers[answer] >= 1, question
+    clean = records_of(make_demo_corpus.generate_conversations(seed=0, bad_records=False))
+    assert not [r for r in clean if r in make_demo_corpus.BAD_CHAT_RECORDS]
+
+
+def test_chat_out_is_written_apart_and_converts_with_format_chat(tmp_path: Path, capsys) -> None:
+    import data_hf
+
+    raw, chat = tmp_path / "raw", tmp_path / "chat"
+    assert make_demo_corpus.main(["--out", str(raw), "--num-docs", str(SMALL)]) == 0
+    assert not chat.exists() and not list(raw.rglob(make_demo_corpus.CHAT_FILE))  # the text demo is unchanged
+    assert make_demo_corpus.main(["--out", str(raw), "--num-docs", str(SMALL), "--chat-out", str(chat)]) == 0
+    assert sorted(p.name for p in chat.iterdir()) == sorted([make_demo_corpus.CHAT_FILE, make_demo_corpus.RECORD_NAME])
+    assert not list(raw.rglob(make_demo_corpus.CHAT_FILE))
+    out = tmp_path / "hf_chat"
+    assert (
+        data_hf.main(["--data_folder", str(chat), "--save_dir", str(out), "--format", "chat", "--num-proc", "1"]) == 0
+    )
+    summary = json.loads((out / data_hf.SUMMARY_NAME).read_text())
+    assert summary["counts_by_reason"] == {"no_assistant_turn": 1, "unknown_role": 1}
+    assert summary["rows_total"] == len(records_of(make_demo_corpus.generate_conversations(seed=0))) - 2
+    capsys.readouterr()
+    for inside in (raw / "chat", tmp_path):  # inside --out, or holding it: the text run would read conversations
+        assert make_demo_corpus.main(["--out", str(raw), "--chat-out", str(inside)]) == 2
+        assert "--chat-out" in capsys.readouterr().err
+    assert make_demo_corpus.main(["--out", str(raw), "--chat-out", str(chat), "--num-conversations", "-1"]) == 2
