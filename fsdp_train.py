@@ -89,6 +89,9 @@ class TrainConfig:
         choices=("assistant", "all"),
     )
     chat_template: str = _opt("", "Jinja chat template file, for a tokenizer without one (conversation data)")
+    loss_chunk_tokens: int = _opt(
+        1024, "tokens per chunk of the output head + loss, so full [tokens x vocab] logits never exist (0 = full)"
+    )
     precision: str = _opt(
         "auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp16", "fp32")
     )
@@ -230,6 +233,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
     non_negative = {
         "--max-steps": cfg.max_steps,
+        "--loss-chunk-tokens": cfg.loss_chunk_tokens,
         "--warmup-steps": cfg.warmup_steps,
         "--ckpt-freq": cfg.ckpt_freq,
         "--eval-freq": cfg.eval_freq,
@@ -871,8 +875,9 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], ev
     return len(selected)
 
 
-def shard_model(model: nn.Module, layers: list[nn.Module], cfg: TrainConfig, precision: str, d: Dist) -> None:
-    """fully_shard each decoder layer, then the root (embeddings, final norm and a tied head share one group)."""
+def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, precision: str, d: Dist) -> None:
+    """fully_shard each decoder layer, then the root: the training forward (CausalLMLoss) around the model, whose
+    group holds the embeddings, final norm and head (a tied head shares the embedding's parameter)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
@@ -880,15 +885,13 @@ def shard_model(model: nn.Module, layers: list[nn.Module], cfg: TrainConfig, pre
     # Pinned host memory speeds up the GPU copies; without a GPU there is nothing to pin for (and it fails).
     offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload == "on" else OffloadPolicy()
     reshard = cfg.sharding != "grad-op"
-    wrappers = {
-        id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
-    }
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in root.modules() if hasattr(m, "_checkpoint_wrapped_module")}
     for layer in layers:
         unit = wrappers.get(id(layer), layer)  # shard the checkpoint wrapper, so recompute sees FSDP's hooks
         if cfg.compile == "on":
             unit.compile()
         fully_shard(unit, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(model, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(root, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
 
 
 def clean_fqn(name: str) -> str:
@@ -1029,7 +1032,8 @@ def _load_bin_slices(targets: dict[str, Any], model_dir: Path) -> None:
 
 @dataclass
 class ModelBundle:
-    model: nn.Module
+    model: nn.Module  # the Hugging Face model: its state dict is what checkpoints and the export hold
+    train_forward: CausalLMLoss  # the FSDP root around it: batch -> summed loss
     config: Any
     model_dir: Path
     num_params: int
@@ -1082,7 +1086,11 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         if cfg.activation_checkpointing == "on"
         else 0
     )
-    shard_model(model, layers, cfg, precision, d)
+    train_forward = CausalLMLoss(model, cfg.loss_chunk_tokens)
+    if cfg.loss_chunk_tokens and (problem := chunked_loss_problem(model)):
+        log(f"--loss-chunk-tokens: full logits instead of the chunked loss for {arch}: {problem}")
+        train_forward.chunk = 0
+    shard_model(train_forward, layers, cfg, precision, d)
     materialize(model, d, cfg)
     file_keys, _ = checkpoint_weight_keys(model_dir)
     if file_keys:
@@ -1099,7 +1107,9 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
         f"{n_ckpt} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}"
     )
-    return ModelBundle(model, model.config, model_dir, num_params, n_ckpt, fpt, original_dtype(model_dir))
+    return ModelBundle(
+        model, train_forward, model.config, model_dir, num_params, n_ckpt, fpt, original_dtype(model_dir)
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -1737,8 +1747,117 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `hidden @ weight.T (+ bias)` over the targets that carry loss, computed in chunks of
+    tokens so the [tokens x vocab] logits exist one chunk at a time (fp32 within the chunk, as the full path).
+
+    The forward also computes the gradients chunk by chunk (the loss is a scalar, so backward only scales them):
+    no logits are kept and none are recomputed. Optional tanh soft-capping (Gemma 2/3) is applied per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk, softcap):  # type: ignore[override]
+        needs_grad = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if needs_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs_grad[2] else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
+            logits = F.linear(h, weight, bias).float()
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            keep = y != -100
+            safe = torch.where(keep, y, 0)
+            log_z = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, safe[:, None]).squeeze(1)
+            total += ((log_z - target_logit) * keep).sum()
+            if not any(needs_grad):
+                continue
+            grad = torch.softmax(logits, dim=-1)  # d loss / d logits = softmax - onehot, on kept rows
+            grad[torch.arange(len(y), device=y.device), safe] -= 1.0
+            grad *= keep[:, None]
+            if softcap:
+                grad *= 1.0 - capped * capped
+            grad = grad.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        return (
+            grad_hidden * grad_output.to(grad_hidden.dtype) if needs[0] else None,
+            (grad_weight * grad_output).to(ctx.dtypes[0]) if needs[1] else None,
+            (grad_bias * grad_output).to(ctx.dtypes[1]) if needs[2] and ctx.dtypes[1] is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_loss_sum(
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int, softcap: float | None
+) -> torch.Tensor:
+    """Summed cross-entropy of the output head over `hidden` [tokens x dim], chunk tokens at a time."""
+    if torch.is_grad_enabled():
+        return ChunkedCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk, softcap)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        logits = head(hidden[start : start + chunk]).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        total += F.cross_entropy(logits, labels[start : start + chunk], ignore_index=-100, reduction="sum")
+    return total
+
+
+# Config attributes that rescale a model's logits after its output head: the chunked loss cannot know how.
+LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier")
+
+
+def chunked_loss_problem(model: nn.Module) -> str | None:
+    """Why the chunked loss cannot reproduce this model's logits, or None when it can."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return f"its output head is a {type(head).__name__}, not a Linear layer"
+    if model.base_model is model:
+        return "it has no separate base model to take hidden states from"
+    found = [a for a in LOGIT_POSTPROCESSING if getattr(model.config, a, None) not in (None, 1, 1.0)]
+    return f"its config rescales logits ({', '.join(found)})" if found else None
+
+
+class CausalLMLoss(nn.Module):
+    """The training forward: the decoder, then output head and loss together, in chunks of --loss-chunk-tokens
+    tokens, so the [tokens x vocab] logits and their gradient never exist in full. This module is the FSDP
+    root, so the head's weight stays gathered from the decoder's output to the end of the loss.
+    With chunk 0 (or a model whose head the chunked path cannot reproduce) the model's own logits are used."""
+
+    def __init__(self, model: nn.Module, chunk_tokens: int):
+        super().__init__()
+        self.model = model
+        self.chunk = chunk_tokens
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if not self.chunk:
+            logits = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            return token_loss_sum(logits, batch.labels)
+        hidden = self.model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids).last_hidden_state
+        head = self.model.get_output_embeddings()
+        return chunked_loss_sum(hidden.flatten(0, 1), head, batch.labels.flatten(), self.chunk, self.softcap)
+
+
 def forward_backward(
-    model: nn.Module,
+    train_forward: nn.Module,
     micro_batches: list[Batch],
     trained_tokens: int,
     guard: BadStepGuard,
@@ -1756,8 +1875,7 @@ def forward_backward(
         with timer.phase("data"):
             batch = batch.to(d.device)
         with timer.phase("forward"):
-            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
-            loss_sum = token_loss_sum(logits, batch.labels)
+            loss_sum = train_forward(batch)
             if poison:
                 loss_sum = loss_sum * float("nan")
         with timer.phase("backward"):
@@ -1800,10 +1918,10 @@ def optimizer_step(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
     """Validation loss weighted by trained target tokens. Every rank runs the same number of micro-batches (padded with
     weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
-    model.eval()
+    train_forward.eval()
     count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
     mine = list(range(d.rank, count, d.world_size))
     steps = math.ceil(math.ceil(count / d.world_size) / cfg.batch_size)
@@ -1813,11 +1931,11 @@ def evaluate(model: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) 
         real = len(idx)
         idx = idx + [0] * (cfg.batch_size - real)
         batch = blocks.gather(idx).to(d.device)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
-        totals[0] += token_loss_sum(logits[:real], batch.labels[:real]).double()
-        totals[1] += (batch.labels[:real] != -100).sum()
+        batch.labels[real:] = -100  # padding blocks count for nothing
+        totals[0] += train_forward(batch).double()
+        totals[1] += (batch.labels != -100).sum()
     dist.all_reduce(totals)
-    model.train()
+    train_forward.train()
     loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(totals[1].item())}
 
@@ -1951,7 +2069,7 @@ def train_loop(
             micro_batches = plan.micro_batches(order, state.samples_in_epoch // plan.global_batch)
             trained = plan.trained_tokens(order, state.samples_in_epoch // plan.global_batch)
         poison = (state.step + 1) in nan_steps and d.rank == 0
-        loss_sum = forward_backward(bundle.model, micro_batches, trained, guard, d, metrics.timer, poison)
+        loss_sum = forward_backward(bundle.train_forward, micro_batches, trained, guard, d, metrics.timer, poison)
         lr = lr_at(state.step, cfg, last_step)
         with metrics.timer.phase("update"):
             grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
@@ -1961,7 +2079,7 @@ def train_loop(
         metrics.record(loss_sum, trained)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
-        metrics.validate_if_due(state, last_step, bundle.model, data.validation)
+        metrics.validate_if_due(state, last_step, bundle.train_forward, data.validation)
         interrupted = all_ranks_agree(stop.requested, d)
         if interrupted or checkpointer.due(state.step):
             guard.sync(state)

@@ -1,0 +1,126 @@
+"""The memory-efficient loss: chunked cross-entropy equals the full-logits loss and its gradients, for every
+kind of output head the trainer meets, and a 2-process run with a 128k vocabulary stays within a memory bound
+that the full-logits path exceeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fsdp_train as ft
+from tests.fsdp_helpers import make_dataset, make_model, output_of, read_metrics, run_trainer, tiny_config, trainer_args
+
+
+def _full_reference(hidden, weight, bias, labels, softcap=None):
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("bias,softcap", [(False, None), (True, None), (False, 30.0)])
+def test_chunked_loss_and_gradients_equal_the_full_logits_path(masked, bias, softcap):
+    torch.manual_seed(0)
+    tokens, dim, vocab, chunk = 37, 16, 101, 8  # neither tokens nor vocab divisible by the chunk
+    hidden = torch.randn(tokens, dim, dtype=torch.float64).float().requires_grad_()
+    head = torch.nn.Linear(dim, vocab, bias=bias)
+    labels = torch.randint(0, vocab, (tokens,))
+    if masked:
+        labels[torch.rand(tokens) < 0.4] = -100
+    expected = _full_reference(hidden, head.weight, head.bias, labels, softcap)
+    expected_grads = torch.autograd.grad(expected * 0.37, [hidden, *head.parameters()])
+    got = ft.chunked_loss_sum(hidden, head, labels, chunk, softcap)
+    got_grads = torch.autograd.grad(got * 0.37, [hidden, *head.parameters()])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():  # evaluation takes the no-gradient path
+        torch.testing.assert_close(
+            ft.chunked_loss_sum(hidden, head, labels, chunk, softcap), expected, rtol=1e-6, atol=0
+        )
+
+
+def test_all_labels_ignored_gives_zero_loss_and_zero_gradients():
+    hidden = torch.randn(5, 4, requires_grad=True)
+    head = torch.nn.Linear(4, 7, bias=False)
+    loss = ft.chunked_loss_sum(hidden, head, torch.full((5,), -100), 2, None)
+    loss.backward()
+    assert loss.item() == 0 and hidden.grad.abs().sum() == 0 and head.weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "opt", "gpt2", "gemma2"])
+def test_training_forward_equals_the_models_own_logits(arch):
+    """CausalLMLoss (decoder + chunked head) against the model's forward and a plain cross-entropy."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64)
+    elif arch == "gemma2":
+        config = tf.Gemma2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=97,
+            max_position_embeddings=64,
+            final_logit_softcapping=5.0,
+        )
+    else:
+        config = tiny_config(arch, 97, 0)
+    config.use_cache = False
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # no dropout
+    assert ft.chunked_loss_problem(model) is None
+    ids = torch.randint(0, 97, (2, 17))
+    labels = torch.randint(0, 97, (2, 17))
+    labels[0, :5] = -100
+    batch = ft.Batch(ids, labels, None)
+    full = ft.CausalLMLoss(model, 0)(batch)
+    full_grads = torch.autograd.grad(full, list(model.parameters()), allow_unused=True)
+    chunked = ft.CausalLMLoss(model, 5)(batch)
+    chunked_grads = torch.autograd.grad(chunked, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-6)
+    for c, f in zip(chunked_grads, full_grads):
+        if f is not None:
+            torch.testing.assert_close(c, f, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_the_chunked_path_cannot_reproduce_falls_back_with_a_reason():
+    import transformers as tf
+
+    config = tiny_config("llama", 97, 0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    model.config.logit_scale = 0.5
+    assert "logit_scale" in ft.chunked_loss_problem(model)
+
+
+def _peak_rss_gb(vocab_model: Path, dataset: Path, save: Path, exp: str, chunk: str) -> float:
+    args = trainer_args(exp, dataset, vocab_model, save) + ["-b", "4", "--seq-length", "256", "--max-steps", "2"]
+    args += ["--loss-chunk-tokens", chunk, "--activation-checkpointing", "off"]
+    result = run_trainer(args)
+    assert result.returncode == 0, output_of(result)
+    return max(r["mem_peak_alloc_gb"] for r in read_metrics(save / exp))
+
+
+def test_128k_vocabulary_run_stays_within_a_bound_the_full_logits_path_exceeds(tmp_path):
+    """1024 tokens per micro-batch x 131072 vocabulary: the full path holds 512 MiB of fp32 logits plus their
+    gradient; the chunked path 128 tokens of them at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = make_model(tmp_path / "vocab128k")
+    config = tiny_config("llama", 131072, AutoTokenizer.from_pretrained(model).eos_token_id)
+    config.max_position_embeddings = 256
+    config.save_pretrained(model)
+    assert AutoModelForCausalLM.from_config(config).get_output_embeddings().out_features == 131072
+    dataset = make_dataset(tmp_path / "corpus", validation=False, n_docs=400)
+    chunked = _peak_rss_gb(model, dataset, tmp_path, "chunked", "128")
+    full = _peak_rss_gb(model, dataset, tmp_path, "full", "0")
+    bound = 1.25  # GiB per process: the interpreter, torch and transformers take ~0.6 of it
+    print(f"peak RSS per process: chunked {chunked:.2f} GiB, full logits {full:.2f} GiB")
+    assert chunked < bound < full, (chunked, full)
