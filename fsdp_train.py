@@ -108,6 +108,12 @@ class TrainConfig:
     activation_checkpointing: str = _opt("on", "recompute decoder-layer activations in backward", choices=ON_OFF)
     ac_every_n_layers: int = _opt(1, "with activation checkpointing: checkpoint every Nth decoder layer (1 = all)")
     compile: str = _opt("off", "torch.compile each decoder layer", choices=ON_OFF)
+    accum_grad_sync: str = _opt(
+        "per-micro-batch",
+        "with --grad-accum-steps > 1: reduce-scatter gradients after every micro-batch (sharded gradient memory), "
+        "or only after the last (one reduce-scatter per step, but unsharded gradients held across micro-batches)",
+        choices=("per-micro-batch", "last"),
+    )
     log_freq: int = _opt(10, "optimizer steps between metric lines")
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
     eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
@@ -729,6 +735,59 @@ class DataPlan:
         return self.blocks.trained_tokens(self.step_blocks(order, step_in_epoch))
 
 
+class Prefetcher:
+    """Gathers the micro-batches of step k+1 in a background thread while step k runs. On CUDA they are put in
+    pinned memory, so Batch.to(device) copies them asynchronously. Any (epoch, step) can be asked for (a resume,
+    the first step); a step that was not the prefetched one is gathered on the spot, so the batches are always
+    exactly those of DataPlan."""
+
+    def __init__(self, plan: DataPlan, pin: bool):
+        self.plan, self.pin = plan, pin
+        self.pending: tuple[tuple[int, int], Any] | None = None
+        self.orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self.orders:
+            self.orders = {e: o for e, o in self.orders.items() if e >= epoch - 1}  # at most the current two
+            self.orders[epoch] = self.plan.epoch_order(epoch)
+        return self.orders[epoch]
+
+    def _load(self, epoch: int, step: int) -> tuple[list[Batch], int]:
+        order = self._order(epoch)
+        batches = self.plan.micro_batches(order, step)
+        if self.pin:
+            batches = [Batch(*(None if t is None else t.pin_memory() for t in dataclasses.astuple(b))) for b in batches]
+        return batches, self.plan.trained_tokens(order, step)
+
+    def get(self, epoch: int, step: int) -> tuple[list[Batch], int]:
+        """This rank's micro-batches of (epoch, step in epoch) and the global batch's trained-token count."""
+        if self.pending is not None and self.pending[0] == (epoch, step):
+            result = self.pending[1].result()
+        else:
+            if self.pending is not None:
+                self.pending[1].result()  # never two threads in _load at once
+            result = self._load(epoch, step)
+        following = (epoch, step + 1) if step + 1 < self.plan.steps_per_epoch else (epoch + 1, 0)
+        self.pending = (following, self._in_background(*following))
+        return result
+
+    def _in_background(self, epoch: int, step: int) -> Any:
+        """A daemon thread (an exit or a crash never waits for it) whose result is a Future."""
+        import threading
+        from concurrent.futures import Future
+
+        future: Future = Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._load(epoch, step))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by get() in the training thread
+                future.set_exception(exc)
+
+        threading.Thread(target=work, name="prefetch", daemon=True).start()
+        return future
+
+
 @dataclass
 class TrainData:
     train: DataPlan
@@ -886,11 +945,13 @@ def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, prec
     offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload == "on" else OffloadPolicy()
     reshard = cfg.sharding != "grad-op"
     wrappers = {id(m._checkpoint_wrapped_module): m for m in root.modules() if hasattr(m, "_checkpoint_wrapped_module")}
-    for layer in layers:
+    for i, layer in enumerate(layers):
         unit = wrappers.get(id(layer), layer)  # shard the checkpoint wrapper, so recompute sees FSDP's hooks
         if cfg.compile == "on":
             unit.compile()
-        fully_shard(unit, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        # The last layer's backward comes right after the loss: resharding it after forward would only regather it.
+        last = i == len(layers) - 1
+        fully_shard(unit, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard and not last)
     fully_shard(root, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
 
 
@@ -1646,12 +1707,19 @@ class Metrics:
         record["trained_tokens"] = self.window_trained
         record["trained_tokens_per_s"] = self.window_trained / elapsed
         record.update(self.timer.averages(self.window_steps))
-        record.update(memory_stats(self.d.device))
+        record.update(self.memory_over_ranks())
         if self.peak:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * 1e12 * self.d.world_size)
         self.write(record)
         self._new_window()
         return record
+
+    def memory_over_ranks(self) -> dict[str, float]:
+        """Each memory figure's maximum over the ranks (the one that runs out first), and rank 0's own."""
+        mine = memory_stats(self.d.device)
+        figures = torch.tensor(list(mine.values()), dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.d.cpu_group)
+        return {**dict(zip(mine, figures.tolist())), **{f"{k}_rank0": v for k, v in mine.items()}}
 
     def validate_if_due(self, state: TrainState, last_step: int, model: nn.Module, blocks: PackedBlocks | None) -> None:
         """Every --eval-freq steps and at the last step, when there is a validation split."""
@@ -1864,6 +1932,7 @@ def forward_backward(
     d: Dist,
     timer: PhaseTimer,
     poison: bool,
+    sync_last_only: bool = False,
 ) -> torch.Tensor:
     """Run the micro-batches; gradients end up as those of the mean loss over every trained target token of the
     global batch (all micro-batches, all ranks). Returns this rank's summed loss (no sync)."""
@@ -1871,7 +1940,9 @@ def forward_backward(
     # trained_tokens is the global batch's count, known on every rank from the data plan.
     loss_scale = d.world_size / max(1, trained_tokens)
     local_sum = torch.zeros((), device=d.device)
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
+        if sync_last_only:  # --accum-grad-sync last: gradients stay unsharded until the last micro-batch
+            train_forward.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with timer.phase("data"):
             batch = batch.to(d.device)
         with timer.phase("forward"):
@@ -2056,20 +2127,21 @@ def train_loop(
     """Returns True when training ran to the end, False when it stopped on a signal (after saving)."""
     plan, last_step = data.train, total_steps(cfg, data.train)
     guard = BadStepGuard(state, d.device, resolve_precision(cfg), cfg.max_bad_steps)
-    nan_steps, delay_s, order, order_epoch = _nan_injection_steps(), _test_step_delay_s(), None, -1
+    nan_steps, delay_s = _nan_injection_steps(), _test_step_delay_s()
+    prefetch = Prefetcher(plan, pin=d.device.type == "cuda")
+    sync_last_only = cfg.accum_grad_sync == "last" and cfg.grad_accum_steps > 1
     if state.step >= last_step:
         log(f"training already reached step {last_step}; nothing to train (raise --max-steps or --num-epochs to go on)")
     else:
         log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
     grad_norm = torch.zeros(())
     while state.step < last_step:
-        if order_epoch != state.epoch:
-            order, order_epoch = plan.epoch_order(state.epoch), state.epoch
         with metrics.timer.phase("data"):
-            micro_batches = plan.micro_batches(order, state.samples_in_epoch // plan.global_batch)
-            trained = plan.trained_tokens(order, state.samples_in_epoch // plan.global_batch)
+            micro_batches, trained = prefetch.get(state.epoch, state.samples_in_epoch // plan.global_batch)
         poison = (state.step + 1) in nan_steps and d.rank == 0
-        loss_sum = forward_backward(bundle.train_forward, micro_batches, trained, guard, d, metrics.timer, poison)
+        loss_sum = forward_backward(
+            bundle.train_forward, micro_batches, trained, guard, d, metrics.timer, poison, sync_last_only
+        )
         lr = lr_at(state.step, cfg, last_step)
         with metrics.timer.phase("update"):
             grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)

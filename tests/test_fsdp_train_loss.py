@@ -124,3 +124,64 @@ def test_128k_vocabulary_run_stays_within_a_bound_the_full_logits_path_exceeds(t
     bound = 1.25  # GiB per process: the interpreter, torch and transformers take ~0.6 of it
     print(f"peak RSS per process: chunked {chunked:.2f} GiB, full logits {full:.2f} GiB")
     assert chunked < bound < full, (chunked, full)
+
+
+# --- no stalls in the step: prefetching, gradient sync, compile -----------------------------------
+
+
+def test_prefetcher_gives_exactly_the_plans_batches_across_epochs_and_jumps():
+    import numpy as np
+
+    tokens = np.arange(8 * 23 + 1)
+    blocks = ft.PackedBlocks(tokens, 8, doc_ends=np.array([50, 51, 120, 185]))
+    plan = ft.DataPlan(blocks, seed=1, global_batch=4, micro_batch=1, world_size=2, rank=1)
+    prefetch = ft.Prefetcher(plan, pin=False)
+    walk = [(0, s) for s in range(plan.steps_per_epoch)] + [(1, 0), (1, 1), (0, 3), (2, 4), (3, 0), (2, 2)]
+    for epoch, step in walk:
+        batches, trained = prefetch.get(epoch, step)
+        order = plan.epoch_order(epoch)
+        expected = plan.micro_batches(order, step)
+        assert trained == plan.trained_tokens(order, step)
+        assert len(batches) == len(expected) == 2
+        for got, want in zip(batches, expected):
+            for a, b in zip(
+                (got.input_ids, got.labels, got.position_ids), (want.input_ids, want.labels, want.position_ids)
+            ):
+                assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def small_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("loss_inputs")
+    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True)
+
+
+def _losses(inputs, save: Path, exp: str, *extra: str) -> dict[int, float]:
+    from tests.fsdp_helpers import losses_by_step
+
+    args = trainer_args(exp, *inputs, save) + ["-b", "2", "--max-steps", "4", *extra]
+    result = run_trainer(args)
+    assert result.returncode == 0, output_of(result)
+    return losses_by_step(save / exp)
+
+
+def test_gradient_sync_on_the_last_micro_batch_only_gives_the_same_run(small_inputs, tmp_path):
+    each = _losses(small_inputs, tmp_path, "each", "--grad-accum-steps", "2")
+    last = _losses(small_inputs, tmp_path, "last", "--grad-accum-steps", "2", "--accum-grad-sync", "last")
+    assert each.keys() == last.keys() == {1, 2, 3, 4}
+    for step in each:
+        assert last[step] == pytest.approx(each[step], rel=1e-6)
+
+
+def test_memory_figures_are_the_maximum_over_ranks(small_inputs, tmp_path):
+    _losses(small_inputs, tmp_path, "mem")
+    for row in read_metrics(tmp_path / "mem"):
+        assert row["mem_peak_alloc_gb"] >= row["mem_peak_alloc_gb_rank0"] > 0
+
+
+def test_compiled_decoder_layers_train_like_eager(small_inputs, tmp_path):
+    eager = _losses(small_inputs, tmp_path, "eager")
+    compiled = _losses(small_inputs, tmp_path, "compiled", "--compile", "on")
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
+    assert compiled[4] < compiled[1]
