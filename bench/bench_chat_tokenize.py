@@ -18,7 +18,10 @@ masks packed into blocks of --seq-length tokens ready to index:
   columns, `map(batched=True)` on the arrow format); each map writes its Arrow cache file
   (load_from_cache_file=False, so every repetition does the work). The template is the same one with
   {% generation %} markers (qwen2.5_generation_markers.jinja), which the reference route needs and which
-  renders the same text.
+  renders the same text;
+- tokenizer floor (for information): the Rust tokenizer's `encode_batch` (with character offsets, as the
+  masks need) of the conversations rendered beforehand, in the same row batches: what any route that tokenises
+  the rendered conversations with this tokenizer pays at least.
 
 Each side reports wall-clock time and process CPU time over all threads (which other jobs on a shared machine
 hardly move). After the timed runs every conversation's token ids and label mask are compared between the two
@@ -198,6 +201,26 @@ def trl_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str
     return watch.result(tokens=tokens, blocks=n_blocks)
 
 
+def render_all(dataset: Any, tokenizer: Any) -> list[str]:
+    """Every conversation rendered with the chat template (untimed input of the tokenizer floor)."""
+    return [
+        text
+        for batch in dataset.iter(batch_size=BATCH_ROWS)
+        for text in tokenizer.apply_chat_template(list(batch["messages"]), tokenize=False)
+    ]
+
+
+def tokenizer_floor(texts: list[str], tokenizer: Any) -> dict[str, Any]:
+    tokens = 0
+    with Stopwatch() as watch:
+        for start in range(0, len(texts), BATCH_ROWS):
+            encodings = tokenizer.backend_tokenizer.encode_batch(
+                texts[start : start + BATCH_ROWS], add_special_tokens=False
+            )
+            tokens += sum(len(encoding.ids) for encoding in encodings)
+    return watch.result(tokens=tokens)
+
+
 def compare_routes(fsdp_dir: Path, trl_dir: Path, tokenizer: Any) -> dict[str, Any]:
     """Per conversation: are fsdp_train's token ids and trained mask those of transformers' generation-marker
     route? fsdp_train's stream is split at its document ends; no conversation is skipped here, so the i-th
@@ -270,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             f"tokenizer vocab {len(ours_tokenizer):,}; made in {time.perf_counter() - start:.0f}s"
         )
 
+        rendered = render_all(dataset, ours_tokenizer)
+
         def fresh(name: str) -> Path:
             shutil.rmtree(work / name, ignore_errors=True)
             return work / name
@@ -279,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "fsdp_train": lambda: fsdp_train_route(dataset, ours_tokenizer, fresh("fsdp"), p["seq"]),
                 "trl": lambda: trl_route(dataset, trl_tokenizer, fresh("trl"), p["seq"]),
+                "tokenizer_floor": lambda: tokenizer_floor(rendered, ours_tokenizer),
             },
             summary=lambda r: f"wall {r['seconds']:.2f}s, CPU {r['cpu_seconds']:.2f}s, {r['tokens']:,} tokens",
         )
@@ -286,10 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     seconds = {name: median([r["seconds"] for r in rs]) for name, rs in runs.items()}
     cpu = {name: median([r["cpu_seconds"] for r in rs]) for name, rs in runs.items()}
     ratio = {"wall": seconds["trl"] / seconds["fsdp_train"], "cpu": cpu["trl"] / cpu["fsdp_train"]}
+    # What each route spends besides the tokenizer (rendering, masks, dataset writes), in CPU seconds.
+    beyond_floor = {name: cpu[name] - cpu["tokenizer_floor"] for name in ("fsdp_train", "trl")}
     rows = []
     for name, label in (
         ("fsdp_train", "fsdp_train ChatEncoder + tokenize_to_file + PackedBlocks"),
         ("trl", "trl map(apply_chat_template, assistant mask) + wrapped packing"),
+        ("tokenizer_floor", "tokenizer floor: encode_batch of pre-rendered conversations"),
     ):
         last = runs[name][-1]
         rows.append(
@@ -299,13 +328,17 @@ def main(argv: list[str] | None = None) -> int:
                 check["conversations"] / seconds[name],
                 cpu[name],
                 f"{last['tokens']:,}",
-                f"{last['blocks']:,}",
+                f"{last['blocks']:,}" if "blocks" in last else "-",
                 ", ".join(f"{r['seconds']:.1f}" for r in runs[name]),
             ]
         )
     print_table(["route", "wall (s)", "conversations/s", "CPU (s)", "tokens", "blocks", "wall per rep (s)"], rows)
     for key, label in (("wall", "wall-clock"), ("cpu", "CPU time")):
         print(f"trl / fsdp_train, {label}: {ratio[key]:.2f} (goal >= 1.5: {'met' if ratio[key] >= 1.5 else 'NOT met'})")
+    print(
+        f"CPU seconds beyond the tokenizer floor: fsdp_train {beyond_floor['fsdp_train']:.1f}, "
+        f"trl {beyond_floor['trl']:.1f}; the tokenizer alone is {cpu['tokenizer_floor'] / cpu['trl']:.0%} of trl's CPU time"
+    )
     print(
         f"check: token ids equal in {check['ids_equal']:,} and label masks equal in {check['masks_equal']:,} of "
         f"{check['conversations']:,} conversations ({check['trained_tokens']:,} of {check['tokens']:,} tokens carry loss)"
@@ -321,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             "goal_met": {key: value >= 1.5 for key, value in ratio.items()},
             "seconds": seconds,
             "cpu_seconds": cpu,
+            "cpu_seconds_beyond_tokenizer_floor": beyond_floor,
             "check": check,
             "runs": runs,
         },

@@ -83,6 +83,7 @@ def test_chat_tokenize_quick(repo_root, tmp_path):
     assert 0 < check["trained_tokens"] < check["tokens"], "assistant-only: some tokens carry loss, not all"
     (fsdp,) = result["runs"]["fsdp_train"]
     (trl,) = result["runs"]["trl"]
-    assert fsdp["tokens"] == trl["tokens"] == check["tokens"]
+    (floor,) = result["runs"]["tokenizer_floor"]
+    assert fsdp["tokens"] == trl["tokens"] == floor["tokens"] == check["tokens"]
     assert fsdp["trained_tokens"] == check["trained_tokens"]
     assert all(r > 0 for r in result["ratios"].values())
