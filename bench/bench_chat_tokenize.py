@@ -1,6 +1,6 @@
 """Chat tokenise, mask and pack: fsdp_train.py's ChatEncoder route against the TRL-style per-example route.
 
-    python bench/bench_chat_tokenize.py            # 50k generated conversations, 3 repetitions per side; ~5 minutes
+    python bench/bench_chat_tokenize.py            # 50k generated conversations, 3 repetitions per side; 3-6 minutes
     python bench/bench_chat_tokenize.py --quick    # 1,000 conversations, one repetition: proves it still runs
 
 Both sides start from the same saved dataset (a `messages` column, loaded with datasets.load_from_disk as
