@@ -18,6 +18,7 @@ Metrics, Train step, main().
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import datetime as dt
@@ -481,53 +482,95 @@ class ChatEncoder:
     prefixes: turn i's span runs from the end of render(turns[:i], add_generation_prompt=True) to the end of
     render(turns[:i+1]). A template that renders a prefix differently from the start of the whole conversation
     (e.g. one that rewrites earlier turns) makes that conversation a counted skip, never a wrong mask.
+
+    A row batch is rendered in two apply_chat_template calls (every prefix without, then with, the generation
+    prompt): one call per render costs ~40% more (bench/bench_chat_tokenize.py). When a batched call raises,
+    the batch is rendered conversation by conversation, so a conversation the template refuses is one counted skip.
     """
 
     tokenizer: Any
     loss_on: str  # "assistant" or "all"
 
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def render(self, conversations: list[list[dict]], generation_prompt: bool) -> list[str]:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                conversations, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, templates raise their own messages
             raise ChatFormatError(f"the chat template refused it ({str(exc)[:120]})") from exc
 
-    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of its assistant turns."""
-        full = self.render(messages, False)
-        spans = []
+    def prefixes(self, messages: list[dict]) -> list[tuple[int, bool]]:
+        """The renders that place a conversation's assistant turns: (number of leading turns, generation prompt)."""
+        needed = {(len(messages), False)}
+        if self.loss_on == "assistant":
+            for i, turn in enumerate(messages):
+                if turn.get("role") == "assistant":
+                    needed |= {(i, True), (i + 1, False)}
+        needed.discard((0, True))  # nothing before a first-turn answer: rendered as ""
+        return sorted(needed)
+
+    def render_prefixes(self, conversations: list[list[dict]]) -> list[dict[tuple[int, bool], str]]:
+        """Every prefix render of every conversation, batched; per conversation (a ChatFormatError in its place)
+        when the template refuses one of them."""
+        wanted = [
+            (row, n, prompt) for row, messages in enumerate(conversations) for n, prompt in self.prefixes(messages)
+        ]
+        rendered: list[dict[tuple[int, bool], str] | ChatFormatError] = [{(0, True): ""} for _ in conversations]
+        try:
+            for prompt in (False, True):
+                keys = [(row, n) for row, n, p in wanted if p == prompt]
+                if keys:
+                    texts = self.render([conversations[row][:n] for row, n in keys], prompt)
+                    for (row, n), text in zip(keys, texts):
+                        rendered[row][(n, prompt)] = text
+        except ChatFormatError:
+            for row, messages in enumerate(conversations):
+                try:
+                    for n, prompt in self.prefixes(messages):
+                        rendered[row][(n, prompt)] = self.render([messages[:n]], prompt)[0]
+                except ChatFormatError as exc:
+                    rendered[row] = exc
+        return rendered
+
+    def assistant_spans(self, messages: list[dict], renders: dict[tuple[int, bool], str]) -> list[tuple[int, int]]:
+        """The character spans of a conversation's assistant turns in its full render."""
+        full, spans = renders[(len(messages), False)], []
         for i, turn in enumerate(messages):
             if turn.get("role") != "assistant" or self.loss_on == "all":
                 continue
-            before = self.render(messages[:i], True) if i else ""
-            through = full if i == len(messages) - 1 else self.render(messages[: i + 1], False)
+            before, through = renders[(i, True)], renders[(i + 1, False)]
             if not (full.startswith(through) and through.startswith(before)):
                 raise ChatFormatError("the chat template renders a conversation's start differently from the whole")
             spans.append((len(before), len(through)))
-        return full, spans
+        return spans
 
     def encode(self, conversations: list[list[dict]], skipped: dict[str, int]) -> list[tuple[list[int], np.ndarray]]:
         """(token ids, trained mask) per conversation; a conversation that cannot be encoded is counted in skipped."""
-        rendered = []
-        for messages in conversations:
+        conversations = [list(messages) for messages in conversations]
+        texts, all_spans = [], []
+        for messages, renders in zip(conversations, self.render_prefixes(conversations)):
             try:
-                rendered.append(self.assistant_spans([dict(m) for m in messages]))
+                if isinstance(renders, ChatFormatError):
+                    raise renders
+                all_spans.append(self.assistant_spans(messages, renders))
+                texts.append(renders[(len(messages), False)])
             except ChatFormatError as exc:
                 skipped[str(exc)] = skipped.get(str(exc), 0) + 1
-        encodings = self.tokenizer.backend_tokenizer.encode_batch(
-            [text for text, _ in rendered], add_special_tokens=False
-        )
-        out = []
-        for (_, spans), encoding in zip(rendered, encodings):
-            if self.loss_on == "all":
-                mask = np.ones(len(encoding.ids), dtype=np.uint8)
-            else:
-                starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64, count=len(encoding.ids))
-                mask = np.zeros(len(encoding.ids), dtype=np.uint8)
-                for a, b in spans:
-                    mask |= (starts >= a) & (starts < b)
-            out.append((encoding.ids, mask))
-        return out
+        encodings = self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [(encoding.ids, self.trained_mask(encoding, spans)) for encoding, spans in zip(encodings, all_spans)]
+
+    def trained_mask(self, encoding: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+        """1 for the tokens whose first character lies in an assistant span. Token start offsets never decrease,
+        so each span's tokens are one run, found by binary search on the offsets without listing them all
+        (building encoding.offsets costs more than the rest of the mask)."""
+        n = len(encoding)
+        if self.loss_on == "all":
+            return np.ones(n, dtype=np.uint8)
+        mask = np.zeros(n, dtype=np.uint8)
+        start_of = lambda t: encoding.token_to_chars(t)[0]  # noqa: E731
+        for a, b in spans:
+            mask[bisect.bisect_left(range(n), a, key=start_of) : bisect.bisect_left(range(n), b, key=start_of)] = 1
+        return mask
 
 
 def chat_template_hash(tokenizer: Any) -> str:

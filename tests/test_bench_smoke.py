@@ -71,3 +71,19 @@ def test_loading_quick(repo_root, tmp_path):
             two = result["summary"][f"{dtype} x2"]["figures_mb"][mode]["own_shard_mb"]
             assert two == pytest.approx(one / 2, rel=0.05), "two processes each hold half the parameters"
         assert result["summary"][f"{dtype} x2"]["full_over_sharded_private_peak"] > 0
+
+
+@pytest.mark.slow
+def test_chat_tokenize_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_chat_tokenize.py", tmp_path)
+    check = result["check"]
+    conversations = result["params"]["conversations"]
+    assert check["conversations"] == check["fsdp_documents"] == conversations
+    assert check["ids_equal"] == check["masks_equal"] == conversations, check
+    assert 0 < check["trained_tokens"] < check["tokens"], "assistant-only: some tokens carry loss, not all"
+    (fsdp,) = result["runs"]["fsdp_train"]
+    (trl,) = result["runs"]["trl"]
+    (floor,) = result["runs"]["tokenizer_floor"]
+    assert fsdp["tokens"] == trl["tokens"] == floor["tokens"] == check["tokens"]
+    assert fsdp["trained_tokens"] == check["trained_tokens"]
+    assert all(r > 0 for r in result["ratios"].values())

@@ -77,7 +77,10 @@ def test_masks_equal_transformers_generation_markers(chat_models):
     """Where a template marks assistant text with {% generation %}, transformers' own mask is the reference."""
     tokenizer = _tokenizer(chat_models["qwen2.5"])
     conversations = arithmetic_conversations(8)
+    # characters the tiny tokenizer splits into several byte tokens that share one character offset
+    conversations.append([{"role": "user", "content": "Données?"}, {"role": "assistant", "content": "数据 ß é."}])
     ours = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, {})
+    assert len(ours) == len(conversations)
     tokenizer.chat_template = (CHAT_TEMPLATES / "qwen2.5_generation_markers.jinja").read_text()
     for conversation, (ids, mask) in zip(conversations, ours):
         reference = tokenizer.apply_chat_template(
