@@ -71,3 +71,17 @@ def test_loading_quick(repo_root, tmp_path):
             two = result["summary"][f"{dtype} x2"]["figures_mb"][mode]["own_shard_mb"]
             assert two == pytest.approx(one / 2, rel=0.05), "two processes each hold half the parameters"
         assert result["summary"][f"{dtype} x2"]["full_over_sharded_private_peak"] > 0
+
+
+@pytest.mark.slow
+def test_loss_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_loss.py", tmp_path)
+    p = result["params"]
+    (summary,) = result["summaries"]
+    assert summary["agree"], summary["max_rel_diff"]
+    assert 0.5 * math.log(p["vocab"]) < summary["mean_loss"] < 2 * math.log(p["vocab"]), "a random model's loss"
+    # 512 tokens x 32k vocab: the full logits (64 MiB) and their gradient dwarf a 64-token chunk's, so a chunked
+    # side that silently fell back to full logits would break this.
+    assert summary["logits_share_full_over_chunked"] > 2, summary["figures"]
+    assert summary["figures"]["full"]["logits_share_gib"] > 0.1, "the full side holds the fp32 logits"
+    assert 0.05 < summary["step_time_chunked_over_full"] < 20
