@@ -85,3 +85,19 @@ def test_loss_quick(repo_root, tmp_path):
     assert summary["logits_share_full_over_chunked"] > 2, summary["figures"]
     assert summary["figures"]["full"]["logits_share_gib"] > 0.1, "the full side holds the fp32 logits"
     assert 0.05 < summary["step_time_chunked_over_full"] < 20
+
+
+@pytest.mark.slow
+def test_mfu_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_mfu.py", tmp_path)
+    p = result["params"]
+    assert result["mfu_is_nominal"] and p["peak_tflops"] == 1.0
+    settings = list(result["results"].values())
+    assert len(settings) == len(p["micro_batches"]) * len(p["activation_checkpointing"]) * len(p["compile"]) >= 2
+    for r in settings:
+        assert r["status"] == "ok", r
+        assert r["windows"] == p["steps"] // p["log_freq"] - 1, "the warm-up window is skipped"
+        # mfu is fsdp_train's own: tokens/s x flops per token over the peak given with --peak-tflops
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"] / 1e12, rel=0.05)
+        assert r["mem_peak_alloc_gb"] > 0 and r["time_forward_ms"] > 0 and r["time_backward_ms"] > 0
+        assert 0 < r["last_loss"] < 2 * math.log(1024), "a tiny model trains from a random start"
