@@ -127,7 +127,7 @@ def loss_worker(p: dict[str, Any], seq: int, side: str) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     loss, step_s, step_peak = measured(device, step)
     embed = model.get_input_embeddings().weight  # tied: head and embedding gradients both land here
-    first_layer = next(p for p in ft.find_decoder_layers(model)[0].parameters())
+    first_layer = next(iter(ft.find_decoder_layers(model)[0].parameters()))
     return {
         "loss": loss,
         "grad_norm_embed": embed.grad.norm().item(),
