@@ -87,3 +87,33 @@ def test_chat_tokenize_quick(repo_root, tmp_path):
     assert fsdp["tokens"] == trl["tokens"] == floor["tokens"] == check["tokens"]
     assert fsdp["trained_tokens"] == check["trained_tokens"]
     assert all(r > 0 for r in result["ratios"].values())
+
+
+@pytest.mark.slow
+def test_loss_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_loss.py", tmp_path)
+    p = result["params"]
+    (summary,) = result["summaries"]
+    assert summary["agree"], summary["max_rel_diff"]
+    assert 0.5 * math.log(p["vocab"]) < summary["mean_loss"] < 2 * math.log(p["vocab"]), "a random model's loss"
+    # 512 tokens x 32k vocab: the full logits (64 MiB) and their gradient dwarf a 64-token chunk's, so a chunked
+    # side that silently fell back to full logits would break this.
+    assert summary["logits_share_full_over_chunked"] > 2, summary["figures"]
+    assert summary["figures"]["full"]["logits_share_gib"] > 0.1, "the full side holds the fp32 logits"
+    assert 0.05 < summary["step_time_chunked_over_full"] < 20
+
+
+@pytest.mark.slow
+def test_mfu_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_mfu.py", tmp_path)
+    p = result["params"]
+    assert result["mfu_is_nominal"] and p["peak_tflops"] == 1.0
+    settings = list(result["results"].values())
+    assert len(settings) == len(p["micro_batches"]) * len(p["activation_checkpointing"]) * len(p["compile"]) >= 2
+    for r in settings:
+        assert r["status"] == "ok", r
+        assert r["windows"] == p["steps"] // p["log_freq"] - 1, "the warm-up window is skipped"
+        # mfu is fsdp_train's own: tokens/s x flops per token over the peak given with --peak-tflops
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"] / 1e12, rel=0.05)
+        assert r["mem_peak_alloc_gb"] > 0 and r["time_forward_ms"] > 0 and r["time_backward_ms"] > 0
+        assert 0 < r["last_loss"] < 2 * math.log(1024), "a tiny model trains from a random start"
