@@ -1881,12 +1881,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 logits = capped * softcap
             keep = y != -100
             safe = torch.where(keep, y, 0)
-            log_z = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, safe[:, None]).squeeze(1)
-            total += ((log_z - target_logit) * keep).sum()
+            # Log-sum-exp, then softmax, in place in the chunk's (fresh) logits: one [chunk x vocab] buffer at a time.
+            row_max = logits.amax(dim=-1, keepdim=True)
+            sum_exp = logits.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+            total += ((row_max.squeeze(1) + sum_exp.log().squeeze(1) - target_logit) * keep).sum()
             if not any(needs_grad):
                 continue
-            grad = torch.softmax(logits, dim=-1)  # d loss / d logits = softmax - onehot, on kept rows
+            grad = logits.div_(sum_exp)  # d loss / d logits = softmax - onehot, on kept rows
             grad[torch.arange(len(y), device=y.device), safe] -= 1.0
             grad *= keep[:, None]
             if softcap:
@@ -1898,6 +1900,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_weight += (grad.t() @ h).float()
             if grad_bias is not None:
                 grad_bias += grad.float().sum(0)
+            del logits, grad  # free this chunk's buffers before the next chunk allocates its own
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
