@@ -79,6 +79,10 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this value (0 = no clipping)")
     batch_size: int = _opt(1, "sequences per process per micro-batch", short="-b")
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step")
+    global_batch_size: int = _opt(
+        0, "sequences per optimizer step over all processes; sets --grad-accum-steps to N / (processes x -b) (0 = off)"
+    )
+    data_slice: str = _opt("", "train on rows START:END of the train split (either may be empty), e.g. 0:50000")
     seq_length: int = _opt(1024, "tokens per packed training block")
     document_masking: str = _opt(
         "on", "packed documents never attend to each other (position ids restart per document)", choices=ON_OFF
@@ -119,6 +123,9 @@ class TrainConfig:
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
     eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
     eval_max_blocks: int = _opt(0, "cap on validation blocks per pass (0 = all)")
+    eval_at_start: str = _opt(
+        "on", "evaluate the base model before the first step (step 0); not on resume", choices=ON_OFF
+    )
     keep_last: int = _opt(3, "complete checkpoints to keep (the newest is never deleted)")
     async_ckpt: str = _opt("off", "write checkpoints in the background while training continues", choices=ON_OFF)
     tensorboard: str = _opt("off", "also write TensorBoard event files to outputs/EXP/tensorboard", choices=ON_OFF)
@@ -126,6 +133,11 @@ class TrainConfig:
     max_bad_steps: int = _opt(25, "stop after this many consecutive steps with a non-finite loss or gradient")
     collective_timeout_s: int = _opt(1800, "timeout of collectives (checkpoint agreement, tokenisation wait)")
     force_resume: bool = _opt(False, "resume even if model/data/batch/seed/tokenizer changed since the checkpoint")
+    export_dtype: str = _opt(
+        "auto",
+        "dtype of the exported model (auto = the model's original dtype)",
+        choices=("auto", "bf16", "fp16", "fp32"),
+    )
     export_only: bool = _opt(False, "export outputs/EXP/final from the newest checkpoint and exit")
     dry_run: bool = _opt(False, "print the resolved config, model size, sharding plan and memory estimate; exit")
 
@@ -250,6 +262,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         "--min-lr": cfg.min_lr,
         "--peak-tflops": cfg.peak_tflops,
         "--hybrid-shard-size": cfg.hybrid_shard_size,
+        "--global-batch-size": cfg.global_batch_size,
     }
     problems += [f"{flag} must not be negative (got {value})" for flag, value in non_negative.items() if value < 0]
     for f in dataclasses.fields(TrainConfig):  # argparse checks choices on the command line; this covers --config
@@ -272,6 +285,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
                 f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
             )
+    problems += _batch_problems(cfg, world_size)
+    if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
+        problems.append(
+            f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"
+        )
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
     if cfg.dataset_name:
@@ -279,6 +297,34 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.model_name:
         problems += _model_problems(cfg)
     return problems
+
+
+def _batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """--global-batch-size must split evenly over the processes and micro-batches; then it sets the accumulation."""
+    if cfg.global_batch_size <= 0 or cfg.batch_size < 1:
+        return []
+    per_step = world_size * cfg.batch_size
+    accum, rest = divmod(cfg.global_batch_size, per_step)
+    if rest or accum < 1:
+        return [
+            f"--global-batch-size {cfg.global_batch_size} is not a multiple of processes x --batch-size "
+            f"({world_size} x {cfg.batch_size} = {per_step}); choose a multiple of {per_step} or change -b"
+        ]
+    if cfg.grad_accum_steps not in (1, accum):
+        return [
+            f"--grad-accum-steps {cfg.grad_accum_steps} contradicts --global-batch-size {cfg.global_batch_size} "
+            f"({world_size} processes x -b {cfg.batch_size} needs {accum}); pass only one of them"
+        ]
+    cfg.grad_accum_steps = accum
+    return []
+
+
+def parse_data_slice(text: str) -> tuple[int, int | None] | None:
+    """'START:END' -> (start, end or None); None when malformed."""
+    start, sep, end = text.partition(":")
+    if not sep or not all(part.strip().isdigit() for part in (start, end) if part.strip()):
+        return None
+    return int(start or 0), (int(end) if end.strip() else None)
 
 
 def _dataset_problems(path: Path) -> list[str]:
@@ -858,6 +904,17 @@ def chat_encoder(cfg: TrainConfig, tokenizer: Any, columns: list[str]) -> ChatEn
     return ChatEncoder(tokenizer, cfg.loss_on)
 
 
+def slice_rows(split: Any, text: str) -> Any:
+    """Rows START:END of the train split. The slice changes the split's fingerprint, hence the token cache key and
+    the resume check."""
+    start, end = parse_data_slice(text) or (0, None)
+    end = len(split) if end is None else min(end, len(split))
+    if start >= end:
+        raise TrainError(f"--data-slice {text}: the train split has {len(split)} rows, so it selects none")
+    log(f"--data-slice {text}: training on rows {start}..{end - 1} of {len(split)}")
+    return split.select(range(start, end))
+
+
 def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     from transformers import AutoTokenizer
 
@@ -867,6 +924,8 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         train_split, val_split = load_text_dataset(cfg.dataset_name)
     except ValueError as exc:
         raise TrainError(f"--dataset-name: {exc}") from exc
+    if cfg.data_slice:
+        train_split = slice_rows(train_split, cfg.data_slice)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if tokenizer.eos_token_id is None:
         raise TrainError(
@@ -1143,7 +1202,13 @@ class ModelBundle:
     num_params: int
     num_layers_checkpointed: int
     flops_per_token: float
-    original_dtype: torch.dtype  # the dtype the model was shipped in; the export keeps it
+    export_dtype: torch.dtype  # --export-dtype; auto = the dtype the model was shipped in
+
+
+def export_dtype(cfg: TrainConfig, model_dir: Path) -> torch.dtype:
+    if cfg.export_dtype != "auto":
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.export_dtype]
+    return original_dtype(model_dir)
 
 
 def original_dtype(model_dir: Path) -> torch.dtype:
@@ -1212,7 +1277,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         f"{n_ckpt} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}"
     )
     return ModelBundle(
-        model, train_forward, model.config, model_dir, num_params, n_ckpt, fpt, original_dtype(model_dir)
+        model, train_forward, model.config, model_dir, num_params, n_ckpt, fpt, export_dtype(cfg, model_dir)
     )
 
 
@@ -1548,12 +1613,12 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
     """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model.
 
     DCP's HF writer has every rank write its own slices, then rank 0 consolidates them file by file,
-    so no process ever gathers the whole model. Saved in the model's original dtype; tied weights stay tied.
+    so no process ever gathers the whole model. Saved in --export-dtype (auto: the model's own); tied weights stay tied.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    dtype = bundle.original_dtype
+    dtype = bundle.export_dtype
     tied = _tied_parameter_names(bundle.model)
     state = {k: v.to(dtype) for k, v in get_model_state_dict(bundle.model).items() if k not in tied}
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
@@ -1764,6 +1829,10 @@ class Metrics:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.d.cpu_group)
         return {**dict(zip(mine, figures.tolist())), **{f"{k}_rank0": v for k, v in mine.items()}}
 
+    def validate_base_model(self, model: nn.Module, blocks: PackedBlocks) -> None:
+        """Step 0: the loss before any training, so the log shows base vs fine-tuned (--eval-at-start)."""
+        self.write({"step": 0, "epoch": 0.0, **evaluate(model, blocks, self.cfg, self.d)})
+
     def validate_if_due(self, state: TrainState, last_step: int, model: nn.Module, blocks: PackedBlocks | None) -> None:
         """Every --eval-freq steps and at the last step, when there is a validation split."""
         due = state.step == last_step or (self.cfg.eval_freq and state.step % self.cfg.eval_freq == 0)
@@ -1794,6 +1863,42 @@ class Metrics:
             self.writer.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
+    """loss.png: train loss, validation loss and the learning rate by step. Never fails the run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+        train = [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if not train and not val:
+            return
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot([t[0] for t in train], [t[1] for t in train], label="train loss (global batch)")
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation loss")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if train:
+            lr_ax = ax.twinx()
+            lr_ax.plot([t[0] for t in train], [t[2] for t in train], color="gray", ls=":", label="learning rate")
+            lr_ax.set_ylabel("learning rate")
+            lr_ax.legend(loc="upper center")
+        ax.legend(loc="upper right")
+        fig.tight_layout()
+        fig.savefig(out_png.with_name(out_png.name + ".tmp.png"), dpi=120)
+        plt.close(fig)
+        os.replace(out_png.with_name(out_png.name + ".tmp.png"), out_png)
+    except Exception as exc:  # noqa: BLE001 - a plot is a convenience; the run's results are in metrics.jsonl
+        log(f"could not write {out_png} ({type(exc).__name__}: {exc}); the figures are in {metrics_path}")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2149,11 +2254,13 @@ def run(cfg: TrainConfig) -> int:
         export_hf_model(bundle, data.tokenizer, cfg.experiment_dir / "final", d)
         return 0
     metrics = Metrics(cfg, d, bundle, data.train, precision)
-    metrics.truncate_after(state.step)
+    metrics.truncate_after(state.step if state.step else -1)  # a start from scratch keeps no line, not even step 0
     try:
         finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop)
     finally:
         metrics.close()
+        if d.is_main:
+            plot_metrics(metrics.path, cfg.experiment_dir / "loss.png", cfg.experiment_name)
     if finished:
         export_hf_model(bundle, data.tokenizer, cfg.experiment_dir / "final", d)
     return 0
@@ -2180,6 +2287,8 @@ def train_loop(
         log(f"training already reached step {last_step}; nothing to train (raise --max-steps or --num-epochs to go on)")
     else:
         log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
+    if state.step == 0 and cfg.eval_at_start == "on" and data.validation is not None:
+        metrics.validate_base_model(bundle.train_forward, data.validation)
     grad_norm = torch.zeros(())
     while state.step < last_step:
         with metrics.timer.phase("data"):

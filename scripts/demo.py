@@ -137,28 +137,6 @@ def train_with_one_interruption(train_cmd: list[str], metrics: Path, interrupt_a
     run(train_cmd, env=env)
 
 
-def plot_losses(metrics: Path, out_png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*train), label="train loss (global batch)")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("make demo: tiny Llama on the demo corpus")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-
-
 def chat_fine_tune(
     args: argparse.Namespace,
     env: dict[str, str],
@@ -286,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         correct += a.startswith(want)
         print(f"prompt: {prompt!r}   (corpus answer: {want!r})\n  before: {b!r}\n  after:  {a!r}")
     print(f"\n{correct}/{len(DEMO_PROMPTS)} prompts answered as the corpus teaches after training")
-    plot = exp / "loss.png"
-    plot_losses(exp / "metrics.jsonl", plot)
+    plot = exp / "loss.png"  # written by fsdp_train.py at the end of the run
     rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train_losses = [r["loss"] for r in rows if "loss" in r]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]

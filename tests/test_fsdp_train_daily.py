@@ -1,0 +1,70 @@
+"""Daily-use flags: --global-batch-size (and its resume on another process count), base-model evaluation at
+step 0, loss.png, --data-slice and --export-dtype."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import fsdp_train as ft
+from tests.fsdp_helpers import losses_by_step, make_dataset, make_model, output_of, run_trainer, trainer_args
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("daily")
+    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
+
+
+def _records(exp: Path) -> list[dict]:
+    return [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize(
+    "flags,world,message",
+    [
+        (["--global-batch-size", "6", "-b", "2"], 2, "not a multiple of processes x --batch-size (2 x 2 = 4)"),
+        (["--global-batch-size", "8", "-b", "2", "--grad-accum-steps", "3"], 2, "contradicts --global-batch-size"),
+        (["--data-slice", "10-20"], 1, "--data-slice '10-20': expected START:END"),
+    ],
+)
+def test_bad_batch_and_slice_flags_name_the_flag(inputs, tmp_path, flags, world, message):
+    cfg = ft.load_config(trainer_args("x", *inputs, tmp_path) + flags)
+    assert any(message in p for p in ft.validate_config(cfg, world)), ft.validate_config(cfg, world)
+
+
+def test_global_batch_size_sets_the_accumulation():
+    cfg = ft.TrainConfig(global_batch_size=16, batch_size=2)
+    assert ft._batch_problems(cfg, 4) == [] and cfg.grad_accum_steps == 2
+    assert ft.parse_data_slice("5:") == (5, None) and ft.parse_data_slice(":7") == (0, 7)
+
+
+def test_same_command_resumes_on_one_process_with_global_batch_size(inputs, tmp_path):
+    """2 processes x -b 2 (accum 1), then the same command on 1 process (accum 2): one run, one base evaluation."""
+    args = trainer_args("gbs", *inputs, tmp_path) + ["-b", "2", "--global-batch-size", "4", "--ckpt-freq", "3"]
+    first = run_trainer(args + ["--max-steps", "3"])
+    assert first.returncode == 0, output_of(first)
+    second = run_trainer(args + ["--max-steps", "6"], nproc=1)
+    out = output_of(second)
+    assert second.returncode == 0, out
+    assert "resumed from" in out and "world size changed (2 -> 1)" in out and "(1 x 2 x 2)" in out
+    assert sorted(losses_by_step(tmp_path / "gbs")) == [1, 2, 3, 4, 5, 6]
+    base = [r for r in _records(tmp_path / "gbs") if r["step"] == 0]
+    assert len(base) == 1 and base[0]["val_loss"] > 0 and "val_ppl" in base[0]
+    assert (tmp_path / "gbs" / "loss.png").stat().st_size > 1000
+
+
+def test_data_slice_and_export_dtype(inputs, tmp_path):
+    args = trainer_args("sl", *inputs, tmp_path) + ["--data-slice", "0:40", "--max-steps", "2"]
+    args += ["--export-dtype", "fp32", "--eval-at-start", "off"]
+    result = run_trainer(args)
+    out = output_of(result)
+    assert result.returncode == 0, out
+    assert "--data-slice 0:40: training on rows 0..39 of 144" in out
+    assert not [r for r in _records(tmp_path / "sl") if r["step"] == 0]
+    config = json.loads((tmp_path / "sl" / "final" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"  # the model itself ships in bf16
+    empty = run_trainer(trainer_args("sl2", *inputs, tmp_path) + ["--data-slice", "500:", "--max-steps", "1"])
+    assert empty.returncode != 0 and "selects none" in output_of(empty)
