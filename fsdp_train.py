@@ -95,6 +95,11 @@ class TrainConfig:
     activation_checkpointing: str = _opt("on", "recompute decoder-layer activations in backward", choices=ON_OFF)
     ac_every_n_layers: int = _opt(1, "with activation checkpointing: checkpoint every Nth decoder layer (1 = all)")
     compile: str = _opt("off", "torch.compile each decoder layer", choices=ON_OFF)
+    attn_implementation: str = _opt(
+        "auto",
+        "attention kernel; auto = sdpa where the architecture supports it, else eager",
+        choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
     log_freq: int = _opt(10, "optimizer steps between metric lines")
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
     eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
@@ -640,17 +645,27 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_model_skeleton(model_dir: Path) -> nn.Module:
+def build_model_skeleton(model_dir: Path, attn_implementation: str = "auto") -> nn.Module:
+    """The model with parameters on meta. auto tries sdpa, then eager for architectures without SDPA support.
+
+    Each attempt starts from a freshly read config: from_config records the requested implementation in
+    the config object it is given, so retrying with the same object would ask for sdpa again (Gemma2).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    config.use_cache = False
-    with parameters_on_meta():
+    attempts = ("sdpa", "eager") if attn_implementation == "auto" else (attn_implementation,)
+    for attn in attempts:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config.use_cache = False
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        except (ValueError, ImportError):  # architecture without SDPA support
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model
+            with parameters_on_meta():
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        except (ValueError, ImportError) as exc:  # no such kernel for this architecture, or not installed
+            problem = exc
+    raise TrainError(
+        f"--attn-implementation {attn_implementation}: cannot build {config.architectures or config.model_type} "
+        f"from {model_dir} ({problem}); try --attn-implementation auto or eager"
+    )
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -885,7 +900,7 @@ def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
 
 def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation)
     num_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model, model.config, cfg.seq_length)
     layers = find_decoder_layers(model)
@@ -1661,7 +1676,7 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     from model_download import format_memory_plan, training_memory_plan
 
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation)
     layers = find_decoder_layers(model)
     num_params = sum(p.numel() for p in model.parameters())
     per_layer = sum(p.numel() for p in layers[0].parameters())
