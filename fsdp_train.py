@@ -760,46 +760,73 @@ def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist) ->
                 param.copy_(full)
 
 
-def checkpoint_weight_keys(model_dir: Path) -> tuple[set[str], str]:
-    """Tensor names in the model folder's weight files, and their format ("safetensors" or "bin")."""
+def checkpoint_weight_files(model_dir: Path) -> tuple[dict[str, Path], str]:
+    """Each tensor name in the model folder's weight files -> its file, and the format ("safetensors" or "bin")."""
     from safetensors import safe_open
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    files: dict[str, Path] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            files.update(dict.fromkeys(fh.keys(), f))
     if files:
-        keys: set[str] = set()
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                keys.update(fh.keys())
-        return keys, "safetensors"
-    bins = sorted(model_dir.glob("pytorch_model*.bin"))
-    if bins:
-        keys = set()
-        for f in bins:
-            keys.update(torch.load(f, map_location="meta", weights_only=True, mmap=True).keys())
-        return keys, "bin"
-    return set(), "none"
+        return files, "safetensors"
+    for f in sorted(model_dir.glob("pytorch_model*.bin")):
+        files.update(dict.fromkeys(torch.load(f, map_location="meta", weights_only=True, mmap=True), f))
+    return files, "bin" if files else "none"
 
 
-def map_checkpoint_keys(model: nn.Module, file_keys: set[str]) -> dict[str, str]:
-    """model FQN -> checkpoint key. Handles checkpoints saved with or without the base-model prefix."""
-    prefix = getattr(model, "base_model_prefix", "model") + "."
+@dataclass
+class CheckpointPlan:
+    """Where each model tensor comes from, routed by transformers' own conversion mapping for this version."""
+
+    files: dict[str, Path]  # checkpoint key -> the file holding it
+    renamed: dict[str, str]  # model FQN -> checkpoint key: read slice by slice
+    converted: dict[str, Any]  # first target FQN -> transformers WeightConverter holding its source keys
+    conversions: list[Any]  # the transforms that matched; the export reverts exactly these (as save_pretrained)
+
+
+def plan_checkpoint_load(model: nn.Module, files: dict[str, Path]) -> CheckpointPlan:
+    """Route every checkpoint key as from_pretrained does (transformers.core_model_loading): all WeightRenamings,
+    then at most one WeightConverter, then add or strip the base-model prefix.
+
+    A renamed key is read slice by slice; a converted one (e.g. per-expert `experts.N.gate_proj` stacked into
+    `experts.gate_up_proj`) needs its whole source tensors. Keys the architecture does not use are ignored, as
+    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately.
+    """
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", "model")
     tied = _tied_parameter_names(model)
-    mapping, missing = {}, []
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        fqn = clean_fqn(name)
-        for candidate in (fqn, fqn.removeprefix(prefix), prefix + fqn):
-            if candidate in file_keys:
-                mapping[fqn] = candidate
-                break
+    expected = {clean_fqn(n): True for n, _ in model.named_parameters(remove_duplicate=False)}
+    renamed: dict[str, str] = {}
+    converted: dict[str, Any] = {}
+    for key in sorted(files, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if target not in expected:  # as from_pretrained: a name the model already has (maybe prefixed) wins
+            target, pattern = rename_source_key(key, [], [], prefix, expected)
+        if target not in expected or target in tied:
+            continue
+        if pattern is None:
+            renamed[target] = key
         else:
-            if fqn not in tied:
-                missing.append(fqn)
+            converted.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, key, pattern, key)
+    produced = set(renamed)
+    for first, converter in converted.items():
+        produced.update(first.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
+    missing = sorted(set(expected) - produced - tied)
     if missing:
         raise TrainError(
-            f"the model folder's weights lack {len(missing)} tensors the architecture needs, e.g. "
-            f"{missing[:5]}; re-download with model_download.py (it verifies every tensor)"
+            f"the model folder's weights lack {len(missing)} tensors the architecture needs (after transformers' "
+            f"key conversions), e.g. {missing[:5]}; re-download with model_download.py (it verifies every tensor)"
         )
-    return mapping
+    return CheckpointPlan(files, renamed, converted, [c for c in conversions if c.was_used()])
 
 
 def check_still_tied(model: nn.Module) -> None:
@@ -822,37 +849,72 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
 
 
 def load_pretrained_sharded(model: nn.Module, model_dir: Path) -> None:
-    """Each rank reads only its own slices of the weight files (DCP's Hugging Face reader, memory-mapped)."""
+    """Load the checkpoint into the shards, equal bit for bit to from_pretrained.
+
+    Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped).
+    Converted tensors: each rank reads the whole source tensors of one converter at a time (e.g. every
+    expert's gate and up projection of one layer), lets transformers' ops build the full target, and
+    keeps its slice, so the extra memory is about twice one layer's fused tensor.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    file_keys, fmt = checkpoint_weight_keys(model_dir)
-    mapping = map_checkpoint_keys(model, file_keys)
+    files, fmt = checkpoint_weight_files(model_dir)
+    plan = plan_checkpoint_load(model, files)
     state = get_model_state_dict(model)
-    by_file_key = {mapping[k]: v for k, v in state.items() if k in mapping}
+    by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed}
     if fmt == "safetensors":
         dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
-        return
-    _load_bin_slices(by_file_key, model_dir)
+    else:
+        _load_bin_slices(by_file_key, model_dir)
+    _load_converted(model, plan, state)
+    model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
+
+
+def _load_converted(model: nn.Module, plan: CheckpointPlan, state: dict[str, Any]) -> None:
+    import functools
+
+    with torch.no_grad(), contextlib.ExitStack() as open_files:
+        read = functools.partial(_read_whole_tensor, plan.files, open_files, {})
+        for first, converter in plan.converted.items():
+            for pattern, keys in converter.collected_tensors.items():  # load lazily, one converter at a time
+                converter.collected_tensors[pattern] = [functools.partial(read, key) for key in keys]
+            for name, full in converter.convert(first, model=model, config=model.config).items():
+                _copy_into_shard(state[name], full[0] if isinstance(full, list) else full)
+
+
+def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack, handles: dict, key: str) -> Any:
+    from safetensors import safe_open
+
+    path = files[key]
+    if path not in handles:
+        if path.suffix == ".safetensors":
+            handles[path] = open_files.enter_context(safe_open(str(path), framework="pt"))
+        else:
+            handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    handle = handles[path]
+    return handle.get_tensor(key) if path.suffix == ".safetensors" else handle[key]
+
+
+def _copy_into_shard(target: Any, full: torch.Tensor) -> None:
+    """Copy this rank's slice of a full tensor into a parameter (its DTensor shard, or all of it)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):  # src_data_rank=None: every rank holds `full`, so slice locally, no messages
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(full.to_local())
+    else:
+        target.copy_(full)
 
 
 def _load_bin_slices(targets: dict[str, Any], model_dir: Path) -> None:
     """Fallback for repos without safetensors: mmap each .bin and copy this rank's slice of each tensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     with torch.no_grad():
         for f in sorted(model_dir.glob("pytorch_model*.bin")):
             stored = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             for key, tensor in stored.items():
                 if key in targets:
-                    target = targets[key]
-                    if isinstance(target, DTensor):
-                        local = distribute_tensor(
-                            tensor.float(), target.device_mesh, target.placements, src_data_rank=None
-                        )
-                        target.to_local().copy_(local.to_local())
-                    else:
-                        target.copy_(tensor)
+                    _copy_into_shard(targets[key], tensor)
 
 
 @dataclass
@@ -912,8 +974,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     )
     shard_model(model, layers, cfg, precision, d)
     materialize(model, d, cfg)
-    file_keys, _ = checkpoint_weight_keys(model_dir)
-    if file_keys:
+    files, _ = checkpoint_weight_files(model_dir)
+    if files:
         start = time.perf_counter()
         load_pretrained_sharded(model, model_dir)
         log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")

@@ -1,0 +1,78 @@
+"""Run under torchrun: one architecture of the matrix, end to end in one process group.
+
+`fsdp_train.main` trains as a user would (3 steps, then the export to outputs/EXP/final). Two of its
+functions are wrapped to look inside: after `build_model`, every gathered parameter is compared with
+`from_pretrained` (the sharded load must be exact); before `export_hf_model`, the trained parameters and
+the logits of a fixed input are kept. After the run, rank 0 reads the export with `from_pretrained` and
+compares both. Prints one line per check; exits non-zero if any fails.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import fsdp_train as ft
+
+PROBE = torch.arange(3, 19).remainder(100).view(1, 16)  # token ids below every tiny vocab size
+trained: dict[str, torch.Tensor] = {}
+failures: list[str] = []
+
+
+def gathered_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full copies of every parameter (a collective: every rank calls it)."""
+    return {
+        ft.clean_fqn(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.ModelBundle:
+    bundle = build_model(cfg, precision, d)
+    reference = dict(AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.float32).named_parameters())
+    loaded = gathered_parameters(bundle.model)
+    differ = sorted(n for n, t in loaded.items() if n not in reference or not torch.equal(t, reference[n]))
+    if differ or len(loaded) != len(reference):
+        failures.append(f"LOAD MISMATCH {differ[:5]} ({len(loaded)} loaded, {len(reference)} in from_pretrained)")
+    else:
+        print(f"LOAD EQUAL {len(loaded)} parameters", flush=True)
+    return bundle
+
+
+def keep_trained_then_export(bundle: ft.ModelBundle, tokenizer, out_dir, d: ft.Dist) -> None:
+    trained.update(gathered_parameters(bundle.model))
+    bundle.model.eval()
+    with torch.no_grad():
+        trained["logits"] = bundle.model(input_ids=PROBE.to(d.device)).logits.float().cpu()
+    bundle.model.train()
+    export(bundle, tokenizer, out_dir, d)
+
+
+def compare_export(final_dir: str) -> None:
+    exported = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
+    params = dict(exported.named_parameters())
+    differ = sorted(n for n in params if not torch.equal(params[n], trained[n]))
+    if differ or len(params) != len(trained) - 1:
+        failures.append(f"EXPORT MISMATCH {differ[:5]} ({len(params)} exported, {len(trained) - 1} trained)")
+    with torch.no_grad():
+        logits = exported(input_ids=PROBE).logits.float()
+    if not torch.allclose(logits, trained["logits"], rtol=0, atol=1e-5):
+        failures.append(f"LOGITS DIFFER by {(logits - trained['logits']).abs().max().item():.3g}")
+    if not failures:
+        print("EXPORT REPRODUCES the trained parameters and logits", flush=True)
+
+
+build_model, export = ft.build_model, ft.export_hf_model
+ft.build_model, ft.export_hf_model = build_and_compare, keep_trained_then_export
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    code = ft.main(argv)
+    if code == 0 and ft._RANK_FOR_LOGS == 0:
+        cfg = ft.load_config(argv)
+        compare_export(str(cfg.experiment_dir / "final"))
+    for failure in failures:
+        print(failure, flush=True)
+    sys.exit(code or (1 if failures else 0))
