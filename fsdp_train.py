@@ -1320,10 +1320,13 @@ class Checkpointer:
 
 
 def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist) -> None:
-    """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model.
+    """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model,
+    in the layout save_pretrained writes (transformers' conversions reverted, e.g. one tensor per expert).
 
-    DCP's HF writer has every rank write its own slices, then rank 0 consolidates them file by file,
-    so no process ever gathers the whole model. Saved in the model's original dtype; tied weights stay tied.
+    Tensors that only rename on save: DCP's HF writer has every rank write its own slices, then rank 0
+    consolidates them file by file, so no process gathers them. Tensors a converter reverts (stacked MoE
+    experts): gathered one decoder layer at a time, reverted by transformers and written by rank 0.
+    Saved in the model's original dtype; tied weights stay tied.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -1331,6 +1334,7 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
     dtype = bundle.original_dtype
     tied = _tied_parameter_names(bundle.model)
     state = {k: v.to(dtype) for k, v in get_model_state_dict(bundle.model).items() if k not in tied}
+    state, converted_by_layer = split_export_layout(bundle.model, state)
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
     file_no = 1
     for key, value in state.items():
@@ -1347,6 +1351,7 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
         str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
     )
     dcp.save(state, storage_writer=writer, process_group=d.cpu_group)
+    _write_converted(bundle.model, converted_by_layer, tmp, max_bytes, d)
     if d.is_main:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         config = bundle.config
@@ -1363,6 +1368,67 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
         shutil.rmtree(old, ignore_errors=True)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
     dist.barrier(group=d.cpu_group)
+
+
+def split_export_layout(model: nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Ask transformers how save_pretrained would write each tensor (revert_weight_conversion on a meta copy):
+    -> {saved name: sharded tensor} for plain renames, and per decoder layer the tensors a converter reverts."""
+    import re
+
+    from transformers.core_model_loading import revert_weight_conversion
+
+    renamed: dict[str, Any] = {}
+    converted: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        probe = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        try:
+            saved = revert_weight_conversion(model, {key: probe})
+        except Exception:  # noqa: BLE001 - a many-to-one revert needs its partners: handled with its layer below
+            saved = {}
+        if len(saved) == 1 and next(iter(saved.values())) is probe:
+            renamed[next(iter(saved))] = value
+        else:
+            layer = re.match(r"(.*?\.\d+)\.", key)
+            converted.setdefault(layer.group(1) if layer else "", {})[key] = value
+    return renamed, list(converted.values())
+
+
+def _write_converted(model: nn.Module, groups: list[dict[str, Any]], folder: Path, max_bytes: int, d: Dist) -> None:
+    """Gather each layer's converted tensors (every rank takes part), revert them, and let rank 0 append them
+    to the export as extra safetensors files listed in the index."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not groups:
+        return
+    pending: dict[str, torch.Tensor] = {}
+    written: dict[str, str] = {}
+    written_bytes = 0
+
+    def flush() -> None:
+        nonlocal written_bytes
+        written_bytes += sum(v.numel() * v.element_size() for v in pending.values())
+        name = f"model-converted-{len(set(written.values())) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in pending.items()}, str(folder / name), metadata={"format": "pt"})
+        written.update(dict.fromkeys(pending, name))
+        pending.clear()
+
+    for group in groups:
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in group.items()}
+        if d.is_main:
+            # clone: reverted tensors are views of one stacked tensor, and safetensors refuses shared storage
+            pending.update({k: v.clone() for k, v in revert_weight_conversion(model, full).items()})
+            if sum(v.numel() * v.element_size() for v in pending.values()) >= max_bytes:
+                flush()
+    if d.is_main:
+        if pending:
+            flush()
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(written)
+        index["metadata"]["total_size"] += written_bytes
+        index_path.write_text(json.dumps(index, indent=2))
 
 
 # -----------------------------------------------------------------------------------------------

@@ -4,12 +4,13 @@
 functions are wrapped to look inside: after `build_model`, every gathered parameter is compared with
 `from_pretrained` (the sharded load must be exact); before `export_hf_model`, the trained parameters and
 the logits of a fixed input are kept. After the run, rank 0 reads the export with `from_pretrained` and
-compares both. Prints one line per check; exits non-zero if any fails.
+compares both, and the export's tensor names and shapes with those save_pretrained wrote. Prints one line per check; exits non-zero if any fails.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -50,7 +51,20 @@ def keep_trained_then_export(bundle: ft.ModelBundle, tokenizer, out_dir, d: ft.D
     export(bundle, tokenizer, out_dir, d)
 
 
-def compare_export(final_dir: str) -> None:
+def saved_layout(folder: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    layout = {}
+    for f in Path(folder).glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as fh:
+            layout.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    return layout
+
+
+def compare_export(final_dir: str, model_dir: str) -> None:
+    if saved_layout(final_dir) != saved_layout(model_dir):  # the names and shapes save_pretrained wrote
+        only_export = sorted(set(saved_layout(final_dir)) - set(saved_layout(model_dir)))
+        failures.append(f"EXPORT LAYOUT differs from save_pretrained's, e.g. {only_export[:4]}")
     exported = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
     params = dict(exported.named_parameters())
     differ = sorted(n for n in params if not torch.equal(params[n], trained[n]))
@@ -72,7 +86,7 @@ if __name__ == "__main__":
     code = ft.main(argv)
     if code == 0 and ft._RANK_FOR_LOGS == 0:
         cfg = ft.load_config(argv)
-        compare_export(str(cfg.experiment_dir / "final"))
+        compare_export(str(cfg.experiment_dir / "final"), cfg.model_name)
     for failure in failures:
         print(failure, flush=True)
     sys.exit(code or (1 if failures else 0))
