@@ -1560,7 +1560,8 @@ class Metrics:
             ]
             self.path.write_text("".join(f"{line}\n" for line in kept))
 
-    def record(self, local_loss_sum: torch.Tensor) -> None:
+    def record(self, local_loss_sum: torch.Tensor, aux_loss: torch.Tensor | None = None) -> None:
+        self.last_aux = aux_loss  # MoE router loss of the step (weighted; not part of `loss`), or None
         self.window_loss += local_loss_sum.detach().double()
         self.window_steps += 1
         self.last_loss = local_loss_sum.detach().double()
@@ -1588,6 +1589,10 @@ class Metrics:
         record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed
         record.update(self.timer.averages(self.window_steps))
         record.update(memory_stats(self.d.device))
+        if self.last_aux is not None:
+            aux = self.last_aux.detach().clone()
+            dist.all_reduce(aux)
+            record["aux_loss"] = aux.item() / self.d.world_size
         if self.peak:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * 1e12 * self.d.world_size)
         self.write(record)
@@ -1691,25 +1696,45 @@ def forward_backward(
     d: Dist,
     timer: PhaseTimer,
     poison: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the micro-batches; gradients end up as those of the mean loss over every target token of the
-    global batch (all micro-batches, all ranks). Returns this rank's summed loss (no sync)."""
+    global batch (all micro-batches, all ranks), plus the MoE router loss where the model has one.
+    Returns this rank's summed loss and its mean weighted router loss, or None (no sync)."""
     # FSDP averages gradients over the data-parallel ranks, so each rank scales its token sum by world/tokens.
     loss_scale = d.world_size / tokens_per_step
     local_sum = torch.zeros((), device=d.device)
+    aux_sum, router_kwargs = None, router_forward_kwargs(model.config)
     for batch in micro_batches:
         with timer.phase("data"):
             batch = batch.to(d.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
         with timer.phase("forward"):
-            logits = model(input_ids=inputs).logits
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            outputs = model(input_ids=inputs, **router_kwargs)
+            loss_sum = F.cross_entropy(outputs.logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            aux = router_aux_loss(outputs, model.config)
             if poison:
                 loss_sum = loss_sum * float("nan")
         with timer.phase("backward"):
-            (loss_sum * (loss_scale * guard.scale)).backward()
+            objective = loss_sum * loss_scale
+            if aux is not None:  # like HF's mean loss + coef * aux: averaged over micro-batches (and, by FSDP, ranks)
+                objective = objective + aux / len(micro_batches)
+                aux_sum = aux.detach() / len(micro_batches) + (0 if aux_sum is None else aux_sum)
+            (objective * guard.scale).backward()
         local_sum += loss_sum.detach()
-    return local_sum
+    return local_sum, aux_sum
+
+
+def router_forward_kwargs(model_config: Any) -> dict[str, bool]:
+    """MoE models compute their router load-balancing loss only when asked for the router logits."""
+    has_aux = getattr(model_config, "router_aux_loss_coef", 0) and hasattr(model_config, "output_router_logits")
+    return {"output_router_logits": True} if has_aux else {}
+
+
+def router_aux_loss(outputs: Any, model_config: Any) -> torch.Tensor | None:
+    """The config's router_aux_loss_coef times the model's load-balancing loss; None for models without one."""
+    aux = getattr(outputs, "aux_loss", None)
+    coef = getattr(model_config, "router_aux_loss_coef", 0)
+    return None if aux is None or not coef else coef * aux
 
 
 def optimizer_step(
@@ -1896,7 +1921,7 @@ def train_loop(
         with metrics.timer.phase("data"):
             micro_batches = plan.micro_batches(order, state.samples_in_epoch // plan.global_batch)
         poison = (state.step + 1) in nan_steps and d.rank == 0
-        loss_sum = forward_backward(
+        loss_sum, aux_loss = forward_backward(
             bundle.model, micro_batches, metrics.tokens_per_step, guard, d, metrics.timer, poison
         )
         lr = lr_at(state.step, cfg, last_step)
@@ -1905,7 +1930,7 @@ def train_loop(
         state.advance(plan.global_batch, plan.steps_per_epoch)
         if delay_s:
             time.sleep(delay_s)
-        metrics.record(loss_sum)
+        metrics.record(loss_sum, aux_loss)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
         metrics.validate_if_due(state, last_step, bundle.model, data.validation)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import fsdp_train as ft
-from tests.fsdp_helpers import REPO_ROOT, losses_by_step, make_dataset, make_model, trainer_args
+from tests.fsdp_helpers import REPO_ROOT, losses_by_step, make_dataset, make_model, read_metrics, trainer_args
 
 MATRIX = [
     ("llama", True),
@@ -34,6 +34,7 @@ MATRIX = [
     ("olmoe", False),
     ("qwen3_moe", False),
 ]
+MOE = {"mixtral", "qwen2_moe", "olmoe", "qwen3_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,11 @@ def test_load_train_export(tmp_path, matrix_dataset, arch, tied):
     assert "EXPORT REPRODUCES" in out, out
     losses = losses_by_step(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
+    aux = [r.get("aux_loss") for r in read_metrics(tmp_path / "run")]
+    if arch in MOE:  # the router loss is logged beside the token loss; dense models have none
+        assert all(a is not None and a > 0 for a in aux), aux
+    else:
+        assert aux == [None, None, None], aux
 
 
 def test_attn_implementation_is_honoured_or_reported_with_the_flag(tmp_path):
@@ -68,3 +74,32 @@ def test_attn_implementation_is_honoured_or_reported_with_the_flag(tmp_path):
     assert ft.build_model_skeleton(model, "eager").config._attn_implementation == "eager"
     with pytest.raises(ft.TrainError, match="--attn-implementation sdpa"):
         ft.build_model_skeleton(model, "sdpa")
+
+
+def test_moe_router_loss_joins_the_gradient_like_transformers_own_loss(tmp_path):
+    """One process, one micro-batch: forward_backward's gradients equal those of transformers' objective,
+    mean cross entropy + router_aux_loss_coef * aux_loss (so the router loss is neither dropped nor rescaled)."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    folder = make_model(tmp_path / "mixtral", arch="mixtral", with_weights=True, tied=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.config.router_aux_loss_coef = 0.5  # large, so a dropped or rescaled router loss shows in the gradients
+    batch = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+    d = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    guard = types.SimpleNamespace(scale=torch.tensor(1.0))
+    loss_sum, aux = ft.forward_backward(model, [batch], batch[:, 1:].numel(), guard, d, ft.PhaseTimer(d.device), False)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    outputs = model(input_ids=batch[:, :-1], output_router_logits=True)
+    mean_ce = F.cross_entropy(outputs.logits.flatten(0, 1), batch[:, 1:].flatten())
+    (mean_ce + 0.5 * outputs.aux_loss).backward()
+    assert aux is not None and torch.allclose(aux, 0.5 * outputs.aux_loss)
+    assert torch.allclose(loss_sum / batch[:, 1:].numel(), mean_ce)
+    gate = "model.layers.0.mlp.gate.weight"
+    assert ours[gate].abs().sum() > 0
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
