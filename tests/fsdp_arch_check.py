@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 import fsdp_train as ft
@@ -39,6 +40,10 @@ def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.Mod
         failures.append(f"LOAD MISMATCH {differ[:5]} ({len(loaded)} loaded, {len(reference)} in from_pretrained)")
     else:
         print(f"LOAD EQUAL {len(loaded)} parameters", flush=True)
+    # One FSDP unit per decoder layer plus the root: MoE experts live inside their layer's unit.
+    units = [m for m in bundle.model.modules() if isinstance(m, FSDPModule)]
+    if len(units) != bundle.config.num_hidden_layers + 1:
+        failures.append(f"FSDP UNITS {len(units)}, expected {bundle.config.num_hidden_layers} layers + root")
     return bundle
 
 
