@@ -791,7 +791,8 @@ def plan_checkpoint_load(model: nn.Module, files: dict[str, Path]) -> Checkpoint
 
     A renamed key is read slice by slice; a converted one (e.g. per-expert `experts.N.gate_proj` stacked into
     `experts.gate_up_proj`) needs its whole source tensors. Keys the architecture does not use are ignored, as
-    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately.
+    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately; a
+    persistent buffer the checkpoint lacks keeps its computed value.
     """
     import copy
 
@@ -804,7 +805,9 @@ def plan_checkpoint_load(model: nn.Module, files: dict[str, Path]) -> Checkpoint
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", "model")
     tied = _tied_parameter_names(model)
-    expected = {clean_fqn(n): True for n, _ in model.named_parameters(remove_duplicate=False)}
+    params = {clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    # Persistent buffers load too where stored, as in from_pretrained (e.g. GLM-4.5's router e_score_correction_bias)
+    expected = dict.fromkeys(params | {clean_fqn(n) for n in model.state_dict()}, True)
     renamed: dict[str, str] = {}
     converted: dict[str, Any] = {}
     for key in sorted(files, key=dot_natural_key):
@@ -820,7 +823,7 @@ def plan_checkpoint_load(model: nn.Module, files: dict[str, Path]) -> Checkpoint
     produced = set(renamed)
     for first, converter in converted.items():
         produced.update(first.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
-    missing = sorted(set(expected) - produced - tied)
+    missing = sorted(params - produced - tied)
     if missing:
         raise TrainError(
             f"the model folder's weights lack {len(missing)} tensors the architecture needs (after transformers' "

@@ -23,23 +23,23 @@ trained: dict[str, torch.Tensor] = {}
 failures: list[str] = []
 
 
-def gathered_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full copies of every parameter (a collective: every rank calls it)."""
+def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full copies of every parameter and persistent buffer (a collective: every rank calls it)."""
     return {
-        ft.clean_fqn(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-        for name, p in model.named_parameters()
+        ft.clean_fqn(name): (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+        for name, t in model.state_dict().items()
     }
 
 
 def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.ModelBundle:
     bundle = build_model(cfg, precision, d)
-    reference = dict(AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.float32).named_parameters())
-    loaded = gathered_parameters(bundle.model)
+    reference = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.float32).state_dict()
+    loaded = gathered_state(bundle.model)
     differ = sorted(n for n, t in loaded.items() if n not in reference or not torch.equal(t, reference[n]))
     if differ or len(loaded) != len(reference):
         failures.append(f"LOAD MISMATCH {differ[:5]} ({len(loaded)} loaded, {len(reference)} in from_pretrained)")
     else:
-        print(f"LOAD EQUAL {len(loaded)} parameters", flush=True)
+        print(f"LOAD EQUAL {len(loaded)} parameters and persistent buffers", flush=True)
     # One FSDP unit per decoder layer plus the root: MoE experts live inside their layer's unit.
     units = [m for m in bundle.model.modules() if isinstance(m, FSDPModule)]
     if len(units) != bundle.config.num_hidden_layers + 1:
@@ -48,7 +48,7 @@ def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.Mod
 
 
 def keep_trained_then_export(bundle: ft.ModelBundle, tokenizer, out_dir, d: ft.Dist) -> None:
-    trained.update(gathered_parameters(bundle.model))
+    trained.update(gathered_state(bundle.model))
     bundle.model.eval()
     with torch.no_grad():
         trained["logits"] = bundle.model(input_ids=PROBE.to(d.device)).logits.float().cpu()
@@ -71,7 +71,7 @@ def compare_export(final_dir: str, model_dir: str) -> None:
         only_export = sorted(set(saved_layout(final_dir)) - set(saved_layout(model_dir)))
         failures.append(f"EXPORT LAYOUT differs from save_pretrained's, e.g. {only_export[:4]}")
     exported = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
-    params = dict(exported.named_parameters())
+    params = exported.state_dict()
     differ = sorted(n for n in params if not torch.equal(params[n], trained[n]))
     if differ or len(params) != len(trained) - 1:
         failures.append(f"EXPORT MISMATCH {differ[:5]} ({len(params)} exported, {len(trained) - 1} trained)")

@@ -95,6 +95,18 @@ LLAMA_LIKE = {
     ),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "glm4_moe": (  # layer 0 dense, layer 1 MoE with a stored router buffer (e_score_correction_bias)
+        "Glm4MoeConfig",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "head_dim": 8,
+        },
+    ),
 }
 
 
@@ -149,6 +161,10 @@ def make_model(
     if with_weights:
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+        params = dict(model.named_parameters())
+        for name, tensor in model.state_dict().items():  # stored buffers get values no loader computes itself
+            if name not in params and tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(7)))
         model.save_pretrained(folder)
     else:
         config.save_pretrained(folder)

@@ -33,6 +33,7 @@ MATRIX = [
     ("qwen2_moe", False),
     ("olmoe", False),
     ("qwen3_moe", False),
+    ("glm4_moe", False),
 ]
 MOE = {"mixtral", "qwen2_moe", "olmoe", "qwen3_moe"}
 
