@@ -36,6 +36,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,11 @@ class TrainConfig:
         "with --grad-accum-steps > 1: reduce-scatter gradients after every micro-batch (sharded gradient memory), "
         "or only after the last (one reduce-scatter per step, but unsharded gradients held across micro-batches)",
         choices=("per-micro-batch", "last"),
+    )
+    attn_implementation: str = _opt(
+        "auto",
+        "attention kernel; auto = sdpa where the architecture supports it, else eager",
+        choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     log_freq: int = _opt(10, "optimizer steps between metric lines")
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
@@ -992,17 +998,27 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_model_skeleton(model_dir: Path) -> nn.Module:
+def build_model_skeleton(model_dir: Path, attn_implementation: str = "auto") -> nn.Module:
+    """The model with parameters on meta. auto tries sdpa, then eager for architectures without SDPA support.
+
+    Each attempt starts from a freshly read config: from_config records the requested implementation in
+    the config object it is given, so retrying with the same object would ask for sdpa again (Gemma2).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    config.use_cache = False
-    with parameters_on_meta():
+    attempts = ("sdpa", "eager") if attn_implementation == "auto" else (attn_implementation,)
+    for attn in attempts:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config.use_cache = False
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        except (ValueError, ImportError):  # architecture without SDPA support
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model
+            with parameters_on_meta():
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        except (ValueError, ImportError) as exc:  # no such kernel for this architecture, or not installed
+            problem = exc
+    raise TrainError(
+        f"--attn-implementation {attn_implementation}: cannot build {config.architectures or config.model_type} "
+        f"from {model_dir} ({problem}); try --attn-implementation auto or eager"
+    )
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -1098,46 +1114,76 @@ def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist) ->
                 param.copy_(full)
 
 
-def checkpoint_weight_keys(model_dir: Path) -> tuple[set[str], str]:
-    """Tensor names in the model folder's weight files, and their format ("safetensors" or "bin")."""
+def checkpoint_weight_files(model_dir: Path) -> tuple[dict[str, Path], str]:
+    """Each tensor name in the model folder's weight files -> its file, and the format ("safetensors" or "bin")."""
     from safetensors import safe_open
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    files: dict[str, Path] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            files.update(dict.fromkeys(fh.keys(), f))
     if files:
-        keys: set[str] = set()
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                keys.update(fh.keys())
-        return keys, "safetensors"
-    bins = sorted(model_dir.glob("pytorch_model*.bin"))
-    if bins:
-        keys = set()
-        for f in bins:
-            keys.update(torch.load(f, map_location="meta", weights_only=True, mmap=True).keys())
-        return keys, "bin"
-    return set(), "none"
+        return files, "safetensors"
+    for f in sorted(model_dir.glob("pytorch_model*.bin")):
+        files.update(dict.fromkeys(torch.load(f, map_location="meta", weights_only=True, mmap=True), f))
+    return files, "bin" if files else "none"
 
 
-def map_checkpoint_keys(model: nn.Module, file_keys: set[str]) -> dict[str, str]:
-    """model FQN -> checkpoint key. Handles checkpoints saved with or without the base-model prefix."""
-    prefix = getattr(model, "base_model_prefix", "model") + "."
+@dataclass
+class CheckpointPlan:
+    """Where each model tensor comes from, routed by transformers' own conversion mapping for this version."""
+
+    files: dict[str, Path]  # checkpoint key -> the file holding it
+    renamed: dict[str, str]  # model FQN -> checkpoint key: read slice by slice
+    converted: dict[str, Any]  # first target FQN -> transformers WeightConverter holding its source keys
+    conversions: list[Any]  # the transforms that matched; the export reverts exactly these (as save_pretrained)
+
+
+def plan_checkpoint_load(model: nn.Module, files: dict[str, Path]) -> CheckpointPlan:
+    """Route every checkpoint key as from_pretrained does (transformers.core_model_loading): all WeightRenamings,
+    then at most one WeightConverter, then add or strip the base-model prefix.
+
+    A renamed key is read slice by slice; a converted one (e.g. per-expert `experts.N.gate_proj` stacked into
+    `experts.gate_up_proj`) needs its whole source tensors. Keys the architecture does not use are ignored, as
+    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately; a
+    persistent buffer the checkpoint lacks keeps its computed value.
+    """
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", "model")
     tied = _tied_parameter_names(model)
-    mapping, missing = {}, []
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        fqn = clean_fqn(name)
-        for candidate in (fqn, fqn.removeprefix(prefix), prefix + fqn):
-            if candidate in file_keys:
-                mapping[fqn] = candidate
-                break
+    params = {clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    # Persistent buffers load too where stored, as in from_pretrained (e.g. GLM-4.5's router e_score_correction_bias)
+    expected = dict.fromkeys(params | {clean_fqn(n) for n in model.state_dict()}, True)
+    renamed: dict[str, str] = {}
+    converted: dict[str, Any] = {}
+    for key in sorted(files, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if target not in expected:  # as from_pretrained: a name the model already has (maybe prefixed) wins
+            target, pattern = rename_source_key(key, [], [], prefix, expected)
+        if target not in expected or target in tied:
+            continue
+        if pattern is None:
+            renamed[target] = key
         else:
-            if fqn not in tied:
-                missing.append(fqn)
+            converted.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, key, pattern, key)
+    produced = set(renamed)
+    for first, converter in converted.items():
+        produced.update(first.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
+    missing = sorted(params - produced - tied)
     if missing:
         raise TrainError(
-            f"the model folder's weights lack {len(missing)} tensors the architecture needs, e.g. "
-            f"{missing[:5]}; re-download with model_download.py (it verifies every tensor)"
+            f"the model folder's weights lack {len(missing)} tensors the architecture needs (after transformers' "
+            f"key conversions), e.g. {missing[:5]}; re-download with model_download.py (it verifies every tensor)"
         )
-    return mapping
+    return CheckpointPlan(files, renamed, converted, [c for c in conversions if c.was_used()])
 
 
 def check_still_tied(model: nn.Module) -> None:
@@ -1160,37 +1206,72 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
 
 
 def load_pretrained_sharded(model: nn.Module, model_dir: Path) -> None:
-    """Each rank reads only its own slices of the weight files (DCP's Hugging Face reader, memory-mapped)."""
+    """Load the checkpoint into the shards, equal bit for bit to from_pretrained.
+
+    Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped).
+    Converted tensors: each rank reads the whole source tensors of one converter at a time (e.g. every
+    expert's gate and up projection of one layer), lets transformers' ops build the full target, and
+    keeps its slice, so the extra memory is about twice one layer's fused tensor.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    file_keys, fmt = checkpoint_weight_keys(model_dir)
-    mapping = map_checkpoint_keys(model, file_keys)
+    files, fmt = checkpoint_weight_files(model_dir)
+    plan = plan_checkpoint_load(model, files)
     state = get_model_state_dict(model)
-    by_file_key = {mapping[k]: v for k, v in state.items() if k in mapping}
+    by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed}
     if fmt == "safetensors":
         dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
-        return
-    _load_bin_slices(by_file_key, model_dir)
+    else:
+        _load_bin_slices(by_file_key, model_dir)
+    _load_converted(model, plan, state)
+    model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
+
+
+def _load_converted(model: nn.Module, plan: CheckpointPlan, state: dict[str, Any]) -> None:
+    import functools
+
+    with torch.no_grad(), contextlib.ExitStack() as open_files:
+        read = functools.partial(_read_whole_tensor, plan.files, open_files, {})
+        for first, converter in plan.converted.items():
+            for pattern, keys in converter.collected_tensors.items():  # load lazily, one converter at a time
+                converter.collected_tensors[pattern] = [functools.partial(read, key) for key in keys]
+            for name, full in converter.convert(first, model=model, config=model.config).items():
+                _copy_into_shard(state[name], full[0] if isinstance(full, list) else full)
+
+
+def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack, handles: dict, key: str) -> Any:
+    from safetensors import safe_open
+
+    path = files[key]
+    if path not in handles:
+        if path.suffix == ".safetensors":
+            handles[path] = open_files.enter_context(safe_open(str(path), framework="pt"))
+        else:
+            handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    handle = handles[path]
+    return handle.get_tensor(key) if path.suffix == ".safetensors" else handle[key]
+
+
+def _copy_into_shard(target: Any, full: torch.Tensor) -> None:
+    """Copy this rank's slice of a full tensor into a parameter (its DTensor shard, or all of it)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):  # src_data_rank=None: every rank holds `full`, so slice locally, no messages
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(full.to_local())
+    else:
+        target.copy_(full)
 
 
 def _load_bin_slices(targets: dict[str, Any], model_dir: Path) -> None:
     """Fallback for repos without safetensors: mmap each .bin and copy this rank's slice of each tensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     with torch.no_grad():
         for f in sorted(model_dir.glob("pytorch_model*.bin")):
             stored = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             for key, tensor in stored.items():
                 if key in targets:
-                    target = targets[key]
-                    if isinstance(target, DTensor):
-                        local = distribute_tensor(
-                            tensor.float(), target.device_mesh, target.placements, src_data_rank=None
-                        )
-                        target.to_local().copy_(local.to_local())
-                    else:
-                        target.copy_(tensor)
+                    _copy_into_shard(targets[key], tensor)
 
 
 @dataclass
@@ -1245,7 +1326,7 @@ def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
 
 def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation)
     num_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model, model.config, cfg.seq_length)
     layers = find_decoder_layers(model)
@@ -1261,8 +1342,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         train_forward.chunk = 0
     shard_model(train_forward, layers, cfg, precision, d)
     materialize(model, d, cfg)
-    file_keys, _ = checkpoint_weight_keys(model_dir)
-    if file_keys:
+    files, _ = checkpoint_weight_files(model_dir)
+    if files:
         start = time.perf_counter()
         load_pretrained_sharded(model, model_dir)
         log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")
@@ -1610,10 +1691,13 @@ class Checkpointer:
 
 
 def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist) -> None:
-    """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model.
+    """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model,
+    in the layout save_pretrained writes (transformers' conversions reverted, e.g. one tensor per expert).
 
-    DCP's HF writer has every rank write its own slices, then rank 0 consolidates them file by file,
-    so no process ever gathers the whole model. Saved in --export-dtype (auto: the model's own); tied weights stay tied.
+    Tensors that only rename on save: DCP's HF writer has every rank write its own slices, then rank 0
+    consolidates them file by file, so no process gathers them. Tensors a converter reverts (stacked MoE
+    experts): gathered one decoder layer at a time, reverted by transformers and written by rank 0.
+    Saved in --export-dtype (auto: the model's own); tied weights stay tied.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -1621,6 +1705,7 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
     dtype = bundle.export_dtype
     tied = _tied_parameter_names(bundle.model)
     state = {k: v.to(dtype) for k, v in get_model_state_dict(bundle.model).items() if k not in tied}
+    state, converted_by_layer = split_export_layout(bundle.model, state)
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
     file_no = 1
     for key, value in state.items():
@@ -1637,6 +1722,7 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
         str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
     )
     dcp.save(state, storage_writer=writer, process_group=d.cpu_group)
+    _write_converted(bundle.model, converted_by_layer, tmp, max_bytes, d)
     if d.is_main:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         config = bundle.config
@@ -1653,6 +1739,67 @@ def export_hf_model(bundle: ModelBundle, tokenizer: Any, out_dir: Path, d: Dist)
         shutil.rmtree(old, ignore_errors=True)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
     dist.barrier(group=d.cpu_group)
+
+
+def split_export_layout(model: nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Ask transformers how save_pretrained would write each tensor (revert_weight_conversion on a meta copy):
+    -> {saved name: sharded tensor} for plain renames, and per decoder layer the tensors a converter reverts."""
+    import re
+
+    from transformers.core_model_loading import revert_weight_conversion
+
+    renamed: dict[str, Any] = {}
+    converted: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        probe = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        try:
+            saved = revert_weight_conversion(model, {key: probe})
+        except Exception:  # noqa: BLE001 - a many-to-one revert needs its partners: handled with its layer below
+            saved = {}
+        if len(saved) == 1 and next(iter(saved.values())) is probe:
+            renamed[next(iter(saved))] = value
+        else:
+            layer = re.match(r"(.*?\.\d+)\.", key)
+            converted.setdefault(layer.group(1) if layer else "", {})[key] = value
+    return renamed, list(converted.values())
+
+
+def _write_converted(model: nn.Module, groups: list[dict[str, Any]], folder: Path, max_bytes: int, d: Dist) -> None:
+    """Gather each layer's converted tensors (every rank takes part), revert them, and let rank 0 append them
+    to the export as extra safetensors files listed in the index."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not groups:
+        return
+    pending: dict[str, torch.Tensor] = {}
+    written: dict[str, str] = {}
+    written_bytes = 0
+
+    def flush() -> None:
+        nonlocal written_bytes
+        written_bytes += sum(v.numel() * v.element_size() for v in pending.values())
+        name = f"model-converted-{len(set(written.values())) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in pending.items()}, str(folder / name), metadata={"format": "pt"})
+        written.update(dict.fromkeys(pending, name))
+        pending.clear()
+
+    for group in groups:
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in group.items()}
+        if d.is_main:
+            # clone: reverted tensors are views of one stacked tensor, and safetensors refuses shared storage
+            pending.update({k: v.clone() for k, v in revert_weight_conversion(model, full).items()})
+            if sum(v.numel() * v.element_size() for v in pending.values()) >= max_bytes:
+                flush()
+    if d.is_main:
+        if pending:
+            flush()
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(written)
+        index["metadata"]["total_size"] += written_bytes
+        index_path.write_text(json.dumps(index, indent=2))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1784,8 +1931,10 @@ class Metrics:
             ]
             self.path.write_text("".join(f"{line}\n" for line in kept))
 
-    def record(self, local_loss_sum: torch.Tensor, trained_tokens: int) -> None:
-        """trained_tokens: the global batch's targets that carry loss (the same number on every rank)."""
+    def record(self, local_loss_sum: torch.Tensor, trained_tokens: int, aux_loss: torch.Tensor | None = None) -> None:
+        """trained_tokens: the global batch's targets that carry loss (the same number on every rank);
+        aux_loss: the step's MoE router loss (weighted; not part of `loss`), or None."""
+        self.last_aux = aux_loss
         self.window_loss += local_loss_sum.detach().double()
         self.window_steps += 1
         self.window_trained += trained_tokens
@@ -1816,6 +1965,10 @@ class Metrics:
         record["trained_tokens_per_s"] = self.window_trained / elapsed
         record.update(self.timer.averages(self.window_steps))
         record.update(self.memory_over_ranks())
+        if self.last_aux is not None:
+            aux = self.last_aux.detach().clone()
+            dist.all_reduce(aux)
+            record["aux_loss"] = aux.item() / self.d.world_size
         if self.peak:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * 1e12 * self.d.world_size)
         self.write(record)
@@ -2039,6 +2192,17 @@ def chunked_loss_sum(
     return total
 
 
+def _load_balancing_fn(model: nn.Module) -> Any:
+    """The load_balancing_loss_func of the model's own modeling module (Mixtral, Qwen2/3-MoE, OLMoE, ...)."""
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+
+
+def moe_aux_loss(model: nn.Module, outputs: Any) -> torch.Tensor | None:
+    """The router loss transformers' CausalLM forward adds, computed from the base model's router logits."""
+    aux = _load_balancing_fn(model)(outputs.router_logits, model.num_experts, model.num_experts_per_tok, None)
+    return router_aux_loss(SimpleNamespace(aux_loss=aux), model.config)
+
+
 # Config attributes that rescale a model's logits after its output head: the chunked loss cannot know how.
 LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier")
 
@@ -2050,6 +2214,10 @@ def chunked_loss_problem(model: nn.Module) -> str | None:
         return f"its output head is a {type(head).__name__}, not a Linear layer"
     if model.base_model is model:
         return "it has no separate base model to take hidden states from"
+    if router_forward_kwargs(model.config) and not (
+        _load_balancing_fn(model) and hasattr(model, "num_experts") and hasattr(model, "num_experts_per_tok")
+    ):
+        return "its router loss is computed in a way only its own forward knows"
     found = [a for a in LOGIT_POSTPROCESSING if getattr(model.config, a, None) not in (None, 1, 1.0)]
     return f"its config rescales logits ({', '.join(found)})" if found else None
 
@@ -2065,14 +2233,19 @@ class CausalLMLoss(nn.Module):
         self.model = model
         self.chunk = chunk_tokens
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.router_kwargs = router_forward_kwargs(model.config)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None)."""
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}
         if not self.chunk:
-            logits = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
-            return token_loss_sum(logits, batch.labels)
-        hidden = self.model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids).last_hidden_state
+            outputs = self.model(**inputs)
+            return token_loss_sum(outputs.logits, batch.labels), router_aux_loss(outputs, self.model.config)
+        outputs = self.model.base_model(**inputs)
         head = self.model.get_output_embeddings()
-        return chunked_loss_sum(hidden.flatten(0, 1), head, batch.labels.flatten(), self.chunk, self.softcap)
+        hidden = outputs.last_hidden_state.flatten(0, 1)
+        loss = chunked_loss_sum(hidden, head, batch.labels.flatten(), self.chunk, self.softcap)
+        return loss, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 
 
 def forward_backward(
@@ -2084,26 +2257,45 @@ def forward_backward(
     timer: PhaseTimer,
     poison: bool,
     sync_last_only: bool = False,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the micro-batches; gradients end up as those of the mean loss over every trained target token of the
-    global batch (all micro-batches, all ranks). Returns this rank's summed loss (no sync)."""
+    global batch (all micro-batches, all ranks), plus the MoE router loss where the model has one.
+    Returns this rank's summed loss and its mean weighted router loss, or None (no sync)."""
     # FSDP averages gradients over the data-parallel ranks, so each rank scales its token sum by world/tokens;
     # trained_tokens is the global batch's count, known on every rank from the data plan.
     loss_scale = d.world_size / max(1, trained_tokens)
     local_sum = torch.zeros((), device=d.device)
+    aux_sum = None
     for i, batch in enumerate(micro_batches):
         if sync_last_only:  # --accum-grad-sync last: gradients stay unsharded until the last micro-batch
             train_forward.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with timer.phase("data"):
             batch = batch.to(d.device)
         with timer.phase("forward"):
-            loss_sum = train_forward(batch)
+            loss_sum, aux = train_forward(batch)
             if poison:
                 loss_sum = loss_sum * float("nan")
         with timer.phase("backward"):
-            (loss_sum * (loss_scale * guard.scale)).backward()
+            objective = loss_sum * loss_scale
+            if aux is not None:  # like HF's mean loss + coef * aux: averaged over micro-batches (and, by FSDP, ranks)
+                objective = objective + aux / len(micro_batches)
+                aux_sum = aux.detach() / len(micro_batches) + (0 if aux_sum is None else aux_sum)
+            (objective * guard.scale).backward()
         local_sum += loss_sum.detach()
-    return local_sum
+    return local_sum, aux_sum
+
+
+def router_forward_kwargs(model_config: Any) -> dict[str, bool]:
+    """MoE models compute their router load-balancing loss only when asked for the router logits."""
+    has_aux = getattr(model_config, "router_aux_loss_coef", 0) and hasattr(model_config, "output_router_logits")
+    return {"output_router_logits": True} if has_aux else {}
+
+
+def router_aux_loss(outputs: Any, model_config: Any) -> torch.Tensor | None:
+    """The config's router_aux_loss_coef times the model's load-balancing loss; None for models without one."""
+    aux = getattr(outputs, "aux_loss", None)
+    coef = getattr(model_config, "router_aux_loss_coef", 0)
+    return None if aux is None or not coef else coef * aux
 
 
 def optimizer_step(
@@ -2154,7 +2346,7 @@ def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d
         idx = idx + [0] * (cfg.batch_size - real)
         batch = blocks.gather(idx).to(d.device)
         batch.labels[real:] = -100  # padding blocks count for nothing
-        totals[0] += train_forward(batch).double()
+        totals[0] += train_forward(batch)[0].double()
         totals[1] += (batch.labels != -100).sum()
     dist.all_reduce(totals)
     train_forward.train()
@@ -2197,7 +2389,7 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     from model_download import format_memory_plan, training_memory_plan
 
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation)
     layers = find_decoder_layers(model)
     num_params = sum(p.numel() for p in model.parameters())
     per_layer = sum(p.numel() for p in layers[0].parameters())
@@ -2294,7 +2486,7 @@ def train_loop(
         with metrics.timer.phase("data"):
             micro_batches, trained = prefetch.get(state.epoch, state.samples_in_epoch // plan.global_batch)
         poison = (state.step + 1) in nan_steps and d.rank == 0
-        loss_sum = forward_backward(
+        loss_sum, aux_loss = forward_backward(
             bundle.train_forward, micro_batches, trained, guard, d, metrics.timer, poison, sync_last_only
         )
         lr = lr_at(state.step, cfg, last_step)
@@ -2303,7 +2495,7 @@ def train_loop(
         state.advance(plan.global_batch, plan.steps_per_epoch)
         if delay_s:
             time.sleep(delay_s)
-        metrics.record(loss_sum, trained)
+        metrics.record(loss_sum, trained, aux_loss)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
         metrics.validate_if_due(state, last_step, bundle.train_forward, data.validation)

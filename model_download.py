@@ -541,7 +541,7 @@ def _check_tokenizer(load_name: str, kwargs: dict[str, Any], config: Any) -> tup
 
 
 def _compare_with_model(model: Any, found: dict[str, TensorInfo]) -> tuple[list[str], list[str]]:
-    """Name-by-name check, or an element count where transformers renames/fuses keys while loading."""
+    """Name-by-name and shape-by-shape check of what from_pretrained would make of the checkpoint."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
     groups: dict[int, list[str]] = {}
     for name, param in parameters.items():
@@ -549,26 +549,57 @@ def _compare_with_model(model: Any, found: dict[str, TensorInfo]) -> tuple[list[
     tied_groups = [names for names in groups.values() if len(names) > 1]
     state = model.state_dict()  # excludes non-persistent buffers such as rotary inv_freq
     expected = {name: ExpectedTensor(tuple(tensor.shape), name in parameters) for name, tensor in state.items()}
-    if not _has_checkpoint_conversion(model):
-        return compare_checkpoint(expected, tied_groups, found, getattr(model, "base_model_prefix", ""))
-    # e.g. Mixtral in transformers 5: per-expert tensors on disk are fused into one parameter when loading.
-    model_elements = sum(param.numel() for param in model.parameters())
-    stored_elements = sum(_numel(info.shape) for info in found.values())
-    note = f"{type(model).__name__} renames/fuses tensors while loading: checked the element count only"
-    if stored_elements < model_elements:
-        return [f"checkpoint holds {stored_elements:,} elements, the architecture needs {model_elements:,}"], [note]
-    return [], [note]
+    converted, problems = converted_checkpoint_layout(model, found)
+    compare_problems, notes = compare_checkpoint(
+        expected, tied_groups, converted, getattr(model, "base_model_prefix", "")
+    )
+    return problems + compare_problems, notes
 
 
-def _has_checkpoint_conversion(model: Any) -> bool:
+def converted_checkpoint_layout(model: Any, found: dict[str, TensorInfo]) -> tuple[dict[str, TensorInfo], list[str]]:
+    """The checkpoint's tensors as from_pretrained sees them: names and shapes after the installed transformers'
+    own key and layout conversions (e.g. Mixtral's per-expert w1/w3 stacked into mlp.experts.gate_up_proj).
+
+    The conversions run on meta tensors, so nothing is read from disk. Keys are routed as
+    transformers.core_model_loading does: all renamings, then at most one converter, then the base-model prefix.
+    """
+    import copy
+
+    import torch
+
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
     except ImportError:  # transformers 4.x loads checkpoint keys as they are
-        return False
-    try:
-        return bool(get_model_conversion_mapping(model, add_legacy=False))
-    except Exception:  # an internal helper: if its signature moves, fall back to the strict name check
-        return False
+        return found, []
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", "")
+    model_keys = dict.fromkeys(model.state_dict(), True)
+    layout: dict[str, TensorInfo] = {}
+    pending: dict[str, tuple[Any, TensorInfo]] = {}
+    for key in sorted(found, key=dot_natural_key):  # experts.2 before experts.10: the stacking order
+        target, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
+        if target not in model_keys:
+            target, pattern = rename_source_key(key, [], [], prefix, model_keys)
+        if pattern is None or target not in model_keys:
+            layout[target if pattern is None else key] = found[key]
+            continue
+        converter, first_info = pending.setdefault(target, (copy.deepcopy(by_pattern[pattern]), found[key]))
+        converter.add_tensor(target, key, pattern, torch.empty(found[key].shape, device="meta"))
+    problems = []
+    for target, (converter, info) in pending.items():
+        try:
+            produced = converter.convert(target, model=model, config=model.config)
+        except Exception as exc:  # noqa: BLE001 - e.g. experts of different shapes cannot be stacked
+            problems.append(f"{target}: transformers cannot build it from the checkpoint's tensors ({exc})")
+            continue
+        for name, tensor in produced.items():
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            layout[name] = TensorInfo(tuple(tensor.shape), info.dtype, info.file)
+    return layout, problems
 
 
 def largest_fsdp_unit_params(model: Any) -> int:

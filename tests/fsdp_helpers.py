@@ -66,31 +66,60 @@ def train_tokenizer(folder: Path, texts: list[str], vocab_size: int = 128) -> No
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", pad_token="<|eos|>").save_pretrained(folder)
 
 
+# Tiny decoder settings shared by the Llama-like families; each entry adds what its family needs.
+DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+LLAMA_LIKE = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 16}),  # shorter than --seq-length, so the window matters
+    "gemma": ("GemmaConfig", {"head_dim": 8}),
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": 16}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 16}),
+    "phi3": ("Phi3Config", {"pad_token_id": None}),  # its default pad id 32000 is outside a tiny vocab
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "glm4_moe": (  # layer 0 dense, layer 1 MoE with a stored router buffer (e_score_correction_bias)
+        "Glm4MoeConfig",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "head_dim": 8,
+        },
+    ),
+}
+
+
 def tiny_config(arch: str, vocab_size: int, eos_id: int, tied: bool = True):
     """Tiny configs of several architectures; the trainer must handle each without code changes."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=eos_id, tie_word_embeddings=tied)
-    if arch == "llama":
-        return tf.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            **common,
-        )
-    if arch == "qwen2":
-        return tf.Qwen2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            **common,
-        )
+    if arch in LLAMA_LIKE:
+        name, extra = LLAMA_LIKE[arch]
+        return getattr(tf, name)(**DECODER, **extra, **common)
+    if arch == "gpt2":
+        return tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common)
     if arch == "gpt_neox":
         return tf.GPTNeoXConfig(
             hidden_size=32,
@@ -132,6 +161,10 @@ def make_model(
     if with_weights:
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+        params = dict(model.named_parameters())
+        for name, tensor in model.state_dict().items():  # stored buffers get values no loader computes itself
+            if name not in params and tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(7)))
         model.save_pretrained(folder)
     else:
         config.save_pretrained(folder)

@@ -295,24 +295,6 @@ def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_mo
     assert "TENSORS EQUAL" in proc.stdout
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("gpt_neox", False), ("opt", True)])
-def test_other_architectures_train_with_no_code_change(tmp_path, dataset_dir, arch, tied):
-    model = make_model(tmp_path / arch, arch=arch, tied=tied)
-    proc = run_trainer(
-        [
-            *trainer_args(arch, dataset_dir, model, tmp_path),
-            "--max-steps",
-            "6",
-            "-b",
-            "2",
-        ]
-    )
-    assert proc.returncode == 0, output_of(proc)
-    losses = losses_by_step(tmp_path / arch)
-    assert len(losses) == 6 and losses[6] < losses[1]
-    assert (tmp_path / arch / "final" / "config.json").is_file()
-
-
 def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scratch_model, capsys):
     code = ft.main(
         [

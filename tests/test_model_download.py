@@ -606,3 +606,21 @@ def test_tokenizer_dataset_problems_are_named(tmp_path: Path, capsys):
     assert "--tokenizer-from" in (err := capsys.readouterr().err) and "no 'train' split" in err
     assert md.main([*argv[:3], str(tmp_path / "missing"), *argv[4:]]) == 1
     assert "--tokenizer-from" in (err := capsys.readouterr().err) and "does not exist" in err
+
+
+def test_verification_checks_moe_experts_after_transformers_conversion(tmp_path: Path, capsys):
+    """Mixtral stores one tensor per expert (block_sparse_moe.experts.N.w1); transformers 5 stacks them into
+    mlp.experts.gate_up_proj while loading. Verification converts the same way, so one missing expert is caught
+    by the fused tensor's shape (an element count would not know which tensors belong together)."""
+    from tests.fsdp_helpers import make_model
+
+    folder = make_model(tmp_path / "mixtral", arch="mixtral", with_weights=True, tied=False)
+    code, output = verify(folder, capsys)
+    assert code == 0, output
+    shard = folder / "model.safetensors"
+    tensors = load_file(shard)
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, output = verify(folder, capsys)
+    assert code == 1
+    assert "model.layers.1.mlp.experts.gate_up_proj: transformers cannot build it" in output, output
