@@ -122,7 +122,8 @@ class TrainConfig:
     )
     attn_implementation: str = _opt(
         "auto",
-        "attention kernel; auto = sdpa where the architecture supports it, else eager",
+        "attention kernel; auto = flash_attention_2 on a GPU with document masking when installed, else sdpa where "
+        "the architecture supports it, else eager",
         choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     log_freq: int = _opt(10, "optimizer steps between metric lines")
@@ -998,15 +999,29 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_model_skeleton(model_dir: Path, attn_implementation: str = "auto") -> nn.Module:
-    """The model with parameters on meta. auto tries sdpa, then eager for architectures without SDPA support.
+def auto_attention_order(packed_documents: bool) -> tuple[str, ...]:
+    """--attn-implementation auto. With document masking on a GPU, flash-attention first when installed: it takes
+    the packed documents as variable-length sequences (transformers derives them from the position ids), where
+    sdpa needs a [batch x 1 x T x T] boolean mask and a slower kernel. Otherwise sdpa, then eager."""
+    if packed_documents and torch.cuda.is_available():
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return ("flash_attention_2", "sdpa", "eager")
+    return ("sdpa", "eager")
+
+
+def build_model_skeleton(
+    model_dir: Path, attn_implementation: str = "auto", packed_documents: bool = False
+) -> nn.Module:
+    """The model with parameters on meta. auto tries the kernels of auto_attention_order in turn.
 
     Each attempt starts from a freshly read config: from_config records the requested implementation in
     the config object it is given, so retrying with the same object would ask for sdpa again (Gemma2).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    attempts = ("sdpa", "eager") if attn_implementation == "auto" else (attn_implementation,)
+    attempts = auto_attention_order(packed_documents) if attn_implementation == "auto" else (attn_implementation,)
     for attn in attempts:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         config.use_cache = False
@@ -1326,7 +1341,7 @@ def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
 
 def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir, cfg.attn_implementation)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
     num_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model, model.config, cfg.seq_length)
     layers = find_decoder_layers(model)
@@ -1355,7 +1370,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
         f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
-        f"{n_ckpt} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}"
+        f"{n_ckpt} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}, "
+        f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
     )
     return ModelBundle(
         model, train_forward, model.config, model_dir, num_params, n_ckpt, fpt, export_dtype(cfg, model_dir)
@@ -2389,7 +2405,7 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     from model_download import format_memory_plan, training_memory_plan
 
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir, cfg.attn_implementation)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
     layers = find_decoder_layers(model)
     num_params = sum(p.numel() for p in model.parameters())
     per_layer = sum(p.numel() for p in layers[0].parameters())
