@@ -41,7 +41,7 @@ def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.Mod
     else:
         print(f"LOAD EQUAL {len(loaded)} parameters and persistent buffers", flush=True)
     # One FSDP unit per decoder layer plus the root: MoE experts live inside their layer's unit.
-    units = [m for m in bundle.model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in bundle.train_forward.modules() if isinstance(m, FSDPModule)]  # the root wraps the model
     if len(units) != bundle.config.num_hidden_layers + 1:
         failures.append(f"FSDP UNITS {len(units)}, expected {bundle.config.num_hidden_layers} layers + root")
     return bundle
@@ -50,8 +50,10 @@ def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.Mod
 def keep_trained_then_export(bundle: ft.ModelBundle, tokenizer, out_dir, d: ft.Dist) -> None:
     trained.update(gathered_state(bundle.model))
     bundle.model.eval()
+    bundle.train_forward.unshard()  # the FSDP root is the training forward around the model: gather its group
     with torch.no_grad():
         trained["logits"] = bundle.model(input_ids=PROBE.to(d.device)).logits.float().cpu()
+    bundle.train_forward.reshard()
     bundle.model.train()
     export(bundle, tokenizer, out_dir, d)
 
