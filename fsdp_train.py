@@ -30,6 +30,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -1631,6 +1632,161 @@ def evaluate(model: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) 
 # -----------------------------------------------------------------------------------------------
 
 
+# -- one run per experiment ------------------------------------------------------------------------
+
+LOCK_FILE = "run.lock"
+LOCK_REFRESH_S = 30.0  # the holder touches its lock file this often...
+LOCK_STALE_S = 600.0  # ...so a lock from another host that nobody touched for this long belongs to a dead run
+
+
+class ExperimentLockedError(TrainError):
+    pass
+
+
+def _process_start_ticks(pid: int) -> str | None:
+    """When a process started (field 22 of /proc/PID/stat); None if it is gone or a zombie. A pid reused by
+    an unrelated process has another start time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _process_alive(pid: int, start_ticks: str | None) -> bool:
+    if Path("/proc/self/stat").is_file():
+        ticks = _process_start_ticks(pid)
+        return ticks is not None and (start_ticks is None or ticks == start_ticks)
+    try:  # no procfs (macOS): existence only
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class ExperimentLock:
+    """One run per experiment: `outputs/EXP/run.lock` names the holder (host, pid, start time).
+
+    It is created complete under a private name and hard-linked into place: link() fails if the lock exists,
+    atomically, also on NFS and the parallel filesystems of a cluster. A lock whose holder is gone is taken over
+    with a message: on this host when the process no longer exists, from another host when the holder stopped
+    refreshing it for LOCK_STALE_S. Global rank 0 holds it for the whole run and removes it on exit."""
+
+    def __init__(self, experiment_dir: Path):
+        self.path = experiment_dir / LOCK_FILE
+        self.record: dict | None = None
+        self._stop_refresh = threading.Event()
+
+    def _read(self, path: Path | None = None) -> dict | None:
+        try:
+            holder = json.loads((path or self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+
+    def _alive(self, holder: dict) -> bool:
+        if holder.get("host") == socket.gethostname():
+            return _process_alive(holder["pid"], holder.get("process_start"))
+        with contextlib.suppress(OSError):
+            return time.time() - self.path.stat().st_mtime < LOCK_STALE_S
+        return False
+
+    def _held_message(self, holder: dict) -> str:
+        return (
+            f"experiment {self.path.parent} is in use by another run: host {holder.get('host')}, pid "
+            f"{holder['pid']}, started {holder.get('started_at')} (lock file {self.path}). Wait for that run to "
+            f"finish or stop it, or use another --experiment-name. If that process is really gone (e.g. its node "
+            f"died), delete {self.path}."
+        )
+
+    def check_free(self) -> None:
+        holder = self._read()
+        if holder is not None and self._alive(holder):
+            raise ExperimentLockedError(self._held_message(holder))
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": _process_start_ticks(os.getpid()),
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+        }
+        mine = self.path.with_name(f".{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
+        mine.write_text(json.dumps(self.record))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(mine, self.path)
+                    break
+                except FileExistsError:
+                    self._take_over_if_stale()
+            else:
+                raise ExperimentLockedError(f"could not take {self.path}: other launches keep racing for it")
+        finally:
+            mine.unlink(missing_ok=True)
+        threading.Thread(target=self._refresh, name="experiment-lock", daemon=True).start()
+
+    def _take_over_if_stale(self) -> None:
+        holder = self._read()
+        if holder is not None and self._alive(holder):
+            raise ExperimentLockedError(self._held_message(holder))
+        stale = self.path.with_name(f".{LOCK_FILE}.stale.{socket.gethostname()}.{os.getpid()}")
+        try:
+            os.rename(self.path, stale)
+        except FileNotFoundError:
+            return  # another launch removed it first; try again
+        if self._read(stale) != holder:  # a live run took the lock between our read and the rename: give it back
+            with contextlib.suppress(FileExistsError):
+                os.link(stale, self.path)
+        else:
+            what = (
+                f"host {holder.get('host')}, pid {holder['pid']}, started {holder.get('started_at')}"
+                if holder
+                else "unreadable"
+            )
+            log(f"taking over the lock of a run that is gone ({what}): {self.path}")
+        stale.unlink(missing_ok=True)
+
+    def _refresh(self) -> None:
+        while not self._stop_refresh.wait(LOCK_REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop_refresh.set()
+        if self.record is not None and self._read() == self.record:
+            self.path.unlink(missing_ok=True)
+        self.record = None
+
+
+# -- reporting errors ------------------------------------------------------------------------------
+
+ERROR_GRACE_S = 15.0  # how long a rank other than 0 leaves the report of an error to rank 0
+
+
+def report_error(message: str, exit_code: int) -> int:
+    """One clear message from one rank; returns the exit code.
+
+    An error every rank hits is reported by rank 0 alone: the other ranks wait to be stopped by torchrun,
+    which ends every worker as soon as one fails; only an error rank 0 did not hit outlives the wait and is
+    reported by the rank that hit it. Under torchrun the message also goes into the worker's error file
+    (TORCHELASTIC_ERROR_FILE), which torchrun prints last, as the root cause, instead of "To enable traceback"."""
+    if _RANK_FOR_LOGS != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # StopRequest turned SIGTERM into a flag; now it must end us
+        time.sleep(ERROR_GRACE_S)
+    log(f"ERROR: {message}", all_ranks=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):  # the format torch.distributed.elastic's ErrorHandler writes
+            extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+            Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+    return exit_code
+
+
 class StopRequest:
     """SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step boundary, save and exit 0."""
 
@@ -1783,23 +1939,30 @@ def train_loop(
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
+        lock = ExperimentLock(cfg.experiment_dir)
+        lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if problems:
             raise ConfigError(problems)
     except ConfigError as exc:
-        log(str(exc))
-        return 2
-    if cfg.dry_run:
-        return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        return report_error(str(exc), 2)
+    except ExperimentLockedError as exc:
+        return report_error(str(exc), 1)
     try:
+        if cfg.dry_run:
+            return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if _RANK_FOR_LOGS == 0:  # before any process group, so a refused launch touches nothing
+            lock.acquire()
         return run(cfg)
     except (TrainError, FileNotFoundError) as exc:
-        log(f"ERROR: {exc}", all_ranks=True)
-        return 1
+        return report_error(str(exc), 1)
     finally:
+        lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())  # record: an unexpected exception becomes torchrun's root cause, not "see docs"
