@@ -119,24 +119,55 @@ class TrainConfig:
 RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer")
 
 
+class _ArgParser(argparse.ArgumentParser):
+    """Bad flags raise ConfigError (reported once, by rank 0, like every other config problem); --help is
+    printed by rank 0 only, not once per process."""
+
+    def error(self, message: str) -> Any:
+        raise ConfigError([f"{message} (see {self.prog} --help)"])
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            super()._print_message(message, file)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """One spelling per flag: `-e, --experiment-name NAME`; the --snake_case aliases are only mentioned once."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            names = [o for o in action.option_strings if "_" not in o]
+            return ", ".join(names) or super()._format_action_invocation(action)
+        names = [o for o in action.option_strings if "_" not in o]
+        return ", ".join(names) + " " + self._format_args(action, self._get_default_metavar_for_optional(action))
+
+
+REQUIRED_FLAGS = ("experiment_name", "dataset_name", "model_name")
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgParser(
         prog="fsdp_train.py",
-        description="FSDP2 fine-tuning of Hugging Face causal LMs. Launch with torchrun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="torchrun [...] %(prog)s -e EXPERIMENT_NAME -d DATASET_NAME -m MODEL_NAME [options]",
+        description="FSDP2 fine-tuning of Hugging Face causal LMs. Launch with torchrun. Every --flag-name is "
+        "also accepted as --flag_name; abbreviations are not.",
+        formatter_class=_HelpFormatter,
         argument_default=argparse.SUPPRESS,  # so we can tell flags given on the command line from defaults
+        allow_abbrev=False,  # --max-step must not silently mean --max-steps
     )
+    required = parser.add_argument_group("required (on the command line or in --config)")
     parser.add_argument("--config", help="YAML file whose keys are flag names; the command line overrides it")
     for f in dataclasses.fields(TrainConfig):
-        names = [f"--{f.name.replace('_', '-')}", f"--{f.name}"]
+        names = list(dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"]))
         if f.metadata.get("short"):
             names.insert(0, f.metadata["short"])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        group = required if f.name in REQUIRED_FLAGS else parser
+        help_text = f.metadata["help"] + ("" if f.name in REQUIRED_FLAGS else f" (default: {f.default})")
         if f.type in ("bool", bool):
-            parser.add_argument(*names, dest=f.name, action="store_true", help=help_text)
+            group.add_argument(*names, dest=f.name, action="store_true", help=help_text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(*names, dest=f.name, type=kind, choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(*names, dest=f.name, type=kind, choices=f.metadata.get("choices"), help=help_text)
     return parser
 
 
@@ -294,13 +325,21 @@ def resolve_model_dir(model_name: str) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"--model-name {model_name}: folder has no config.json")
         return path
-    if path.exists() or model_name.count("/") != 1:
-        raise FileNotFoundError(f"--model-name {model_name}: not a model folder or a hub id (org/name)")
+    if path.exists():
+        raise FileNotFoundError(f"--model-name {model_name}: not a folder")
+    no_such_folder = (
+        f"--model-name {model_name}: no such folder (relative to {Path.cwd()}); check the path, or give a hub id "
+        f"as org/name"
+    )
+    if model_name.startswith((".", "~", "/")) or model_name.count("/") != 1:
+        raise FileNotFoundError(no_such_folder)
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(model_name, local_files_only=True))
     except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
+        if path.parent.is_dir():  # e.g. models/typo while models/ exists: a mistyped folder, not a hub id
+            raise FileNotFoundError(no_such_folder) from exc
         raise FileNotFoundError(
             f"--model-name {model_name}: not in the local cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}). "
             f"Run `python model_download.py --model-name {model_name}` on a machine with internet and copy HF_HOME here."
@@ -1204,7 +1243,9 @@ class Checkpointer:
         if all_ranks_agree(error is not None, self.d):
             if self.d.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            where = f"this rank: {error}" if error else "another rank (see its log)"
+            errors: list[str | None] = [None] * self.d.world_size  # rank 0 reports them all, once
+            dist.all_gather_object(errors, None if error is None else str(error), group=self.d.cpu_group)
+            where = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(errors) if text)
             previous = self.latest_complete_name()
             raise CheckpointError(
                 f"writing checkpoint {tmp.name} failed on {where}. The previous checkpoint "

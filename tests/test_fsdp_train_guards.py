@@ -136,3 +136,42 @@ def test_second_launch_is_refused_quickly_and_a_killed_run_is_taken_over(inputs,
     assert rerun.returncode == 0, output_of(rerun)
     assert "taking over the lock of a run that is gone" in output_of(rerun)
     assert not (exp / ft.LOCK_FILE).exists(), "released at the end"
+
+
+# --- errors: one clear message ---------------------------------------------------------------------
+
+
+def test_abbreviations_are_refused_and_help_shows_each_flag_once(inputs, tmp_path, capsys):
+    code = ft.main([*flags(inputs, tmp_path), "--max-step", "3"])
+    assert code == 2
+    assert "unrecognized arguments: --max-step 3" in capsys.readouterr().out
+    assert ft.load_config(["--max_steps", "3", "--seq_length", "8"]).max_steps == 3, "snake_case aliases still work"
+    with pytest.raises(SystemExit):
+        ft.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--seed SEED, --seed SEED" not in help_text and "--seed SEED" in help_text
+    assert "--seq_length" not in help_text and "--seq-length SEQ_LENGTH" in help_text
+    required = help_text.split("required (on the command line or in --config):")[1]
+    for flag in ("-e, --experiment-name", "-d, --dataset-name", "-m, --model-name"):
+        assert flag in required
+    assert "-e EXPERIMENT_NAME -d DATASET_NAME -m MODEL_NAME" in help_text.splitlines()[0]
+
+
+def test_mistyped_model_folder_says_no_such_folder(inputs, tmp_path, monkeypatch, capsys):
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code = ft.main(["-e", "x", "-d", str(inputs[0]), "-m", "models/typo"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "--model-name models/typo: no such folder" in out and "cache" not in out
+
+
+@pytest.mark.slow
+def test_torchrun_output_ends_with_the_one_error_message(inputs, tmp_path):
+    proc = run_trainer([*flags(inputs, tmp_path), "--max-step", "3"], timeout=120)
+    out = output_of(proc)
+    assert proc.returncode != 0
+    assert ends_with(out, "unrecognized arguments: --max-step 3 (see fsdp_train.py --help)"), out[-3000:]
+    assert out.count("unrecognized arguments") == 2, "rank 0 prints it once; torchrun repeats it as the root cause"
+    assert "usage:" not in out
+    assert "error_file: <N/A>" not in out.split("Root Cause")[1]
