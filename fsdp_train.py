@@ -1427,6 +1427,7 @@ class Metrics:
         self.path = cfg.experiment_dir / "metrics.jsonl"
         self.timer = PhaseTimer(d.device)
         self.writer = None
+        self.failure: str | None = None  # why metrics.jsonl could not be written (rank 0)
         if d.is_main and cfg.tensorboard == "on":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -1450,14 +1451,36 @@ class Metrics:
         return round(state.epoch + state.samples_in_epoch / (self.steps_per_epoch * self.global_batch), 4)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop lines a killed run wrote after the checkpoint it resumes from."""
-        if self.d.is_main and self.path.is_file():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step
-            ]
-            self.path.write_text("".join(f"{line}\n" for line in kept))
+        """On resume, drop lines a killed run wrote after the checkpoint it resumes from, and lines cut short
+        (a kill or a full disk while logging). The kept lines go to a new file that replaces the old one, so a
+        kill at this moment leaves either file, never an empty one."""
+        if not self.d.is_main or not self.path.is_file():
+            return
+        kept, broken = [], []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(keepends=True), 1):
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                if line.strip():
+                    broken.append(number)
+            elif record.get("step", 0) <= step:
+                kept.append(line)
+        if broken:
+            log(f"note: dropped {len(broken)} incomplete line(s) of {self.path} (line {', '.join(map(str, broken))})")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with open(tmp, "w") as fh:
+                fh.writelines(kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise TrainError(
+                f"cannot rewrite {self.path} ({exc}); free disk space or fix permissions and rerun"
+            ) from exc
 
     def record(self, local_loss_sum: torch.Tensor) -> None:
         self.window_loss += local_loss_sum.detach().double()
@@ -1504,8 +1527,12 @@ class Metrics:
         if not self.d.is_main:
             return
         record = {"time": dt.datetime.now().isoformat(timespec="seconds"), **record}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        try:
+            fault_point("metrics_write", self.d, record["step"])
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError as exc:  # disk full: the loop stops the run after a checkpoint attempt (see stop_if_failed)
+            self.failure = self.failure or f"cannot write {self.path} ({exc}); free disk space and rerun to resume"
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
@@ -1517,6 +1544,12 @@ class Metrics:
             self.bar.write(message)
         else:
             log(message)
+
+    def stop_if_failed(self) -> None:
+        """After the run saved a checkpoint on a write failure: every rank stops with rank 0's message."""
+        failure = broadcast_object(self.failure, self.d)
+        if failure:
+            raise TrainError(failure)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -1963,12 +1996,13 @@ def train_loop(
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
         metrics.validate_if_due(state, last_step, bundle.model, data.validation)
-        interrupted = all_ranks_agree(stop.requested, d)
+        interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
         if interrupted or checkpointer.due(state.step):
             guard.sync(state)
             checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
         if interrupted:
             checkpointer.finish_pending()
+            metrics.stop_if_failed()
             log(f"stopped at step {state.step} on request; rerun the same command to resume")
             return False
     guard.sync(state)

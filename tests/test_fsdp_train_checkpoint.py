@@ -248,3 +248,29 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, tmp_path)
     assert proc.returncode == 0, output_of(proc)
     assert (tmp_path / "run" / "final" / "model.safetensors.index.json").is_file()
     assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
+
+
+def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as fh:
+        fh.write('{"time": "2026-01-01T00:00:00", "step": 5, "lo')  # disk full while logging: no newline
+    rerun = run_trainer(flags(inputs, tmp_path))
+    out = output_of(rerun)
+    assert rerun.returncode == 0, out
+    assert "dropped 1 incomplete line(s)" in out and "at step 4" in out
+    assert sorted(losses_by_step(tmp_path / "run")) == list(range(1, STEPS + 1)), "one line per step"
+
+
+def test_metrics_write_failure_stops_after_a_checkpoint(inputs, reference, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), env={"FSDP_TRAIN_FAULT": "metrics_write:6"})
+    out = output_of(proc)
+    assert proc.returncode != 0
+    assert f"cannot write {tmp_path / 'run' / 'metrics.jsonl'}" in out and "No space left on device" in out
+    assert 'fsdp_train.py", line' not in out, "one message, no traceback of the trainer"
+    assert checkpoints(tmp_path)[-1] == "step_00000006", "the step whose metrics failed is checkpointed"
+    rerun = run_trainer(flags(inputs, tmp_path))
+    assert rerun.returncode == 0 and "at step 6" in output_of(rerun), output_of(rerun)
+    assert losses_by_step(tmp_path / "run")[STEPS] == reference[STEPS]
