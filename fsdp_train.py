@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -1054,6 +1055,50 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+STEP_DIR = re.compile(r"step_(\d+)")
+CHECKSUM_FILE = "checksums.json"  # {"algorithm": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
+CHECKSUM_CHUNK = 8 * 2**20
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first: only folders named exactly step_ + digits, so a folder moved aside
+    (step_00000020.bad, corrupt_step_00000020) or a temporary (.tmp_step_...) is never resumed from."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[len("step_") :]))
+
+
+def file_checksum(path: Path) -> dict:
+    """Size and CRC-32 of a file, read in chunks. CRC-32 runs at several GB/s (zlib), so recording it right
+    after writing, while the file is still in the page cache, costs little of a save (bench_checkpoint.py)."""
+    crc, size, buffer = 0, 0, bytearray(CHECKSUM_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buffer):
+            crc, size = zlib.crc32(view[:n], crc), size + n
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def checksum_problems(folder: Path, names: list[str], recorded: dict) -> list[str]:
+    """What is wrong with these files of a checkpoint, one line per damaged file."""
+    problems = []
+    for name in names:
+        try:
+            actual = file_checksum(folder / name)
+        except OSError as exc:
+            problems.append(f"{folder / name}: unreadable ({exc.strerror or exc})")
+            continue
+        expected = recorded[name]
+        if actual["bytes"] != expected["bytes"]:
+            problems.append(f"{folder / name}: {actual['bytes']} bytes, {expected['bytes']} were written")
+        elif actual["crc32"] != expected["crc32"]:
+            problems.append(
+                f"{folder / name}: checksum mismatch (crc32 {actual['crc32']}, {expected['crc32']} written)"
+            )
+    return problems
+
+
 # DCP's CheckpointException derives from BaseException, not Exception.
 CHECKPOINT_FAILURES = (Exception, dcp.api.CheckpointException)
 
@@ -1068,15 +1113,21 @@ def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
 
 
 class _CheckpointWriter(dcp.FileSystemWriter):
-    """DCP's file writer with fsync on, plus the fault-injection point inside DCP's write phase."""
+    """DCP's file writer with fsync on and the fault-injection point inside DCP's write phase. Right after this
+    rank wrote its files (in the background with --async-ckpt) it adds their checksums to `checksums`."""
 
-    def __init__(self, path: str, d: Dist, step: int):
+    def __init__(self, path: str, d: Dist, step: int, checksums: dict):
         super().__init__(path, sync_files=True)
-        self._dist, self._step = d, step
+        self._dist, self._step, self.checksums = d, step, checksums
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fault_point("ckpt_write", self._dist, self._step)
-        return super().write_data(plan, planner)
+        future = super().write_data(plan, planner)  # FileSystemWriter returns it completed
+        start = time.perf_counter()
+        for name in sorted({result.storage_data.relative_path for result in future.value()}):
+            self.checksums[name] = file_checksum(Path(self.path) / name)
+        self.checksums["_seconds"] = time.perf_counter() - start
+        return future
 
 
 class Checkpointer:
@@ -1087,20 +1138,65 @@ class Checkpointer:
     def __init__(self, cfg: TrainConfig, d: Dist, fingerprint: dict):
         self.cfg, self.d, self.fingerprint = cfg, d, fingerprint
         self.root = cfg.experiment_dir / "checkpoint"
-        self.pending: tuple[Any, Path, int] | None = None  # (future, tmp dir, step) of an async save
+        self.pending: tuple[Any, Path, int, dict] | None = None  # (future, tmp dir, step, checksums), async save
+        self.checksum_s = 0.0  # seconds this rank spent on checksums in the last save (bench_checkpoint.py)
 
     # -- finding ---------------------------------------------------------------------------------
     def latest_complete(self) -> Path | None:
-        """Rank 0 removes incomplete folders and picks the newest complete one; every rank gets the answer."""
+        """The newest complete checkpoint whose files match their checksums. Damaged newer ones are reported and
+        moved aside (corrupt_step_N); if every checkpoint is damaged, nothing is moved and the run stops.
+        Rank 0 first removes incomplete folders: the experiment lock makes sure no live run is writing them."""
         found = None
         if self.d.is_main and self.root.is_dir():
             for tmp in sorted(self.root.glob(".tmp_step_*")):
                 log(f"removing incomplete checkpoint {tmp} (a save was interrupted)")
                 shutil.rmtree(tmp, ignore_errors=True)
-            complete = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-            found = str(complete[-1]) if complete else None
-        found = broadcast_object(found, self.d)
-        return Path(found) if found else None
+            found = [str(p) for p in step_dirs(self.root)]
+        damaged: list[tuple[Path, list[str]]] = []
+        for path in map(Path, reversed(broadcast_object(found, self.d) or [])):
+            problems = self.verify(path)
+            if not problems:
+                self._set_aside(damaged, path)
+                return path
+            damaged.append((path, problems))
+        if damaged:
+            details = "\n".join(f"  {p}" for _, problems in damaged for p in problems)
+            raise CheckpointError(
+                f"no intact checkpoint in {self.root}; damaged files:\n{details}\nNothing was resumed or moved. "
+                f"Restore those files, move the damaged checkpoints aside to start over from step 0, or use a new "
+                f"--experiment-name."
+            )
+        return None
+
+    def verify(self, path: Path) -> list[str]:
+        """Every rank checks its share of the files against checksums.json, in parallel; all get every problem."""
+        try:
+            recorded = json.loads((path / CHECKSUM_FILE).read_text())["files"]
+        except FileNotFoundError:
+            log(f"WARNING: {path} has no {CHECKSUM_FILE} (written by an older version); its files are not verified")
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"{path / CHECKSUM_FILE}: unreadable ({exc})"]
+        mine = sorted(recorded)[self.d.rank :: self.d.world_size]
+        found: list[list[str] | None] = [None] * self.d.world_size
+        dist.all_gather_object(found, checksum_problems(path, mine, recorded), group=self.d.cpu_group)
+        return [problem for part in found for problem in part or []]
+
+    def _set_aside(self, damaged: list[tuple[Path, list[str]]], intact: Path) -> None:
+        for path, problems in damaged:
+            if self.d.is_main:
+                aside = self.root / f"corrupt_{path.name}"
+                for n in range(2, 1000):
+                    if not aside.exists():
+                        break
+                    aside = self.root / f"corrupt_{path.name}_{n}"
+                os.rename(path, aside)
+                files = "\n".join(f"  {p}" for p in problems)
+                log(
+                    f"WARNING: checkpoint {path.name} is damaged:\n{files}\nMoved it aside to {aside}. "
+                    f"RESUMING FROM THE OLDER CHECKPOINT {intact.name}; the steps after it are trained again."
+                )
+        dist.barrier(group=self.d.cpu_group)
 
     def read_state(self, path: Path) -> dict:
         state_file = path / "train_state.json"
@@ -1160,8 +1256,16 @@ class Checkpointer:
                 f"Move that folder aside to resume from the previous checkpoint."
             ) from exc
         rng_file = path / f"rng_rank{self.d.rank:05d}.pt"
-        if payload.get("world_size") == self.d.world_size and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+        if payload.get("world_size") == self.d.world_size:
+            error = _attempt(lambda: _set_rng_state(torch.load(rng_file, weights_only=False)))
+            errors: list[str | None] = [None] * self.d.world_size  # every rank stops if any RNG file is bad
+            dist.all_gather_object(errors, f"{rng_file}: {error}" if error else None, group=self.d.cpu_group)
+            if any(errors):
+                raise CheckpointError(
+                    "cannot restore the random number generators from "
+                    + "; ".join(e for e in errors if e)
+                    + ". Move that checkpoint folder aside to resume from the previous one."
+                )
         else:
             seed_everything(self.cfg.seed * 1_000_003 + payload["train_state"]["step"] * 101 + self.d.rank)
             log(
@@ -1190,22 +1294,23 @@ class Checkpointer:
         dist.barrier(group=self.d.cpu_group)
         # Files each rank writes alone: agree on their success before entering DCP's collectives, or a rank
         # that failed here would wait in a different collective than the others (a hang, not an error).
-        self._agree_or_fail(_attempt(self._write_side_files, tmp, state), tmp)
+        checksums: dict = {}  # of the files this rank writes; rank 0 records everyone's in _commit
+        self._agree_or_fail(_attempt(self._write_side_files, tmp, state, checksums), tmp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state_dict = {"model": model_sd, "optim": optim_sd}
-        writer = _CheckpointWriter(str(tmp), self.d, state.step)
+        writer = _CheckpointWriter(str(tmp), self.d, state.step, checksums)
         fault_point("kill_during_write", self.d, state.step)
         if self.cfg.async_ckpt == "on":
             # Its collectives run in a background thread while the main thread keeps using cpu_group each
             # step; sharing one group would interleave the two streams differently on each rank (a deadlock).
             future = dcp.async_save(state_dict, storage_writer=writer, process_group=self.d.async_ckpt_group)
-            self.pending = (future, tmp, state.step)
+            self.pending = (future, tmp, state.step, checksums)
             error = None
         else:  # DCP gathers a failure on any rank's write and raises it on every rank
             error = _attempt(dcp.save, state_dict, storage_writer=writer, process_group=self.d.cpu_group)
         self._agree_or_fail(error, tmp)
         if self.pending is None:
-            self._commit(tmp, state.step)
+            self._commit(tmp, state.step, checksums)
         blocked = time.perf_counter() - start
         log(
             f"checkpoint step {state.step} ({reason}) {'queued' if self.pending else 'saved'} "
@@ -1216,18 +1321,19 @@ class Checkpointer:
     def finish_pending(self) -> None:
         if self.pending is None:
             return
-        future, tmp, step = self.pending
+        future, tmp, step, checksums = self.pending
         self.pending = None
         self._agree_or_fail(_attempt(future.result), tmp)
-        self._commit(tmp, step)
+        self._commit(tmp, step, checksums)
 
-    def _write_side_files(self, tmp: Path, state: TrainState) -> None:
+    def _write_side_files(self, tmp: Path, state: TrainState, checksums: dict) -> None:
         fault_point("side_files_write", self.d, state.step)
         rng_file = tmp / f"rng_rank{self.d.rank:05d}.pt"
         with open(rng_file, "wb") as fh:
             torch.save(_rng_state(), fh)
             fh.flush()
             os.fsync(fh.fileno())
+        checksums[rng_file.name] = file_checksum(rng_file)
         if self.d.is_main:
             payload = {
                 "train_state": dataclasses.asdict(state),
@@ -1237,6 +1343,7 @@ class Checkpointer:
                 "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
             }
             write_json_atomic(tmp / "train_state.json", payload)
+            checksums["train_state.json"] = file_checksum(tmp / "train_state.json")
 
     def _agree_or_fail(self, error: BaseException | None, tmp: Path) -> None:
         """Every rank learns whether any rank failed, so a failed write never hangs the others."""
@@ -1253,13 +1360,21 @@ class Checkpointer:
             )
 
     def latest_complete_name(self) -> str | None:
-        complete = sorted(p.name for p in self.root.glob("step_*")) if self.root.is_dir() else []
-        return complete[-1] if complete else None
+        complete = step_dirs(self.root)
+        return complete[-1].name if complete else None
 
-    def _commit(self, tmp: Path, step: int) -> None:
-        dist.barrier(group=self.d.cpu_group)  # every rank's files are written and fsynced
+    def _commit(self, tmp: Path, step: int, checksums: dict) -> None:
+        self.checksum_s = checksums.pop("_seconds", 0.0)
+        gathered: list[dict | None] = [None] * self.d.world_size
+        # Also the barrier that every rank's files are written and fsynced.
+        dist.all_gather_object(gathered, checksums, group=self.d.cpu_group)
         fault_point("kill_before_rename", self.d, step)
         if self.d.is_main:
+            start = time.perf_counter()
+            files = {name: value for part in gathered for name, value in (part or {}).items()}
+            files[".metadata"] = file_checksum(tmp / ".metadata")
+            write_json_atomic(tmp / CHECKSUM_FILE, {"algorithm": "crc32", "files": files})
+            self.checksum_s += time.perf_counter() - start
             final = self.root / step_dir_name(step)
             _fsync_dir(tmp)
             os.rename(tmp, final)
@@ -1278,7 +1393,7 @@ class Checkpointer:
         dist.barrier(group=self.d.cpu_group)
 
     def _prune(self) -> None:
-        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        complete = step_dirs(self.root)
         for old in complete[: max(0, len(complete) - self.cfg.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
             log(f"pruned old checkpoint {old.name} (--keep-last {self.cfg.keep_last})")
