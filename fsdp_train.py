@@ -1976,6 +1976,34 @@ def report_error(message: str, exit_code: int) -> int:
     return exit_code
 
 
+# -- workers end with their launcher -------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_launcher() -> None:
+    """A worker started by torchrun ends within seconds when torchrun itself dies (kill -9, the OOM killer):
+    orphans would otherwise keep training unattended, beside the rerun. Linux sends SIGKILL the moment the
+    parent dies (PR_SET_PDEATHSIG); a watchdog thread polling the parent pid covers other systems. Being killed
+    never leaves a partial checkpoint: a save only becomes a step_N folder by its final atomic rename."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: the user's shell is no launcher to follow
+        return
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    threading.Thread(target=_watch_launcher, args=(launcher,), name="launcher-watchdog", daemon=True).start()
+
+
+def _watch_launcher(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    log(f"the launcher (torchrun, pid {launcher}) is gone: stopping this worker", all_ranks=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class StopRequest:
     """SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step boundary, save and exit 0."""
 
@@ -2127,6 +2155,7 @@ def train_loop(
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
         cfg = load_config(argv)
         lock = ExperimentLock(cfg.experiment_dir)

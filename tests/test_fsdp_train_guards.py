@@ -14,6 +14,7 @@ import pytest
 
 import fsdp_train as ft
 from tests.fsdp_helpers import (
+    descendants,
     kill_tree,
     losses_by_step,
     make_dataset,
@@ -175,3 +176,37 @@ def test_torchrun_output_ends_with_the_one_error_message(inputs, tmp_path):
     assert out.count("unrecognized arguments") == 2, "rank 0 prints it once; torchrun repeats it as the root cause"
     assert "usage:" not in out
     assert "error_file: <N/A>" not in out.split("Root Cause")[1]
+
+
+# --- workers die with torchrun ---------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be collected
+
+
+@pytest.mark.slow
+def test_kill9_of_torchrun_leaves_no_worker_alive(inputs, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "10"})
+    workers: list[int] = []
+    try:
+        wait_for_step(tmp_path / "run", 1, proc)
+        workers = descendants(proc.pid)
+        assert len(workers) >= 2
+        killed_at = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun alone, as the OOM killer or a dying node agent does
+        proc.wait()
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        survivors = [pid for pid in workers if alive(pid)]
+        print(f"workers gone {time.monotonic() - killed_at:.1f}s after kill -9 of torchrun")
+        assert not survivors, f"workers still running 30 s after torchrun died: {survivors}"
+    finally:
+        kill_tree(proc.pid, signal.SIGKILL)
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
