@@ -24,6 +24,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+import mmap
 import os
 import random
 import re
@@ -1057,7 +1058,6 @@ def step_dir_name(step: int) -> str:
 
 STEP_DIR = re.compile(r"step_(\d+)")
 CHECKSUM_FILE = "checksums.json"  # {"algorithm": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
-CHECKSUM_CHUNK = 8 * 2**20
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -1070,14 +1070,15 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def file_checksum(path: Path) -> dict:
-    """Size and CRC-32 of a file, read in chunks. CRC-32 runs at several GB/s (zlib), so recording it right
-    after writing, while the file is still in the page cache, costs little of a save (bench_checkpoint.py)."""
-    crc, size, buffer = 0, 0, bytearray(CHECKSUM_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buffer):
-            crc, size = zlib.crc32(view[:n], crc), size + n
-    return {"bytes": size, "crc32": f"{crc:08x}"}
+    """Size and CRC-32 of a file. CRC-32 runs at several GB/s (zlib, without the GIL) and the file is mapped,
+    not copied: recorded right after writing, while the file is in the page cache, it is a small part of a save
+    (bench_checkpoint.py reports the share)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:  # an empty file cannot be mapped
+            return {"bytes": 0, "crc32": f"{zlib.crc32(b''):08x}"}
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return {"bytes": size, "crc32": f"{zlib.crc32(data):08x}"}
 
 
 def checksum_problems(folder: Path, names: list[str], recorded: dict) -> list[str]:
