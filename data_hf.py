@@ -1895,6 +1895,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except OSError as err:  # disk full or no permission while writing: one message, never a traceback
+        print(
+            f"data_hf: error: writing the dataset failed: {err}. --save_dir {args.save_dir} was not changed; free "
+            f"disk space or fix permissions and rerun the same command",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("data_hf: interrupted; nothing was written", file=sys.stderr)
         return 130

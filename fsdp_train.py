@@ -25,12 +25,15 @@ import datetime as dt
 import hashlib
 import json
 import math
+import mmap
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -157,24 +160,55 @@ class TrainConfig:
 RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer", "data_format")
 
 
+class _ArgParser(argparse.ArgumentParser):
+    """Bad flags raise ConfigError (reported once, by rank 0, like every other config problem); --help is
+    printed by rank 0 only, not once per process."""
+
+    def error(self, message: str) -> Any:
+        raise ConfigError([f"{message} (see {self.prog} --help)"])
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            super()._print_message(message, file)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """One spelling per flag: `-e, --experiment-name NAME`; the --snake_case aliases are only mentioned once."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            names = [o for o in action.option_strings if "_" not in o]
+            return ", ".join(names) or super()._format_action_invocation(action)
+        names = [o for o in action.option_strings if "_" not in o]
+        return ", ".join(names) + " " + self._format_args(action, self._get_default_metavar_for_optional(action))
+
+
+REQUIRED_FLAGS = ("experiment_name", "dataset_name", "model_name")
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgParser(
         prog="fsdp_train.py",
-        description="FSDP2 fine-tuning of Hugging Face causal LMs. Launch with torchrun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="torchrun [...] %(prog)s -e EXPERIMENT_NAME -d DATASET_NAME -m MODEL_NAME [options]",
+        description="FSDP2 fine-tuning of Hugging Face causal LMs. Launch with torchrun. Every --flag-name is "
+        "also accepted as --flag_name; abbreviations are not.",
+        formatter_class=_HelpFormatter,
         argument_default=argparse.SUPPRESS,  # so we can tell flags given on the command line from defaults
+        allow_abbrev=False,  # --max-step must not silently mean --max-steps
     )
+    required = parser.add_argument_group("required (on the command line or in --config)")
     parser.add_argument("--config", help="YAML file whose keys are flag names; the command line overrides it")
     for f in dataclasses.fields(TrainConfig):
-        names = [f"--{f.name.replace('_', '-')}", f"--{f.name}"]
+        names = list(dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"]))
         if f.metadata.get("short"):
             names.insert(0, f.metadata["short"])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        group = required if f.name in REQUIRED_FLAGS else parser
+        help_text = f.metadata["help"] + ("" if f.name in REQUIRED_FLAGS else f" (default: {f.default})")
         if f.type in ("bool", bool):
-            parser.add_argument(*names, dest=f.name, action="store_true", help=help_text)
+            group.add_argument(*names, dest=f.name, action="store_true", help=help_text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(*names, dest=f.name, type=kind, choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(*names, dest=f.name, type=kind, choices=f.metadata.get("choices"), help=help_text)
     return parser
 
 
@@ -369,13 +403,21 @@ def resolve_model_dir(model_name: str) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"--model-name {model_name}: folder has no config.json")
         return path
-    if path.exists() or model_name.count("/") != 1:
-        raise FileNotFoundError(f"--model-name {model_name}: not a model folder or a hub id (org/name)")
+    if path.exists():
+        raise FileNotFoundError(f"--model-name {model_name}: not a folder")
+    no_such_folder = (
+        f"--model-name {model_name}: no such folder (relative to {Path.cwd()}); check the path, or give a hub id "
+        f"as org/name"
+    )
+    if model_name.startswith((".", "~", "/")) or model_name.count("/") != 1:
+        raise FileNotFoundError(no_such_folder)
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(model_name, local_files_only=True))
     except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
+        if path.parent.is_dir():  # e.g. models/typo while models/ exists: a mistyped folder, not a hub id
+            raise FileNotFoundError(no_such_folder) from exc
         raise FileNotFoundError(
             f"--model-name {model_name}: not in the local cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}). "
             f"Run `python model_download.py --model-name {model_name}` on a machine with internet and copy HF_HOME here."
@@ -1477,6 +1519,50 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+STEP_DIR = re.compile(r"step_(\d+)")
+CHECKSUM_FILE = "checksums.json"  # {"algorithm": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first: only folders named exactly step_ + digits, so a folder moved aside
+    (step_00000020.bad, corrupt_step_00000020) or a temporary (.tmp_step_...) is never resumed from."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[len("step_") :]))
+
+
+def file_checksum(path: Path) -> dict:
+    """Size and CRC-32 of a file. CRC-32 runs at several GB/s (zlib, without the GIL) and the file is mapped,
+    not copied: recorded right after writing, while the file is in the page cache, it is a small part of a save
+    (bench_checkpoint.py reports the share)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:  # an empty file cannot be mapped
+            return {"bytes": 0, "crc32": f"{zlib.crc32(b''):08x}"}
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return {"bytes": size, "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def checksum_problems(folder: Path, names: list[str], recorded: dict) -> list[str]:
+    """What is wrong with these files of a checkpoint, one line per damaged file."""
+    problems = []
+    for name in names:
+        try:
+            actual = file_checksum(folder / name)
+        except OSError as exc:
+            problems.append(f"{folder / name}: unreadable ({exc.strerror or exc})")
+            continue
+        expected = recorded[name]
+        if actual["bytes"] != expected["bytes"]:
+            problems.append(f"{folder / name}: {actual['bytes']} bytes, {expected['bytes']} were written")
+        elif actual["crc32"] != expected["crc32"]:
+            problems.append(
+                f"{folder / name}: checksum mismatch (crc32 {actual['crc32']}, {expected['crc32']} written)"
+            )
+    return problems
+
+
 # DCP's CheckpointException derives from BaseException, not Exception.
 CHECKPOINT_FAILURES = (Exception, dcp.api.CheckpointException)
 
@@ -1491,15 +1577,21 @@ def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
 
 
 class _CheckpointWriter(dcp.FileSystemWriter):
-    """DCP's file writer with fsync on, plus the fault-injection point inside DCP's write phase."""
+    """DCP's file writer with fsync on and the fault-injection point inside DCP's write phase. Right after this
+    rank wrote its files (in the background with --async-ckpt) it adds their checksums to `checksums`."""
 
-    def __init__(self, path: str, d: Dist, step: int):
+    def __init__(self, path: str, d: Dist, step: int, checksums: dict):
         super().__init__(path, sync_files=True)
-        self._dist, self._step = d, step
+        self._dist, self._step, self.checksums = d, step, checksums
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fault_point("ckpt_write", self._dist, self._step)
-        return super().write_data(plan, planner)
+        future = super().write_data(plan, planner)  # FileSystemWriter returns it completed
+        start = time.perf_counter()
+        for name in sorted({result.storage_data.relative_path for result in future.value()}):
+            self.checksums[name] = file_checksum(Path(self.path) / name)
+        self.checksums["_seconds"] = time.perf_counter() - start
+        return future
 
 
 class Checkpointer:
@@ -1510,20 +1602,65 @@ class Checkpointer:
     def __init__(self, cfg: TrainConfig, d: Dist, fingerprint: dict):
         self.cfg, self.d, self.fingerprint = cfg, d, fingerprint
         self.root = cfg.experiment_dir / "checkpoint"
-        self.pending: tuple[Any, Path, int] | None = None  # (future, tmp dir, step) of an async save
+        self.pending: tuple[Any, Path, int, dict] | None = None  # (future, tmp dir, step, checksums), async save
+        self.checksum_s = 0.0  # seconds this rank spent on checksums in the last save (bench_checkpoint.py)
 
     # -- finding ---------------------------------------------------------------------------------
     def latest_complete(self) -> Path | None:
-        """Rank 0 removes incomplete folders and picks the newest complete one; every rank gets the answer."""
+        """The newest complete checkpoint whose files match their checksums. Damaged newer ones are reported and
+        moved aside (corrupt_step_N); if every checkpoint is damaged, nothing is moved and the run stops.
+        Rank 0 first removes incomplete folders: the experiment lock makes sure no live run is writing them."""
         found = None
         if self.d.is_main and self.root.is_dir():
             for tmp in sorted(self.root.glob(".tmp_step_*")):
                 log(f"removing incomplete checkpoint {tmp} (a save was interrupted)")
                 shutil.rmtree(tmp, ignore_errors=True)
-            complete = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-            found = str(complete[-1]) if complete else None
-        found = broadcast_object(found, self.d)
-        return Path(found) if found else None
+            found = [str(p) for p in step_dirs(self.root)]
+        damaged: list[tuple[Path, list[str]]] = []
+        for path in map(Path, reversed(broadcast_object(found, self.d) or [])):
+            problems = self.verify(path)
+            if not problems:
+                self._set_aside(damaged, path)
+                return path
+            damaged.append((path, problems))
+        if damaged:
+            details = "\n".join(f"  {p}" for _, problems in damaged for p in problems)
+            raise CheckpointError(
+                f"no intact checkpoint in {self.root}; damaged files:\n{details}\nNothing was resumed or moved. "
+                f"Restore those files, move the damaged checkpoints aside to start over from step 0, or use a new "
+                f"--experiment-name."
+            )
+        return None
+
+    def verify(self, path: Path) -> list[str]:
+        """Every rank checks its share of the files against checksums.json, in parallel; all get every problem."""
+        try:
+            recorded = json.loads((path / CHECKSUM_FILE).read_text())["files"]
+        except FileNotFoundError:
+            log(f"WARNING: {path} has no {CHECKSUM_FILE} (written by an older version); its files are not verified")
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"{path / CHECKSUM_FILE}: unreadable ({exc})"]
+        mine = sorted(recorded)[self.d.rank :: self.d.world_size]
+        found: list[list[str] | None] = [None] * self.d.world_size
+        dist.all_gather_object(found, checksum_problems(path, mine, recorded), group=self.d.cpu_group)
+        return [problem for part in found for problem in part or []]
+
+    def _set_aside(self, damaged: list[tuple[Path, list[str]]], intact: Path) -> None:
+        for path, problems in damaged:
+            if self.d.is_main:
+                aside = self.root / f"corrupt_{path.name}"
+                for n in range(2, 1000):
+                    if not aside.exists():
+                        break
+                    aside = self.root / f"corrupt_{path.name}_{n}"
+                os.rename(path, aside)
+                files = "\n".join(f"  {p}" for p in problems)
+                log(
+                    f"WARNING: checkpoint {path.name} is damaged:\n{files}\nMoved it aside to {aside}. "
+                    f"RESUMING FROM THE OLDER CHECKPOINT {intact.name}; the steps after it are trained again."
+                )
+        dist.barrier(group=self.d.cpu_group)
 
     def read_state(self, path: Path) -> dict:
         state_file = path / "train_state.json"
@@ -1584,8 +1721,16 @@ class Checkpointer:
                 f"Move that folder aside to resume from the previous checkpoint."
             ) from exc
         rng_file = path / f"rng_rank{self.d.rank:05d}.pt"
-        if payload.get("world_size") == self.d.world_size and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+        if payload.get("world_size") == self.d.world_size:
+            error = _attempt(lambda: _set_rng_state(torch.load(rng_file, weights_only=False)))
+            errors: list[str | None] = [None] * self.d.world_size  # every rank stops if any RNG file is bad
+            dist.all_gather_object(errors, f"{rng_file}: {error}" if error else None, group=self.d.cpu_group)
+            if any(errors):
+                raise CheckpointError(
+                    "cannot restore the random number generators from "
+                    + "; ".join(e for e in errors if e)
+                    + ". Move that checkpoint folder aside to resume from the previous one."
+                )
         else:
             seed_everything(self.cfg.seed * 1_000_003 + payload["train_state"]["step"] * 101 + self.d.rank)
             log(
@@ -1614,22 +1759,23 @@ class Checkpointer:
         dist.barrier(group=self.d.cpu_group)
         # Files each rank writes alone: agree on their success before entering DCP's collectives, or a rank
         # that failed here would wait in a different collective than the others (a hang, not an error).
-        self._agree_or_fail(_attempt(self._write_side_files, tmp, state), tmp)
+        checksums: dict = {}  # of the files this rank writes; rank 0 records everyone's in _commit
+        self._agree_or_fail(_attempt(self._write_side_files, tmp, state, checksums), tmp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state_dict = {"model": model_sd, "optim": optim_sd}
-        writer = _CheckpointWriter(str(tmp), self.d, state.step)
+        writer = _CheckpointWriter(str(tmp), self.d, state.step, checksums)
         fault_point("kill_during_write", self.d, state.step)
         if self.cfg.async_ckpt == "on":
             # Its collectives run in a background thread while the main thread keeps using cpu_group each
             # step; sharing one group would interleave the two streams differently on each rank (a deadlock).
             future = dcp.async_save(state_dict, storage_writer=writer, process_group=self.d.async_ckpt_group)
-            self.pending = (future, tmp, state.step)
+            self.pending = (future, tmp, state.step, checksums)
             error = None
         else:  # DCP gathers a failure on any rank's write and raises it on every rank
             error = _attempt(dcp.save, state_dict, storage_writer=writer, process_group=self.d.cpu_group)
         self._agree_or_fail(error, tmp)
         if self.pending is None:
-            self._commit(tmp, state.step)
+            self._commit(tmp, state.step, checksums)
         blocked = time.perf_counter() - start
         log(
             f"checkpoint step {state.step} ({reason}) {'queued' if self.pending else 'saved'} "
@@ -1640,18 +1786,19 @@ class Checkpointer:
     def finish_pending(self) -> None:
         if self.pending is None:
             return
-        future, tmp, step = self.pending
+        future, tmp, step, checksums = self.pending
         self.pending = None
         self._agree_or_fail(_attempt(future.result), tmp)
-        self._commit(tmp, step)
+        self._commit(tmp, step, checksums)
 
-    def _write_side_files(self, tmp: Path, state: TrainState) -> None:
+    def _write_side_files(self, tmp: Path, state: TrainState, checksums: dict) -> None:
         fault_point("side_files_write", self.d, state.step)
         rng_file = tmp / f"rng_rank{self.d.rank:05d}.pt"
         with open(rng_file, "wb") as fh:
             torch.save(_rng_state(), fh)
             fh.flush()
             os.fsync(fh.fileno())
+        checksums[rng_file.name] = file_checksum(rng_file)
         if self.d.is_main:
             payload = {
                 "train_state": dataclasses.asdict(state),
@@ -1661,13 +1808,16 @@ class Checkpointer:
                 "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
             }
             write_json_atomic(tmp / "train_state.json", payload)
+            checksums["train_state.json"] = file_checksum(tmp / "train_state.json")
 
     def _agree_or_fail(self, error: BaseException | None, tmp: Path) -> None:
         """Every rank learns whether any rank failed, so a failed write never hangs the others."""
         if all_ranks_agree(error is not None, self.d):
             if self.d.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            where = f"this rank: {error}" if error else "another rank (see its log)"
+            errors: list[str | None] = [None] * self.d.world_size  # rank 0 reports them all, once
+            dist.all_gather_object(errors, None if error is None else str(error), group=self.d.cpu_group)
+            where = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(errors) if text)
             previous = self.latest_complete_name()
             raise CheckpointError(
                 f"writing checkpoint {tmp.name} failed on {where}. The previous checkpoint "
@@ -1675,13 +1825,21 @@ class Checkpointer:
             )
 
     def latest_complete_name(self) -> str | None:
-        complete = sorted(p.name for p in self.root.glob("step_*")) if self.root.is_dir() else []
-        return complete[-1] if complete else None
+        complete = step_dirs(self.root)
+        return complete[-1].name if complete else None
 
-    def _commit(self, tmp: Path, step: int) -> None:
-        dist.barrier(group=self.d.cpu_group)  # every rank's files are written and fsynced
+    def _commit(self, tmp: Path, step: int, checksums: dict) -> None:
+        self.checksum_s = checksums.pop("_seconds", 0.0)
+        gathered: list[dict | None] = [None] * self.d.world_size
+        # Also the barrier that every rank's files are written and fsynced.
+        dist.all_gather_object(gathered, checksums, group=self.d.cpu_group)
         fault_point("kill_before_rename", self.d, step)
         if self.d.is_main:
+            start = time.perf_counter()
+            files = {name: value for part in gathered for name, value in (part or {}).items()}
+            files[".metadata"] = file_checksum(tmp / ".metadata")
+            write_json_atomic(tmp / CHECKSUM_FILE, {"algorithm": "crc32", "files": files})
+            self.checksum_s += time.perf_counter() - start
             final = self.root / step_dir_name(step)
             _fsync_dir(tmp)
             os.rename(tmp, final)
@@ -1700,7 +1858,7 @@ class Checkpointer:
         dist.barrier(group=self.d.cpu_group)
 
     def _prune(self) -> None:
-        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        complete = step_dirs(self.root)
         for old in complete[: max(0, len(complete) - self.cfg.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
             log(f"pruned old checkpoint {old.name} (--keep-last {self.cfg.keep_last})")
@@ -1915,6 +2073,7 @@ class Metrics:
         self.path = cfg.experiment_dir / "metrics.jsonl"
         self.timer = PhaseTimer(d.device)
         self.writer = None
+        self.failure: str | None = None  # why metrics.jsonl could not be written (rank 0)
         if d.is_main and cfg.tensorboard == "on":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -1938,14 +2097,36 @@ class Metrics:
         return round(state.epoch + state.samples_in_epoch / (self.steps_per_epoch * self.global_batch), 4)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop lines a killed run wrote after the checkpoint it resumes from."""
-        if self.d.is_main and self.path.is_file():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step
-            ]
-            self.path.write_text("".join(f"{line}\n" for line in kept))
+        """On resume, drop lines a killed run wrote after the checkpoint it resumes from, and lines cut short
+        (a kill or a full disk while logging). The kept lines go to a new file that replaces the old one, so a
+        kill at this moment leaves either file, never an empty one."""
+        if not self.d.is_main or not self.path.is_file():
+            return
+        kept, broken = [], []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(keepends=True), 1):
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                if line.strip():
+                    broken.append(number)
+            elif record.get("step", 0) <= step:
+                kept.append(line)
+        if broken:
+            log(f"note: dropped {len(broken)} incomplete line(s) of {self.path} (line {', '.join(map(str, broken))})")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with open(tmp, "w") as fh:
+                fh.writelines(kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise TrainError(
+                f"cannot rewrite {self.path} ({exc}); free disk space or fix permissions and rerun"
+            ) from exc
 
     def record(self, local_loss_sum: torch.Tensor, trained_tokens: int, aux_loss: torch.Tensor | None = None) -> None:
         """trained_tokens: the global batch's targets that carry loss (the same number on every rank);
@@ -2013,8 +2194,12 @@ class Metrics:
         if not self.d.is_main:
             return
         record = {"time": dt.datetime.now().isoformat(timespec="seconds"), **record}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        try:
+            fault_point("metrics_write", self.d, record["step"])
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError as exc:  # disk full: the loop stops the run after a checkpoint attempt (see stop_if_failed)
+            self.failure = self.failure or f"cannot write {self.path} ({exc}); free disk space and rerun to resume"
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
@@ -2026,6 +2211,12 @@ class Metrics:
             self.bar.write(message)
         else:
             log(message)
+
+    def stop_if_failed(self) -> None:
+        """After the run saved a checkpoint on a write failure: every rank stops with rank 0's message."""
+        failure = broadcast_object(self.failure, self.d)
+        if failure:
+            raise TrainError(failure)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -2375,6 +2566,189 @@ def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d
 # -----------------------------------------------------------------------------------------------
 
 
+# -- one run per experiment ------------------------------------------------------------------------
+
+LOCK_FILE = "run.lock"
+LOCK_REFRESH_S = 30.0  # the holder touches its lock file this often...
+LOCK_STALE_S = 600.0  # ...so a lock from another host that nobody touched for this long belongs to a dead run
+
+
+class ExperimentLockedError(TrainError):
+    pass
+
+
+def _process_start_ticks(pid: int) -> str | None:
+    """When a process started (field 22 of /proc/PID/stat); None if it is gone or a zombie. A pid reused by
+    an unrelated process has another start time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _process_alive(pid: int, start_ticks: str | None) -> bool:
+    if Path("/proc/self/stat").is_file():
+        ticks = _process_start_ticks(pid)
+        return ticks is not None and (start_ticks is None or ticks == start_ticks)
+    try:  # no procfs (macOS): existence only
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class ExperimentLock:
+    """One run per experiment: `outputs/EXP/run.lock` names the holder (host, pid, start time).
+
+    It is created complete under a private name and hard-linked into place: link() fails if the lock exists,
+    atomically, also on NFS and the parallel filesystems of a cluster. A lock whose holder is gone is taken over
+    with a message: on this host when the process no longer exists, from another host when the holder stopped
+    refreshing it for LOCK_STALE_S. Global rank 0 holds it for the whole run and removes it on exit."""
+
+    def __init__(self, experiment_dir: Path):
+        self.path = experiment_dir / LOCK_FILE
+        self.record: dict | None = None
+        self._stop_refresh = threading.Event()
+
+    def _read(self, path: Path | None = None) -> dict | None:
+        try:
+            holder = json.loads((path or self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+
+    def _alive(self, holder: dict) -> bool:
+        if holder.get("host") == socket.gethostname():
+            return _process_alive(holder["pid"], holder.get("process_start"))
+        with contextlib.suppress(OSError):
+            return time.time() - self.path.stat().st_mtime < LOCK_STALE_S
+        return False
+
+    def _held_message(self, holder: dict) -> str:
+        return (
+            f"experiment {self.path.parent} is in use by another run: host {holder.get('host')}, pid "
+            f"{holder['pid']}, started {holder.get('started_at')} (lock file {self.path}). Wait for that run to "
+            f"finish or stop it, or use another --experiment-name. If that process is really gone (e.g. its node "
+            f"died), delete {self.path}."
+        )
+
+    def check_free(self) -> None:
+        holder = self._read()
+        if holder is not None and self._alive(holder):
+            raise ExperimentLockedError(self._held_message(holder))
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": _process_start_ticks(os.getpid()),
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+        }
+        mine = self.path.with_name(f".{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
+        mine.write_text(json.dumps(self.record))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(mine, self.path)
+                    break
+                except FileExistsError:
+                    self._take_over_if_stale()
+            else:
+                raise ExperimentLockedError(f"could not take {self.path}: other launches keep racing for it")
+        finally:
+            mine.unlink(missing_ok=True)
+        threading.Thread(target=self._refresh, name="experiment-lock", daemon=True).start()
+
+    def _take_over_if_stale(self) -> None:
+        holder = self._read()
+        if holder is not None and self._alive(holder):
+            raise ExperimentLockedError(self._held_message(holder))
+        stale = self.path.with_name(f".{LOCK_FILE}.stale.{socket.gethostname()}.{os.getpid()}")
+        try:
+            os.rename(self.path, stale)
+        except FileNotFoundError:
+            return  # another launch removed it first; try again
+        if self._read(stale) != holder:  # a live run took the lock between our read and the rename: give it back
+            with contextlib.suppress(FileExistsError):
+                os.link(stale, self.path)
+        else:
+            what = (
+                f"host {holder.get('host')}, pid {holder['pid']}, started {holder.get('started_at')}"
+                if holder
+                else "unreadable"
+            )
+            log(f"taking over the lock of a run that is gone ({what}): {self.path}")
+        stale.unlink(missing_ok=True)
+
+    def _refresh(self) -> None:
+        while not self._stop_refresh.wait(LOCK_REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop_refresh.set()
+        if self.record is not None and self._read() == self.record:
+            self.path.unlink(missing_ok=True)
+        self.record = None
+
+
+# -- reporting errors ------------------------------------------------------------------------------
+
+ERROR_GRACE_S = 15.0  # how long a rank other than 0 leaves the report of an error to rank 0
+
+
+def report_error(message: str, exit_code: int) -> int:
+    """One clear message from one rank; returns the exit code.
+
+    An error every rank hits is reported by rank 0 alone: the other ranks wait to be stopped by torchrun,
+    which ends every worker as soon as one fails; only an error rank 0 did not hit outlives the wait and is
+    reported by the rank that hit it. Under torchrun the message also goes into the worker's error file
+    (TORCHELASTIC_ERROR_FILE), which torchrun prints last, as the root cause, instead of "To enable traceback"."""
+    if _RANK_FOR_LOGS != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # StopRequest turned SIGTERM into a flag; now it must end us
+        time.sleep(ERROR_GRACE_S)
+    log(f"ERROR: {message}", all_ranks=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):  # the format torch.distributed.elastic's ErrorHandler writes
+            extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+            Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+    return exit_code
+
+
+# -- workers end with their launcher -------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_launcher() -> None:
+    """A worker started by torchrun ends within seconds when torchrun itself dies (kill -9, the OOM killer):
+    orphans would otherwise keep training unattended, beside the rerun. Linux sends SIGKILL the moment the
+    parent dies (PR_SET_PDEATHSIG); a watchdog thread polling the parent pid covers other systems. Being killed
+    never leaves a partial checkpoint: a save only becomes a step_N folder by its final atomic rename."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: the user's shell is no launcher to follow
+        return
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    threading.Thread(target=_watch_launcher, args=(launcher,), name="launcher-watchdog", daemon=True).start()
+
+
+def _watch_launcher(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    log(f"the launcher (torchrun, pid {launcher}) is gone: stopping this worker", all_ranks=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class StopRequest:
     """SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step boundary, save and exit 0."""
 
@@ -2515,12 +2889,13 @@ def train_loop(
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard)
         metrics.validate_if_due(state, last_step, bundle.train_forward, data.validation)
-        interrupted = all_ranks_agree(stop.requested, d)
+        interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
         if interrupted or checkpointer.due(state.step):
             guard.sync(state)
             checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
         if interrupted:
             checkpointer.finish_pending()
+            metrics.stop_if_failed()
             log(f"stopped at step {state.step} on request; rerun the same command to resume")
             return False
     guard.sync(state)
@@ -2530,25 +2905,33 @@ def train_loop(
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
         cfg = load_config(argv)
+        lock = ExperimentLock(cfg.experiment_dir)
+        lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if problems:
             raise ConfigError(problems)
     except ConfigError as exc:
-        log(str(exc))
-        return 2
-    if cfg.dry_run:
-        return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        return report_error(str(exc), 2)
+    except ExperimentLockedError as exc:
+        return report_error(str(exc), 1)
     try:
+        if cfg.dry_run:
+            return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if _RANK_FOR_LOGS == 0:  # before any process group, so a refused launch touches nothing
+            lock.acquire()
         return run(cfg)
     except (TrainError, FileNotFoundError) as exc:
-        log(f"ERROR: {exc}", all_ranks=True)
-        return 1
+        return report_error(str(exc), 1)
     finally:
+        lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())  # record: an unexpected exception becomes torchrun's root cause, not "see docs"

@@ -10,6 +10,9 @@ interleaved with them (ABBA), is the disk itself: rank 0 writes the checkpoint's
 8 MB chunks and fsyncs it, then reads it back. Before every read the page cache is dropped
 (`echo 3 > /proc/sys/vm/drop_caches`, root only); if that is refused the table says reads came from memory.
 
+The save time includes the CRC-32 checksums each rank records of the files it wrote; their share of the save
+(the slowest rank's checksum seconds over the save's seconds) is reported on its own line.
+
 Part 2, blocked training (fsdp_train.py end to end): the same model trained with three periodic checkpoints,
 reading the trainer's own log lines "checkpoint step N (periodic) saved/queued in X s of blocked training".
 The blocked time of an async save includes waiting for the previous one, so it is honest about saves that
@@ -115,6 +118,12 @@ def throughput_worker(model_dir: str, save_dir: str, reps: int, out: str) -> Non
         barrier()
         return time.perf_counter() - start, checkpointer.root / ft.step_dir_name(step)
 
+    def checksum_seconds() -> float:
+        """The slowest rank's checksum time inside the last save (ranks checksum their own files in parallel)."""
+        seconds = torch.tensor([checkpointer.checksum_s], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=d.cpu_group)
+        return float(seconds.item())
+
     def load(path: Path) -> float:
         barrier()
         start = time.perf_counter()
@@ -124,13 +133,20 @@ def throughput_worker(model_dir: str, save_dir: str, reps: int, out: str) -> Non
 
     _, first = save(1)  # untimed: warms DCP's code paths, as the first save of a run follows training
     nbytes = folder_bytes(first) if d.is_main else 0
-    results: dict[str, list] = {"ckpt_save_s": [], "ckpt_load_s": [], "disk_write_s": [], "disk_read_s": []}
+    results: dict[str, list] = {
+        "ckpt_save_s": [],
+        "ckpt_load_s": [],
+        "disk_write_s": [],
+        "disk_read_s": [],
+        "checksum_s": [],
+    }
     cold_reads = True
     for rep in range(reps):
         for side in ("checkpoint", "disk") if rep % 2 == 0 else ("disk", "checkpoint"):
             if side == "checkpoint":
                 seconds, path = save(rep + 2)
                 results["ckpt_save_s"].append(seconds)
+                results["checksum_s"].append(checksum_seconds())
                 if d.is_main:
                     cold_reads &= drop_page_cache()
                 results["ckpt_load_s"].append(load(path))
@@ -226,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "cold_reads": io["cold_reads"],
             "gb_per_s": io["gb_per_s"],
             "save_ratio_to_disk": io["gb_per_s"]["ckpt_save_s"] / io["gb_per_s"]["disk_write_s"],
+            "checksum_share_of_save": io["checksum_share_of_save"],
             "load_ratio_to_disk": io["gb_per_s"]["ckpt_load_s"] / io["gb_per_s"]["disk_read_s"],
             "raw_seconds": {k: v for k, v in io.items() if k.endswith("_s")},
             "blocked": blocked_summary,
@@ -240,6 +257,7 @@ def report_throughput(io: dict[str, Any]) -> None:
     io["gb_per_s"] = rate = {
         k: gb / median(io[k]) for k in ("ckpt_save_s", "disk_write_s", "ckpt_load_s", "disk_read_s")
     }
+    io["checksum_share_of_save"] = median(io["checksum_s"]) / median(io["ckpt_save_s"])
     reads = "cold (page cache dropped before each)" if io["cold_reads"] else "WARM: the page cache could not be dropped"
     print(f"checkpoint: {io['bytes'] / 1e6:.0f} MB (fp32 params + AdamW state, {NPROC} processes); reads {reads}")
     print_table(
@@ -258,6 +276,10 @@ def report_throughput(io: dict[str, Any]) -> None:
                 ("load: Checkpointer.load vs read", "ckpt_load_s", "disk_read_s"),
             )
         ],
+    )
+    print(
+        f"checksums (CRC-32 of every file, slowest rank): {_reps(io['checksum_s'])} s per save = "
+        f"{100 * io['checksum_share_of_save']:.1f}% of the median save (goal: <= 10%)"
     )
 
 

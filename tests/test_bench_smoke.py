@@ -57,6 +57,7 @@ def test_checkpoint_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "bench_checkpoint.py", tmp_path)
     assert result["checkpoint_bytes"] > 0
     assert all(v > 0 for v in result["gb_per_s"].values())
+    assert 0 < result["checksum_share_of_save"] < 1, "checksums are part of every save, never all of it"
     blocked = result["blocked"]
     assert blocked["sync (--async-ckpt off)"]["runs_completed"] == 1
     assert blocked["async (--async-ckpt on)"]["runs_completed"] == 1, "async saves must not deadlock"

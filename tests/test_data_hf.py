@@ -924,3 +924,20 @@ def test_kill_9_during_overwrite_keeps_the_previous_dataset(tmp_path: Path, repo
     assert subprocess.run(cli + ["--data_folder", str(small)], capture_output=True, timeout=300).returncode == 0
     assert rows_of(out) == ["new dataset"]
     assert os.listdir(out.parent) == ["corpus"]
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), PermissionError(13, "Permission denied")], ids=str
+)
+def test_disk_full_or_no_permission_while_writing_is_one_message(tmp_path, monkeypatch, capsys, error):
+    data = write_files(tmp_path / "data", {"a.txt": "hello world", "b.md": "# title\n\nbody"})
+
+    def write_fails(self, chunk) -> None:
+        raise error
+
+    monkeypatch.setattr(data_hf.SplitWriter, "write", write_fails)
+    assert convert(data, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert err.count("data_hf: error:") == 1 and error.strerror in err and "rerun" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*")), "no output, no temporaries"

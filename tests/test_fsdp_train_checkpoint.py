@@ -248,3 +248,103 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, tmp_path)
     assert proc.returncode == 0, output_of(proc)
     assert (tmp_path / "run" / "final" / "model.safetensors.index.json").is_file()
     assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
+
+
+def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as fh:
+        fh.write('{"time": "2026-01-01T00:00:00", "step": 5, "lo')  # disk full while logging: no newline
+    rerun = run_trainer(flags(inputs, tmp_path))
+    out = output_of(rerun)
+    assert rerun.returncode == 0, out
+    assert "dropped 1 incomplete line(s)" in out and "at step 4" in out
+    assert sorted(losses_by_step(tmp_path / "run")) == list(range(1, STEPS + 1)), "one line per step"
+
+
+def test_metrics_write_failure_stops_after_a_checkpoint(inputs, reference, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), env={"FSDP_TRAIN_FAULT": "metrics_write:6"})
+    out = output_of(proc)
+    assert proc.returncode != 0
+    assert f"cannot write {tmp_path / 'run' / 'metrics.jsonl'}" in out and "No space left on device" in out
+    assert 'fsdp_train.py", line' not in out, "one message, no traceback of the trainer"
+    assert checkpoints(tmp_path)[-1] == "step_00000006", "the step whose metrics failed is checkpointed"
+    rerun = run_trainer(flags(inputs, tmp_path))
+    assert rerun.returncode == 0 and "at step 6" in output_of(rerun), output_of(rerun)
+    assert losses_by_step(tmp_path / "run")[STEPS] == reference[STEPS]
+
+
+def flip_bytes(path: Path, count: int = 8) -> None:
+    """Flip `count` bytes in the middle of a file, as a bad disk or a faulty copy would."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_detected_and_the_previous_checkpoint_is_used(inputs, reference, tmp_path):
+    assert run_trainer(flags(inputs, tmp_path)).returncode == 0
+    assert checkpoints(tmp_path) == ["step_00000004", "step_00000008", "step_00000010"]
+    damaged = tmp_path / "run" / "checkpoint" / "step_00000010" / "__1_0.distcp"
+    flip_bytes(damaged)
+    rerun = run_trainer(flags(inputs, tmp_path))
+    out = output_of(rerun)
+    assert rerun.returncode == 0, out
+    assert f"{damaged}: checksum mismatch" in out
+    assert "RESUMING FROM THE OLDER CHECKPOINT step_00000008" in out and "at step 8" in out
+    assert "corrupt_step_00000010" in checkpoints(tmp_path), "moved aside out of the step_* namespace"
+    assert "step_00000010" in checkpoints(tmp_path), "saved again by the resumed run"
+    assert losses_by_step(tmp_path / "run") == reference, "steps 9 and 10 retrained to the same losses"
+
+
+def test_a_damaged_only_checkpoint_stops_the_run_instead_of_restarting(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    damaged = tmp_path / "run" / "checkpoint" / "step_00000004" / "__0_0.distcp"
+    flip_bytes(damaged)
+    rerun = run_trainer([*args, "--max-steps", "6"])
+    out = output_of(rerun)
+    assert rerun.returncode != 0
+    assert "no intact checkpoint" in out and f"{damaged}: checksum mismatch" in out
+    assert "training steps 1.." not in out and checkpoints(tmp_path) == ["step_00000004"], "nothing moved"
+
+
+def test_folders_not_named_like_a_step_are_ignored(inputs, tmp_path):
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "8"
+    assert run_trainer(args).returncode == 0
+    root = tmp_path / "run" / "checkpoint"
+    (root / "step_00000008").rename(root / "step_00000008.bad")  # a user moved a checkpoint aside
+    rerun = run_trainer([*args, "--keep-last", "1"])
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "at step 4" in output_of(rerun)
+    assert checkpoints(tmp_path) == ["step_00000008", "step_00000008.bad"], "neither resumed from nor pruned"
+
+
+@pytest.mark.parametrize("checksum", ["stale", "updated"])
+def test_garbage_rng_file_is_a_clear_error(inputs, tmp_path, checksum):
+    """Garbage in rng_rank00001.pt: caught by its checksum, or (a file that matches its checksum but is not a
+    torch.save payload, e.g. from another torch) by a clear message when loading it."""
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    assert run_trainer(args).returncode == 0
+    folder = tmp_path / "run" / "checkpoint" / "step_00000004"
+    rng_file = folder / "rng_rank00001.pt"
+    rng_file.write_bytes(b"not a pickle at all " * 10)
+    if checksum == "updated":
+        import fsdp_train as ft
+
+        recorded = json.loads((folder / ft.CHECKSUM_FILE).read_text())
+        recorded["files"][rng_file.name] = ft.file_checksum(rng_file)
+        (folder / ft.CHECKSUM_FILE).write_text(json.dumps(recorded))
+    rerun = run_trainer([*args, "--max-steps", "6"])
+    out = output_of(rerun)
+    assert rerun.returncode != 0
+    assert str(rng_file) in out
+    expected = "no intact checkpoint" if checksum == "stale" else "cannot restore the random number generators"
+    assert expected in out
+    assert "UnpicklingError" not in out.split(str(rng_file))[0] and 'fsdp_train.py", line' not in out

@@ -524,3 +524,15 @@ def test_unusable_dst_root_is_an_error_not_a_traceback(
     write(tmp_path / "a_file", "in the way")
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "a_file" / "splits")
     assert code == 1 and "Not a directory" in err and "rerun" in err
+
+
+def test_no_permission_while_placing_is_one_message(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(source: Path, dest: Path, mode: str) -> None:
+        raise PermissionError(13, "Permission denied", str(dest))
+
+    monkeypatch.setattr(organize_data, "place_file", denied)
+    code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "splits", "--num-dirs", "3")
+    assert code != 0
+    assert err.count("error:") == 1 and "Permission denied" in err and "Traceback" not in err

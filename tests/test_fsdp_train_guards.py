@@ -1,0 +1,212 @@
+"""fsdp_train.py guards around a run: one run per experiment (the lock), workers that die with torchrun,
+and errors that end the output as one clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+import fsdp_train as ft
+from tests.fsdp_helpers import (
+    descendants,
+    kill_tree,
+    losses_by_step,
+    make_dataset,
+    make_model,
+    output_of,
+    run_trainer,
+    trainer_args,
+)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("guard_inputs")
+    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
+
+
+def flags(inputs, save_dir: Path, *extra: str) -> list[str]:
+    dataset, model = inputs
+    return [*trainer_args("run", dataset, model, save_dir), "--max-steps", "6", "--ckpt-freq", "2", "-b", "2", *extra]
+
+
+def wait_for_step(exp_dir: Path, step: int, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max(losses_by_step(exp_dir), default=0) >= step:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def ends_with(output: str, message: str) -> bool:
+    """torchrun closes its failure report with a line of '='; what comes before it must be the message."""
+    lines = [line.strip() for line in output.strip().splitlines()]
+    while lines and set(lines[-1]) <= {"="}:
+        lines.pop()
+    return bool(lines) and message in lines[-1]
+
+
+# --- the experiment lock: unit level ------------------------------------------------------------
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, capsys):
+    held = ft.ExperimentLock(tmp_path / "exp")
+    held.acquire()
+    record = json.loads(held.path.read_text())
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    with pytest.raises(ft.ExperimentLockedError, match=f"pid {os.getpid()}"):
+        ft.ExperimentLock(tmp_path / "exp").acquire()
+    held.release()
+    assert not held.path.exists()
+
+    # a lock left by a process that no longer exists (kill -9): taken over, with a message
+    gone = {**record, "pid": 2**22 + 12345, "process_start": "1"}
+    held.path.write_text(json.dumps(gone))
+    lock = ft.ExperimentLock(tmp_path / "exp")
+    lock.acquire()
+    assert "taking over the lock of a run that is gone" in capsys.readouterr().out
+    assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_lock_from_another_host_is_stale_only_when_no_longer_refreshed(tmp_path):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    path = exp / ft.LOCK_FILE
+    path.write_text(json.dumps({"host": "other-node", "pid": 1, "started_at": "earlier"}))
+    with pytest.raises(ft.ExperimentLockedError, match="host other-node, pid 1"):
+        ft.ExperimentLock(exp).acquire()
+    old = time.time() - ft.LOCK_STALE_S - 60
+    os.utime(path, (old, old))
+    lock = ft.ExperimentLock(exp)
+    lock.acquire()
+    lock.release()
+
+
+@pytest.mark.parametrize("mode", ["--dry-run", "--export-only"])
+def test_dry_run_and_export_only_respect_the_lock(inputs, tmp_path, mode, capsys):
+    held = ft.ExperimentLock(tmp_path / "run")
+    held.acquire()
+    try:
+        code = ft.main([*flags(inputs, tmp_path), mode])
+    finally:
+        held.release()
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"is in use by another run: host {socket.gethostname()}, pid {os.getpid()}" in out
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [], "nothing touched"
+
+
+# --- the experiment lock: two real launches -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_second_launch_is_refused_quickly_and_a_killed_run_is_taken_over(inputs, tmp_path):
+    exp = tmp_path / "run"
+    first = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "10"})
+    try:
+        wait_for_step(exp, 1, first)
+        holder = json.loads((exp / ft.LOCK_FILE).read_text())
+        config_mtime = (exp / "config.yaml").stat().st_mtime_ns
+        started = time.monotonic()
+        second = run_trainer(flags(inputs, tmp_path), timeout=120)
+        refused_after = time.monotonic() - started
+        out = output_of(second)
+        assert second.returncode != 0
+        message = f"is in use by another run: host {holder['host']}, pid {holder['pid']}"
+        assert message in out
+        assert ends_with(out, f"delete {exp / ft.LOCK_FILE}."), out[-2000:]
+        assert out.count(message) <= 2, "printed once by rank 0, and once more by torchrun as the root cause"
+        assert refused_after < 60, refused_after
+        print(f"second launch refused after {refused_after:.1f}s")
+        assert (exp / "config.yaml").stat().st_mtime_ns == config_mtime, "the refused launch touched nothing"
+        assert first.poll() is None, "the first run goes on"
+    finally:
+        kill_tree(first.pid, signal.SIGKILL)  # every process at once: the lock file stays behind
+        first.wait()
+    assert (exp / ft.LOCK_FILE).is_file()
+    rerun = run_trainer(flags(inputs, tmp_path))
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "taking over the lock of a run that is gone" in output_of(rerun)
+    assert not (exp / ft.LOCK_FILE).exists(), "released at the end"
+
+
+# --- errors: one clear message ---------------------------------------------------------------------
+
+
+def test_abbreviations_are_refused_and_help_shows_each_flag_once(inputs, tmp_path, capsys):
+    code = ft.main([*flags(inputs, tmp_path), "--max-step", "3"])
+    assert code == 2
+    assert "unrecognized arguments: --max-step 3" in capsys.readouterr().out
+    assert ft.load_config(["--max_steps", "3", "--seq_length", "8"]).max_steps == 3, "snake_case aliases still work"
+    with pytest.raises(SystemExit):
+        ft.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--seed SEED, --seed SEED" not in help_text and "--seed SEED" in help_text
+    assert "--seq_length" not in help_text and "--seq-length SEQ_LENGTH" in help_text
+    required = help_text.split("required (on the command line or in --config):")[1]
+    for flag in ("-e, --experiment-name", "-d, --dataset-name", "-m, --model-name"):
+        assert flag in required
+    assert "-e EXPERIMENT_NAME -d DATASET_NAME -m MODEL_NAME" in help_text.splitlines()[0]
+
+
+def test_mistyped_model_folder_says_no_such_folder(inputs, tmp_path, monkeypatch, capsys):
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code = ft.main(["-e", "x", "-d", str(inputs[0]), "-m", "models/typo"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "--model-name models/typo: no such folder" in out and "cache" not in out
+
+
+@pytest.mark.slow
+def test_torchrun_output_ends_with_the_one_error_message(inputs, tmp_path):
+    proc = run_trainer([*flags(inputs, tmp_path), "--max-step", "3"], timeout=120)
+    out = output_of(proc)
+    assert proc.returncode != 0
+    assert ends_with(out, "unrecognized arguments: --max-step 3 (see fsdp_train.py --help)"), out[-3000:]
+    assert out.count("unrecognized arguments") == 2, "rank 0 prints it once; torchrun repeats it as the root cause"
+    assert "usage:" not in out
+    assert "error_file: <N/A>" not in out.split("Root Cause")[1]
+
+
+# --- workers die with torchrun ---------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be collected
+
+
+@pytest.mark.slow
+def test_kill9_of_torchrun_leaves_no_worker_alive(inputs, tmp_path):
+    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "10"})
+    workers: list[int] = []
+    try:
+        wait_for_step(tmp_path / "run", 1, proc)
+        workers = descendants(proc.pid)
+        assert len(workers) >= 2
+        killed_at = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun alone, as the OOM killer or a dying node agent does
+        proc.wait()
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        survivors = [pid for pid in workers if alive(pid)]
+        print(f"workers gone {time.monotonic() - killed_at:.1f}s after kill -9 of torchrun")
+        assert not survivors, f"workers still running 30 s after torchrun died: {survivors}"
+    finally:
+        kill_tree(proc.pid, signal.SIGKILL)
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
