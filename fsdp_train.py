@@ -2082,7 +2082,8 @@ class Metrics:
         if d.is_main and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(desc="train", unit="step", dynamic_ncols=True)
+            # total steps and the ETA (log lines go through bar.write, so they do not tear it)
+            self.bar = tqdm(desc="train", unit="step", total=total_steps(cfg, plan), dynamic_ncols=True)
         self._new_window()
 
     def _new_window(self) -> None:
@@ -2836,6 +2837,8 @@ def run(cfg: TrainConfig) -> int:
         export_hf_model(bundle, data.tokenizer, cfg.experiment_dir / "final", d)
         return 0
     metrics = Metrics(cfg, d, bundle, data.train, precision)
+    if metrics.bar is not None:
+        metrics.bar.update(state.step)  # a resumed run's bar starts where it resumes
     metrics.truncate_after(state.step if state.step else -1)  # a start from scratch keeps no line, not even step 0
     try:
         finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop)
