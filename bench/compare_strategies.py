@@ -254,7 +254,7 @@ def plot(settings: list[Setting], results: dict[str, dict[str, Any]], budget_gb:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Any:
     parser = bench_arg_parser(__doc__.split("\n\n")[0])
     parser.add_argument("-m", "--model-name", help="model folder (as fsdp_train.py -m); not needed with --quick")
     parser.add_argument("-d", "--dataset-name", help="dataset (as fsdp_train.py -d); not needed with --quick")
@@ -265,9 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, default=0, help="tokens per block (default: 256; quick: 64)")
     parser.add_argument("-b", "--batch-size", type=int, default=0, help="sequences per process (default: 4)")
     parser.add_argument("--precision", default="auto", help="fsdp_train.py --precision (default: auto)")
-    parser.add_argument("--memory-budget-gb", type=float, default=0.0, help="memory per rank (default: see above)")
+    parser.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=0.0,
+        help="memory one rank may use, for the recommendation (default: the GPU's memory; CPU: RAM / --nproc)",
+    )
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit per launch (default: 1800)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_params(args: Any, parser: Any) -> dict[str, Any]:
+    """QUICK or FULL with the flags given on top; exits with a usage error on a bad combination."""
     if not args.quick and not (args.model_name and args.dataset_name):
         parser.error("pass -m MODEL and -d DATASET (or --quick, which makes a tiny model and corpus itself)")
     p = dict(QUICK if args.quick else FULL)
@@ -277,14 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     p |= {"precision": args.precision, "timeout_s": args.timeout_s, "reps": args.reps or 1}
     if p["steps"] < 2 * p["log_freq"]:
         parser.error(f"--steps {p['steps']} gives fewer than 2 metric windows; use --steps >= 2 x --log-freq")
-    nnodes = detect_nnodes(args.nnodes)
-    budget_gb, budget_source = (
-        (args.memory_budget_gb, "--memory-budget-gb")
-        if args.memory_budget_gb
-        else (default_memory_budget_gb(p["nproc"]))
-    )
-    settings, skipped = strategy_settings(nnodes)
-    info = machine_info() | {"nnodes": nnodes, "nproc_per_node": p["nproc"]}
+    return p
+
+
+def run_all(args: Any, p: dict[str, Any], settings: list[Setting], nnodes: int) -> dict[str, dict[str, Any]]:
+    """Every setting, --reps times in ABBA order, summarised per setting."""
+
+    def summary(r: dict[str, Any]) -> str:
+        if r["status"] != "ok":
+            return f"{r['status']} {r.get('error', '')}"
+        return f"{r['tokens_per_s']:.0f} tokens/s, {r['mem_peak_alloc_gb']:.3f} GiB, loss {r['final_loss']:.4f}"
+
     with tempfile.TemporaryDirectory(prefix="compare_strategies_") as tmp:
         work = (args.workdir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
@@ -295,28 +307,39 @@ def main(argv: list[str] | None = None) -> int:
             dataset, model = (
                 str(Path(a).resolve()) if Path(a).exists() else a for a in (args.dataset_name, args.model_name)
             )
-        counter = {s.key: 0 for s in settings}
+        reps_done = {s.key: 0 for s in settings}
 
-        def summary(r: dict[str, Any]) -> str:
-            if r["status"] != "ok":
-                return f"{r['status']} {r.get('error', '')}"
-            return f"{r['tokens_per_s']:.0f} tokens/s, {r['mem_peak_alloc_gb']:.3f} GiB, loss {r['final_loss']:.4f}"
+        def side(s: Setting) -> Any:
+            def run() -> dict[str, Any]:
+                reps_done[s.key] += 1
+                return run_setting(s, reps_done[s.key], work, dataset, model, p, nnodes)
 
-        sides = {
-            s.key: (lambda s=s: run_setting(s, next_rep(counter, s.key), work, dataset, model, p, nnodes))
-            for s in settings
-        }
-        runs = interleaved(p["reps"], sides, summary)
+            return run
+
+        runs = interleaved(p["reps"], {s.key: side(s) for s in settings}, summary)
     results = {key: summarise(r) for key, r in runs.items()}
     for s in settings:
-        results[s.key] |= {
-            "sharding": s.sharding,
-            "cpu_offload": s.cpu_offload,
-            "activation_checkpointing": s.activation_checkpointing,
-        }
+        results[s.key] |= {"sharding": s.sharding, "cpu_offload": s.cpu_offload}
+        results[s.key]["activation_checkpointing"] = s.activation_checkpointing
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    p = resolve_params(args, parser)
+    nnodes = detect_nnodes(args.nnodes)
+    if nnodes > 1 and not args.workdir:
+        parser.error(f"{nnodes} nodes: pass --workdir on a file system all nodes share (checkpoints and metrics)")
+    if args.memory_budget_gb:
+        budget_gb, budget_source = args.memory_budget_gb, "--memory-budget-gb"
+    else:
+        budget_gb, budget_source = default_memory_budget_gb(p["nproc"])
+    settings, skipped = strategy_settings(nnodes)
+    info = machine_info() | {"nnodes": nnodes, "nproc_per_node": p["nproc"]}
+    results = run_all(args, p, settings, nnodes)
     best, reason = recommend(results, budget_gb)
     headers = ["setting", "act. ckpt", "tokens/s", "peak mem per rank (GiB)", "final loss", "error"]
-    table = format_table(headers, report_rows(settings, results, best))
     rule = (
         f"Rule: the fastest setting whose peak memory per rank fits under the budget ({budget_gb:.2f} GiB: "
         f"{budget_source}); among those within {SPEED_TIE:.0%} of it, the one with the least memory. "
@@ -325,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     recommendation = f"Recommended: {best} ({reason})" if best else f"No recommendation: {reason}"
     heading = (
         f"{nnodes} node(s) x {p['nproc']} processes, {p['steps']} steps, seq {p['seq']}, batch {p['batch']} per process,"
-        f" precision {p['precision']}, {p['reps']} rep(s); model {'tiny (--quick)' if args.quick else model}"
+        f" precision {p['precision']}, {p['reps']} rep(s); model {'tiny (--quick)' if args.quick else args.model_name}"
     )
+    table = format_table(headers, report_rows(settings, results, best))
     text = "\n\n".join([heading, table, *skipped, rule, recommendation])
     print(text)
     if os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID", "0")) not in ("", "0"):
@@ -335,29 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.results_dir / "compare_strategies.md").write_text(text + "\n")
     plot(settings, results, budget_gb, args.results_dir / "compare_strategies.png")
     print(f"wrote {args.results_dir / 'compare_strategies.md'} and {args.results_dir / 'compare_strategies.png'}")
-    write_results(
-        args.results_dir,
-        "compare_strategies",
-        {
-            "machine": info,
-            "params": p,
-            "memory_budget_gb": budget_gb,
-            "memory_budget_source": budget_source,
-            "skipped": skipped,
-            "results": results,
-            "recommended": best,
-            "reason": reason,
-        },
-    )
+    payload = {"machine": info, "params": p, "memory_budget_gb": budget_gb, "memory_budget_source": budget_source}
+    payload |= {"skipped": skipped, "results": results, "recommended": best, "reason": reason}
+    write_results(args.results_dir, "compare_strategies", payload)
     failed = [key for key, r in results.items() if r["status"] == "failed"]
     for key in failed:
         print(f"{key} failed: {results[key]['error']}")
     return 1 if failed else 0
-
-
-def next_rep(counter: dict[str, int], key: str) -> int:
-    counter[key] += 1
-    return counter[key]
 
 
 if __name__ == "__main__":
