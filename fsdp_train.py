@@ -2912,7 +2912,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         lock = ExperimentLock(cfg.experiment_dir)
-        lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
+        if _RANK_FOR_LOGS == 0:  # the other ranks would see rank 0's own lock; torchrun stops them if rank 0 exits
+            lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if problems:
             raise ConfigError(problems)

@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +89,16 @@ class SizePreset:
     default_vocab_size: int
 
 
-# Llama-style shapes: 350M is GPT-3-Medium-like; 1B/3B follow Llama-3.2-1B/3B (GQA, tied embeddings);
+# Llama-style shapes: 20M is a small GQA model for CPU runs (head_dim 64, 8/3 * hidden rounded to a multiple of
+# 128); 125M is SmolLM-135M's shape (30 narrow layers, GQA 9/3; 135M there with its 49152 vocab);
+# 350M is GPT-3-Medium-like; 1B/3B follow Llama-3.2-1B/3B (GQA, tied embeddings);
 # 7B/13B follow Llama-2; 30B is LLaMA-1 33B; 70B is Llama-2-70B (GQA with 8 kv heads).
 # intermediate_size as in those models; 350M uses Llama's 8/3 * hidden rounded up to a multiple of 256.
+# Exact counts per vocabulary: preset_parameter_count (20M: 21,730,176 and 125M: 124,635,456 with 32000 tokens).
 SIZE_PRESETS: dict[str, SizePreset] = {
     "tiny": SizePreset(2, 64, 4, 2, 176, 512, True, 1024),
+    "20M": SizePreset(6, 384, 6, 2, 1024, 2048, True, 32000),
+    "125M": SizePreset(30, 576, 9, 3, 1536, 2048, True, 32000),
     "350M": SizePreset(24, 1024, 16, 16, 2816, 4096, True, 32000),
     "1B": SizePreset(16, 2048, 32, 8, 8192, 4096, True, 32000),
     "3B": SizePreset(28, 3072, 24, 8, 8192, 4096, True, 32000),
@@ -116,6 +121,61 @@ def preset_config_kwargs(preset: SizePreset, vocab_size: int) -> dict[str, Any]:
         "max_position_embeddings": preset.max_position_embeddings,
         "tie_word_embeddings": preset.tie_word_embeddings,
     }
+
+
+# --init size flags: (flag, SizePreset field) for custom shapes on top of a preset
+SIZE_FLAGS: dict[str, str] = {
+    "--num-layers": "num_hidden_layers",
+    "--hidden-size": "hidden_size",
+    "--num-heads": "num_attention_heads",
+    "--num-kv-heads": "num_key_value_heads",
+    "--intermediate-size": "intermediate_size",
+}
+
+
+def size_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The size flags the user passed, as {flag: value}."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in SIZE_FLAGS}
+    return {flag: value for flag, value in given.items() if value is not None}
+
+
+def apply_size_overrides(preset: SizePreset, overrides: dict[str, int]) -> SizePreset:
+    return replace(preset, **{SIZE_FLAGS[flag]: value for flag, value in overrides.items()})
+
+
+def size_problems(preset_name: str, overrides: dict[str, int]) -> list[str]:
+    """What makes a custom shape unbuildable, each naming the flag and the fix (the preset's own values count too)."""
+    problems = [f"{flag} {value} must be a positive integer" for flag, value in overrides.items() if value < 1]
+    if problems:
+        return problems
+    shape = apply_size_overrides(SIZE_PRESETS[preset_name], overrides)
+    hidden, heads, kv_heads = shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads
+
+    def source(flag: str, value: int) -> str:
+        return f"{flag} {value}" if flag in overrides else f"{flag} {value} (preset {preset_name})"
+
+    if hidden % heads:
+        problems.append(
+            f"{source('--hidden-size', hidden)} is not divisible by {source('--num-heads', heads)}: each head gets"
+            f" hidden/heads dimensions; pick --num-heads dividing {hidden} (e.g. {hidden // 64 or 1} for head size 64)"
+            " or a --hidden-size that is a multiple of it"
+        )
+    elif (hidden // heads) % 2:
+        problems.append(
+            f"{source('--hidden-size', hidden)} / {source('--num-heads', heads)} = head size {hidden // heads}, which"
+            " is odd; rotary position embeddings need an even head size: change --num-heads or --hidden-size"
+        )
+    if heads % kv_heads:
+        problems.append(
+            f"{source('--num-heads', heads)} is not divisible by {source('--num-kv-heads', kv_heads)}: grouped-query"
+            f" attention shares each kv head among heads/kv-heads query heads; pick --num-kv-heads dividing {heads}"
+        )
+    return problems
+
+
+def describe_init(preset_name: str, overrides: dict[str, int]) -> str:
+    """`--init 125M --num-layers 12`: how the user asked for this shape, for logs and the verification record."""
+    return " ".join([f"--init {preset_name}", *(f"{flag} {value}" for flag, value in overrides.items())])
 
 
 def preset_parameter_count(preset: SizePreset, vocab_size: int) -> int:
@@ -1088,7 +1148,7 @@ def save_model_files(config: Any, folder: Path, with_weights: bool, dtype_name: 
 
 
 def run_init(args: argparse.Namespace) -> int:
-    preset = SIZE_PRESETS[args.init]
+    preset = apply_size_overrides(SIZE_PRESETS[args.init], size_overrides(args))
     target = Path(args.local_dir).resolve()
     check_init_target(target, args.overwrite)
     dtype_bytes = 4 if args.dtype == "float32" else 2
@@ -1109,7 +1169,7 @@ def run_init(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # only still there when something failed
     verified.folder = target
-    report_verified(verified, f"--init {args.init}")
+    report_verified(verified, describe_init(args.init, size_overrides(args)))
     return 0
 
 
@@ -1124,12 +1184,14 @@ def build_model_folder(
     if args.with_weights:
         check_weights_fit(num_params, dtype_bytes, available_memory_bytes(), free_disk_bytes(disk), disk)
     log(
-        f"{args.init}: {preset.num_hidden_layers} layers, hidden {preset.hidden_size}, vocab {config.vocab_size},"
-        f" {num_params:,} parameters"
+        f"{describe_init(args.init, size_overrides(args))}: {preset.num_hidden_layers} layers, hidden"
+        f" {preset.hidden_size}, heads {preset.num_attention_heads} (kv {preset.num_key_value_heads}), intermediate"
+        f" {preset.intermediate_size}, vocab {config.vocab_size}, {num_params:,} parameters"
     )
     save_model_files(config, staging, args.with_weights, args.dtype, args.seed)
     verified = verify_model(staging, str(staging), None, require_weights=args.with_weights)
     source = {"init": args.init, "seed": args.seed, "tokenizer_from": args.tokenizer_from, "tokenizer": args.tokenizer}
+    source["size_overrides"] = size_overrides(args)
     write_verification_record(verified, source)
     return verified
 
@@ -1137,6 +1199,11 @@ def build_model_folder(
 # ---------------------------------------------------------------------------------------------------------
 # main()
 # ---------------------------------------------------------------------------------------------------------
+
+
+def init_size_help() -> str:
+    counts = {name: preset_parameter_count(p, p.default_vocab_size) for name, p in SIZE_PRESETS.items()}
+    return ", ".join(f"{name} {count:,}" for name, count in counts.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1164,8 +1231,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scratch = parser.add_argument_group("new model from scratch")
     scratch.add_argument(
-        "--init", choices=list(SIZE_PRESETS), help="create a new Llama model folder of this size in --local-dir"
+        "--init",
+        choices=list(SIZE_PRESETS),
+        help="create a new Llama model folder of this size in --local-dir; exact parameter counts with a 32000 vocab"
+        f" (1024 for tiny): {init_size_help()}",
     )
+    for flag, config_field in SIZE_FLAGS.items():
+        scratch.add_argument(
+            flag, type=int, default=None, metavar="N", help=f"with --init: {config_field} instead of the preset's"
+        )
     scratch.add_argument(
         "--tokenizer-from",
         metavar="DATASET",
@@ -1202,6 +1276,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         "--vocab-size": args.vocab_size,
         "--with-weights": args.with_weights,
         "--overwrite": args.overwrite,
+        **size_overrides(args),
     }
     if args.init:
         if args.model_name or args.verify_only:
@@ -1216,8 +1291,9 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             problems.append("--vocab-size applies to --tokenizer-from only; a reused --tokenizer keeps its vocabulary")
         if args.vocab_size is not None and args.vocab_size < 259:
             problems.append(f"--vocab-size {args.vocab_size} is below 259 (256 byte tokens + bos, eos, pad)")
+        problems += size_problems(args.init, size_overrides(args))
     else:
-        used = [flag for flag, value in scratch_flags.items() if value]
+        used = [flag for flag, value in scratch_flags.items() if value not in (None, False)]
         if used:
             problems.append(f"{', '.join(used)} only apply with --init SIZE")
         if not args.model_name and not (args.verify_only and args.local_dir):

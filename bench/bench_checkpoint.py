@@ -102,8 +102,9 @@ def throughput_worker(model_dir: str, save_dir: str, reps: int, out: str) -> Non
     d = ft.setup_distributed(cfg)
     bundle = ft.build_model(cfg, "fp32", d)
     optimizer = ft.build_optimizer(bundle.model, cfg)
-    inputs = torch.randint(0, bundle.config.vocab_size, (1, 32))
-    bundle.model(input_ids=inputs).logits.float().mean().backward()
+    inputs = torch.randint(0, bundle.config.vocab_size, (1, 33))
+    loss, _ = bundle.train_forward(ft.Batch(inputs[:, :-1], inputs[:, 1:], None))  # the FSDP root
+    loss.backward()
     optimizer.step()  # creates AdamW's exp_avg and exp_avg_sq: the checkpoint holds params + 2x state
     checkpointer = ft.Checkpointer(cfg, d, fingerprint={})
     disk_file = Path(save_dir) / "disk_baseline.bin"

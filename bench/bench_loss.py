@@ -119,7 +119,7 @@ def loss_worker(p: dict[str, Any], seq: int, side: str) -> dict[str, Any]:
         hidden.sum().backward()
 
     def step() -> float:
-        loss = loss_fn(batch)
+        loss, _ = loss_fn(batch)  # (token loss, MoE router loss or None)
         loss.backward()
         return loss.item()
 

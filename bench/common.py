@@ -84,7 +84,7 @@ def write_results(results_dir: Path, name: str, payload: dict[str, Any]) -> Path
     return path
 
 
-def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A markdown table, so it pastes into BENCHMARKS.md as it is."""
 
     def cell(value: Any) -> str:
@@ -92,10 +92,14 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
 
     cells = [[cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in cells:
-        print("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    print(format_table(headers, rows))
 
 
 # --- Interleaved repetitions --------------------------------------------------------------------------------
@@ -231,23 +235,36 @@ def torchrun(script: Path, args: list[str], nproc: int, timeout: float = 900) ->
     """`torchrun --standalone` on CPU (gloo), one OpenMP thread per process so processes x threads = cores.
     Raises LaunchError when the run fails or hangs (then every process below it is killed), so a broken
     benchmark never reports a figure and a hung one never outlives the benchmark."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    return run_launcher([*cmd, *args], env, timeout, script.name)
+
+
+def multinode_launch(args: list[str], nnodes: int, nproc: int, rdzv_id: str, timeout: float = 900) -> Any:
+    """fsdp_train.py on this node of an `nnodes`-node run through scripts/multinode_launch.sh (c10d rendezvous at
+    MASTER_ADDR:MASTER_PORT from the environment): the same call must run on every node, with the same `rdzv_id`."""
+    cmd = ["bash", str(REPO_ROOT / "scripts" / "multinode_launch.sh"), *args]
+    env = {"NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc), "RDZV_ID": rdzv_id, "PYTHON": sys.executable}
+    env |= {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    return run_launcher(cmd, env, timeout, "fsdp_train.py")
+
+
+def run_launcher(cmd: list[str], env: dict[str, str], timeout: float, name: str) -> subprocess.CompletedProcess:
+    """Run a launcher command from the repository root with `env` added; LaunchError on failure or timeout."""
     from tests.fsdp_helpers import kill_tree
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [*cmd, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise LaunchError(f"{script.name} hung: killed after {timeout:.0f}s", (stdout + stderr)[-4000:]) from None
+        raise LaunchError(f"{name} hung: killed after {timeout:.0f}s", (stdout + stderr)[-4000:]) from None
     if proc.returncode != 0:
         raise LaunchError(
-            f"{script.name} exited {proc.returncode} after {time.perf_counter() - start:.0f}s",
-            (stdout + stderr)[-4000:],
+            f"{name} exited {proc.returncode} after {time.perf_counter() - start:.0f}s", (stdout + stderr)[-4000:]
         )
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

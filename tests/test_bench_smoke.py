@@ -118,3 +118,61 @@ def test_mfu_quick(repo_root, tmp_path):
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"] / 1e12, rel=0.05)
         assert r["mem_peak_alloc_gb"] > 0 and r["time_forward_ms"] > 0 and r["time_backward_ms"] > 0
         assert 0 < r["last_loss"] < 2 * math.log(1024), "a tiny model trains from a random start"
+
+
+@pytest.mark.slow
+def test_compare_strategies_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "compare_strategies.py", tmp_path)
+    expected = {(s, o) for s, o in [("none", "off"), ("grad-op", "off"), ("full", "off"), ("full", "on")]}
+    ran = {(r["sharding"], r["cpu_offload"], r["activation_checkpointing"]) for r in result["results"].values()}
+    assert ran == {(s, o, ac) for s, o in expected for ac in ("on", "off")}, "every strategy, checkpointing on and off"
+    assert any("hybrid: skipped, one node" in note for note in result["skipped"])
+    losses = []
+    for key, r in result["results"].items():
+        assert r["status"] == "ok", (key, r)
+        assert r["tokens_per_s"] > 0 and 0.05 < r["mem_peak_alloc_gb"] < 50
+        losses.append(r["final_loss"])
+    # same data, seed and batch: sharding and recomputation change speed and memory, not the math
+    assert max(losses) - min(losses) < 1e-3 * max(losses), losses
+    assert 0 < losses[0] < 2 * math.log(1024)
+    assert result["recommended"] in result["results"]
+    table = (tmp_path / "compare_strategies.md").read_text()
+    assert f"Recommended: {result['recommended']}" in table and "Rule: the fastest setting" in table
+    assert table.count("\n| ") == 1 + len(result["results"]), "a header row and one row per setting"
+    assert (tmp_path / "compare_strategies.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def load_compare_strategies(repo_root: Path):
+    sys.path.insert(0, str(repo_root / "bench"))
+    try:
+        import compare_strategies
+    finally:
+        sys.path.remove(str(repo_root / "bench"))
+    return compare_strategies
+
+
+def test_compare_strategies_recommendation_rule(repo_root):
+    cs = load_compare_strategies(repo_root)
+
+    def ok(tokens_per_s: float, mem: float) -> dict:
+        return {"status": "ok", "tokens_per_s": tokens_per_s, "mem_peak_alloc_gb": mem, "final_loss": 1.0}
+
+    results = {"none": ok(1000, 9.0), "grad-op": ok(990, 6.0), "full": ok(800, 4.0), "bad": {"status": "OOM"}}
+    assert cs.recommend(results, 10.0)[0] == "grad-op", "within 5% of the fastest, less memory"
+    assert cs.recommend(results, 5.0)[0] == "full", "the only one that fits"
+    key, reason = cs.recommend(results, 1.0)
+    assert key == "full" and "no setting fits in 1.00 GiB" in reason
+    assert cs.recommend({"bad": {"status": "failed"}}, 1.0) == (None, "no setting ran")
+
+
+def test_compare_strategies_hybrid_only_with_nodes(repo_root, monkeypatch):
+    cs = load_compare_strategies(repo_root)
+    monkeypatch.delenv("NNODES", raising=False)
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    assert cs.detect_nnodes(0) == 4 and cs.detect_nnodes(2) == 2
+    monkeypatch.delenv("SLURM_NNODES")
+    assert cs.detect_nnodes(0) == 1
+    one, skipped = cs.strategy_settings(1)
+    assert len(one) == 8 and "hybrid" not in {s.sharding for s in one} and skipped
+    two, skipped = cs.strategy_settings(2)
+    assert {s.key for s in two} - {s.key for s in one} == {"hybrid ac=on", "hybrid ac=off"} and not skipped

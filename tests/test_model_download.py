@@ -483,6 +483,25 @@ def test_free_space_is_checked_before_downloading(tmp_path: Path):
         (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--vocab-size", "500"], "--vocab-size applies"),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer-from", "d", "--vocab-size", "100"], "below 259"),
         (["--model-name", "a/b", "--with-weights"], "--with-weights only apply with --init"),
+        (["--model-name", "a/b", "--num-layers", "4"], "--num-layers only apply with --init"),
+        (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--num-layers", "0"], "--num-layers 0 must be a"),
+        (
+            ["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--intermediate-size", "-5"],
+            "--intermediate-size",
+        ),
+        (
+            ["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--num-heads", "3", "--num-kv-heads", "1"],
+            "--hidden-size 64 (preset tiny) is not divisible by --num-heads 3",
+        ),
+        (
+            ["--init", "20M", "--local-dir", "x", "--tokenizer", "t", "--hidden-size", "500"],
+            "--hidden-size 500 is not divisible by --num-heads 6 (preset 20M)",
+        ),
+        (
+            ["--init", "125M", "--local-dir", "x", "--tokenizer", "t", "--num-heads", "12", "--num-kv-heads", "5"],
+            "--num-heads 12 is not divisible by --num-kv-heads 5: grouped-query",
+        ),
+        (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--num-heads", "64"], "head size 1, which is odd"),
         ([], "pass --model-name"),
     ],
 )
@@ -514,6 +533,40 @@ def test_preset_shapes_and_parameter_counts(size: str):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == preset.tie_word_embeddings
     if size in KNOWN_COUNTS:
         assert md.preset_parameter_count(preset, vocab) == KNOWN_COUNTS[size]
+
+
+# The counts stated in model_download.py's --init help and the README, with the default 32000 vocabulary.
+STATED_COUNTS = {"20M": 21_730_176, "125M": 124_635_456}
+
+
+def test_small_presets_match_the_stated_counts():
+    for size, count in STATED_COUNTS.items():
+        assert md.preset_parameter_count(md.SIZE_PRESETS[size], 32000) == count
+        assert f"{size} {count:,}" in " ".join(md.build_parser().format_help().split())
+
+
+def test_size_flags_override_the_preset_in_the_written_config(tiny_model: Path, tmp_path: Path, capsys):
+    target = tmp_path / "custom"
+    sizes = ["--num-layers", "3", "--hidden-size", "96", "--num-heads", "6", "--num-kv-heads", "3"]
+    argv = ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target), "--with-weights"]
+    assert md.main([*argv, *sizes, "--intermediate-size", "200", "--dtype", "float32"]) == 0
+    config = json.loads((target / "config.json").read_text())
+    fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    assert tuple(config[f] for f in fields) == (3, 96, 6, 3, 200)
+    assert config["max_position_embeddings"] == md.SIZE_PRESETS["tiny"].max_position_embeddings, "the rest: preset's"
+    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
+    assert tuple(model.model.layers[0].self_attn.k_proj.weight.shape) == (3 * 16, 96)
+    assert tuple(model.model.layers[0].mlp.up_proj.weight.shape) == (200, 96)
+    assert "--init tiny --num-layers 3 --hidden-size 96" in capsys.readouterr().out
+
+
+def test_bad_sizes_write_nothing(tiny_model: Path, tmp_path: Path, capsys):
+    target = tmp_path / "bad"
+    argv = ["--init", "125M", "--tokenizer", str(tiny_model), "--local-dir", str(target), "--num-kv-heads", "2"]
+    assert md.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--num-heads 9 (preset 125M) is not divisible by --num-kv-heads 2" in err and "dividing 9" in err
+    assert not list(tmp_path.iterdir())
 
 
 def test_tiny_init_loads_offline_and_round_trips_text(tiny_model: Path):
