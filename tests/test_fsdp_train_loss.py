@@ -52,28 +52,14 @@ def test_all_labels_ignored_gives_zero_loss_and_zero_gradients():
     assert loss.item() == 0 and hidden.grad.abs().sum() == 0 and head.weight.grad.abs().sum() == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "opt", "gpt2", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "opt", "gpt2", "gemma2", "mixtral"])
 def test_training_forward_equals_the_models_own_logits(arch):
-    """CausalLMLoss (decoder + chunked head) against the model's forward and a plain cross-entropy."""
+    """CausalLMLoss (decoder + chunked head) against the model's forward and a plain cross-entropy; Gemma2 has
+    logit soft-capping, Mixtral a router loss the chunked path computes itself."""
     import transformers as tf
 
     torch.manual_seed(0)
-    if arch == "gpt2":
-        config = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64)
-    elif arch == "gemma2":
-        config = tf.Gemma2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            vocab_size=97,
-            max_position_embeddings=64,
-            final_logit_softcapping=5.0,
-        )
-    else:
-        config = tiny_config(arch, 97, 0)
+    config = tiny_config(arch, 97, 0)
     config.use_cache = False
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # no dropout
     assert ft.chunked_loss_problem(model) is None
@@ -81,11 +67,16 @@ def test_training_forward_equals_the_models_own_logits(arch):
     labels = torch.randint(0, 97, (2, 17))
     labels[0, :5] = -100
     batch = ft.Batch(ids, labels, None)
-    full = ft.CausalLMLoss(model, 0)(batch)
-    full_grads = torch.autograd.grad(full, list(model.parameters()), allow_unused=True)
-    chunked = ft.CausalLMLoss(model, 5)(batch)
-    chunked_grads = torch.autograd.grad(chunked, list(model.parameters()), allow_unused=True)
+    results = {}
+    for chunk in (0, 5):
+        loss, aux = ft.CausalLMLoss(model, chunk)(batch)
+        objective = loss if aux is None else loss + aux
+        results[chunk] = (loss, aux, torch.autograd.grad(objective, list(model.parameters()), allow_unused=True))
+    (full, full_aux, full_grads), (chunked, chunked_aux, chunked_grads) = results[0], results[5]
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-6)
+    assert (full_aux is None) == (chunked_aux is None) == (arch != "mixtral")
+    if full_aux is not None:
+        torch.testing.assert_close(chunked_aux, full_aux, rtol=1e-6, atol=1e-7)
     for c, f in zip(chunked_grads, full_grads):
         if f is not None:
             torch.testing.assert_close(c, f, rtol=1e-5, atol=1e-6)
