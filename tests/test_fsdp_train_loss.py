@@ -176,3 +176,12 @@ def test_compiled_decoder_layers_train_like_eager(small_inputs, tmp_path):
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
     assert compiled[4] < compiled[1]
+
+
+def test_eager_attention_trains_like_sdpa(small_inputs, tmp_path):
+    """The kernels --attn-implementation offers that train on CPU (flex_attention has no CPU backward in torch
+    2.13; flash_attention_2 needs CUDA), with document masking on: same losses."""
+    sdpa = _losses(small_inputs, tmp_path, "sdpa", "--attn-implementation", "sdpa")
+    eager = _losses(small_inputs, tmp_path, "eager_attn", "--attn-implementation", "eager")
+    for step in sdpa:
+        assert eager[step] == pytest.approx(sdpa[step], rel=1e-5)

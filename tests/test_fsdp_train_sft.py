@@ -140,13 +140,14 @@ def test_trained_mask_and_document_masking_combine():
     assert blocks.trained_tokens([0, 1]) == int((batch.labels != -100).sum())
 
 
-def test_changing_one_document_leaves_the_next_documents_logits_unchanged(tmp_path):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_changing_one_document_leaves_the_next_documents_logits_unchanged(tmp_path, attn):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = tiny_config("llama", 64, 0)
     config.use_cache = False  # as in training: with a KV cache, transformers ignores packed position ids
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     rng = np.random.default_rng(0)
     first, second = rng.integers(1, 64, 12), rng.integers(1, 64, 20)
     blocks = ft.PackedBlocks(np.concatenate([first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
