@@ -139,6 +139,11 @@ class TrainConfig:
     keep_last: int = _opt(3, "complete checkpoints to keep (the newest is never deleted)")
     async_ckpt: str = _opt("off", "write checkpoints in the background while training continues", choices=ON_OFF)
     tensorboard: str = _opt("off", "also write TensorBoard event files to outputs/EXP/tensorboard", choices=ON_OFF)
+    wandb: str = _opt(
+        "off",
+        "also log to Weights & Biases, offline unless WANDB_MODE says otherwise (files in outputs/EXP/wandb)",
+        choices=ON_OFF,
+    )
     peak_tflops: float = _opt(0.0, "accelerator peak TFLOP/s per GPU for MFU (0 = built-in table)")
     max_bad_steps: int = _opt(25, "stop after this many consecutive steps with a non-finite loss or gradient")
     collective_timeout_s: int = _opt(1800, "timeout of collectives (checkpoint agreement, tokenisation wait)")
@@ -331,6 +336,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         problems.append(
             f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"
         )
+    if cfg.wandb == "on":
+        problems += _wandb_problems()
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
     if cfg.dataset_name:
@@ -357,6 +364,15 @@ def _batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             f"({world_size} processes x -b {cfg.batch_size} needs {accum}); pass only one of them"
         ]
     cfg.grad_accum_steps = accum
+    return []
+
+
+def _wandb_problems() -> list[str]:
+    """wandb is optional: a missing (or broken) install is a flag problem, not a traceback on rank 0 later."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError as exc:
+        return [f"--wandb on needs the wandb package ({exc}); pip install wandb, or leave --wandb off"]
     return []
 
 
@@ -2063,7 +2079,7 @@ class PhaseTimer:
 
 
 class Metrics:
-    """Window accumulators on the device; one sync per log line. Writes stdout, metrics.jsonl, TensorBoard."""
+    """Window accumulators on the device; one sync per log line. Writes stdout, metrics.jsonl, TensorBoard, W&B."""
 
     def __init__(self, cfg: TrainConfig, d: Dist, bundle: ModelBundle, plan: DataPlan, precision: str):
         self.cfg, self.d = cfg, d
@@ -2078,6 +2094,7 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(cfg.experiment_dir / "tensorboard"))
+        self.wandb_run = start_wandb(cfg) if d.is_main and cfg.wandb == "on" else None
         self.bar = None
         if d.is_main and sys.stderr.isatty():
             from tqdm import tqdm
@@ -2205,6 +2222,8 @@ class Metrics:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self.writer.add_scalar(key, value, record["step"])
+        if self.wandb_run is not None:  # "step" is logged as the x axis (see start_wandb); W&B keeps its own time
+            self.wandb_run.log({k: v for k, v in record.items() if k != "time"})
         message = " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items() if k != "time"
         )
@@ -2222,8 +2241,45 @@ class Metrics:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
         if self.bar is not None:
             self.bar.close()
+
+
+def start_wandb(cfg: TrainConfig) -> Any:
+    """Rank 0's Weights & Biases run, with the resolved config (what config.yaml holds).
+
+    Offline unless WANDB_MODE is set (these machines have no internet): files go to outputs/EXP/wandb and
+    `wandb sync` uploads them later. The run id is kept in outputs/EXP/wandb/run_id, so a resumed experiment
+    continues the same run (resume="allow"). Records are plotted against our "step", not W&B's own step counter:
+    a resume logs again the steps after its checkpoint, and W&B drops rows whose own step goes backwards."""
+    import uuid
+
+    import wandb
+
+    folder = cfg.experiment_dir / "wandb"
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / "run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    if not run_id:
+        run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits; no W&B helper (its home moves between versions)
+        id_file.write_text(run_id + "\n")
+    try:
+        run = wandb.init(
+            dir=str(cfg.experiment_dir),  # W&B adds the wandb/ folder itself
+            id=run_id,
+            resume="allow",
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            project=os.environ.get("WANDB_PROJECT", "fsdp-train"),
+            name=cfg.experiment_name,
+            config=dataclasses.asdict(cfg),
+            settings=wandb.Settings(console="off"),  # our log lines and the progress bar stay as they are
+        )
+    except Exception as exc:  # e.g. WANDB_MODE=online without a key or network: one message, not a traceback
+        raise TrainError(f"--wandb on: wandb.init failed ({exc}); set WANDB_MODE=offline or use --wandb off") from exc
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
