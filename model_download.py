@@ -14,6 +14,9 @@ loads and that every weight is present. After that everything works with HF_HUB_
     # re-check an existing download without any network
     HF_HUB_OFFLINE=1 python model_download.py --model-name meta-llama/Llama-3.2-3B-Instruct --verify-only
 
+    # a hub dataset into the cache, verified to load with HF_DATASETS_OFFLINE=1 (then fsdp_train.py -d ORG/NAME)
+    python model_download.py --dataset ORG/NAME
+
     # a new model from scratch: Llama architecture + a BPE tokenizer trained on a data_hf.py dataset
     python model_download.py --init tiny --tokenizer-from hf_datasets/my_corpus --local-dir models/tiny --with-weights
 
