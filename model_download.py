@@ -1016,6 +1016,11 @@ def run_dataset_download(args: argparse.Namespace) -> int:
         log("  note: no 'text' or 'messages' column; train with fsdp_train.py -d ... --text-column NAME")
     hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
     log(f"offline use: export HF_HOME={hf_home}, then fsdp_train.py -d {args.dataset}")
+    if args.revision != "main":
+        log(
+            f"  note: fsdp_train.py -d {args.dataset} reads the cached 'main' revision only; fetch it too (no"
+            " --revision) to train on this dataset"
+        )
     return 0
 
 
