@@ -68,8 +68,12 @@ class TrainConfig:
 
     experiment_name: str = _opt("", "folder name under --save-dir for checkpoints, metrics and export", short="-e")
     dataset_name: str = _opt(
-        "", "folder written by data_hf.py (Dataset or DatasetDict with train/validation)", short="-d"
+        "",
+        "folder written by data_hf.py (Dataset or DatasetDict with train/validation), or a hub dataset ORG/NAME "
+        "already in the offline cache (model_download.py --dataset ORG/NAME)",
+        short="-d",
     )
+    text_column: str = _opt("", "use this column of the dataset as the text (default: 'text' or 'messages')")
     model_name: str = _opt("", "local model folder, or a hub id already in the offline cache (HF_HOME)", short="-m")
     save_dir: str = _opt("outputs", "root folder for experiments")
     seed: int = _opt(0, "seed for data order, initialisation and dropout")
@@ -341,7 +345,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
     if cfg.dataset_name:
-        problems += _dataset_problems(Path(cfg.dataset_name))
+        problems += _dataset_problems(cfg.dataset_name)
     if cfg.model_name:
         problems += _model_problems(cfg)
     return problems
@@ -384,7 +388,16 @@ def parse_data_slice(text: str) -> tuple[int, int | None] | None:
     return int(start or 0), (int(end) if end.strip() else None)
 
 
-def _dataset_problems(path: Path) -> list[str]:
+def _dataset_problems(name: str) -> list[str]:
+    from data_hf import hub_dataset_snapshot, is_hub_dataset_id
+
+    if is_hub_dataset_id(name):  # resolved from the HF_HOME cache only, never the network
+        try:
+            hub_dataset_snapshot(name)
+        except ValueError as exc:
+            return [f"--dataset-name/-d {exc}"]
+        return []
+    path = Path(name)
     if not path.is_dir():
         return [f"--dataset-name {path}: no such folder; create it with data_hf.py --save_dir {path}"]
     if not any((path / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):
@@ -986,7 +999,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     from data_hf import load_text_dataset
 
     try:
-        train_split, val_split = load_text_dataset(cfg.dataset_name)
+        train_split, val_split = load_text_dataset(cfg.dataset_name, cfg.text_column or None)
     except ValueError as exc:
         raise TrainError(f"--dataset-name: {exc}") from exc
     if cfg.data_slice:

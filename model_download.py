@@ -14,6 +14,9 @@ loads and that every weight is present. After that everything works with HF_HUB_
     # re-check an existing download without any network
     HF_HUB_OFFLINE=1 python model_download.py --model-name meta-llama/Llama-3.2-3B-Instruct --verify-only
 
+    # a hub dataset into the cache, verified to load with HF_DATASETS_OFFLINE=1 (then fsdp_train.py -d ORG/NAME)
+    python model_download.py --dataset ORG/NAME
+
     # a new model from scratch: Llama architecture + a BPE tokenizer trained on a data_hf.py dataset
     python model_download.py --init tiny --tokenizer-from hf_datasets/my_corpus --local-dir models/tiny --with-weights
 
@@ -740,7 +743,7 @@ def offline_mode_message(repo_id: str) -> str:
     )
 
 
-def explain_hub_error(exc: BaseException, repo_id: str, revision: str) -> str | None:
+def explain_hub_error(exc: BaseException, repo_id: str, revision: str, flag: str = "--model-name") -> str | None:
     """A message naming the cause and the fix for an exception raised while talking to the hub, or None.
 
     Looks through the whole __cause__/__context__ chain: huggingface_hub often wraps the real error (a refused
@@ -773,7 +776,7 @@ def explain_hub_error(exc: BaseException, repo_id: str, revision: str) -> str | 
     if first(hub_errors.RepositoryNotFoundError):
         return (
             f"repository {repo_id} not found, or it is private or gated and you are not authorised: check"
-            " --model-name, and pass a token (HF_TOKEN=... or --token) if it is private or gated"
+            f" {flag}, and pass a token (HF_TOKEN=... or --token) if it is private or gated"
         )
     if status in (401, 403):
         return (
@@ -837,6 +840,7 @@ class HubSnapshot:
     force: bool
     commit: str
     sizes: dict[str, int]
+    repo_type: str = "model"
 
     def fetch(self, files: list[str]) -> Path:
         """Download these files (skipping complete ones) and return the folder holding them."""
@@ -844,6 +848,7 @@ class HubSnapshot:
 
         folder = snapshot_download(
             self.repo_id,
+            repo_type=self.repo_type,
             revision=self.revision,
             local_dir=self.local_dir,
             token=self.token,
@@ -858,7 +863,8 @@ class HubSnapshot:
             return path.is_file() and path.stat().st_size == self.sizes[name]
         from huggingface_hub import try_to_load_from_cache
 
-        return isinstance(try_to_load_from_cache(self.repo_id, name, revision=self.commit), str)
+        cached = try_to_load_from_cache(self.repo_id, name, revision=self.commit, repo_type=self.repo_type)
+        return isinstance(cached, str)
 
 
 def download_model(repo_id: str, revision: str, local_dir: Path | None, token: str | None, force: bool) -> Path:
@@ -932,6 +938,90 @@ def run_download(args: argparse.Namespace) -> int:
     if local_dir is None:  # verify exactly as training will load it: by hub id, from the cache, offline
         return run_verification(folder, args.model_name, args.revision, source, require_weights=True)
     return run_verification(folder, str(folder), None, source, require_weights=True)
+
+
+def download_dataset(repo_id: str, revision: str, token: str | None, force: bool) -> Path:
+    """Fetch every file of a hub dataset repository into the HF_HOME cache; return its snapshot folder.
+
+    The same machinery as download_model: a free-space check up front, complete files skipped on a rerun,
+    interrupted files resumed by huggingface_hub."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ToolError(offline_mode_message(repo_id))
+    info = HfApi(token=token).dataset_info(repo_id, revision=revision, files_metadata=True)
+    sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
+    if not sizes:
+        raise ToolError(f"dataset repository {repo_id} @ {revision} has no files; check --dataset and --revision")
+    snapshot = HubSnapshot(repo_id, revision, None, token, force, info.sha or revision, sizes, repo_type="dataset")
+    needed = sum(size for name, size in sizes.items() if force or not snapshot.is_present(name))
+    target = Path(constants.HF_HUB_CACHE)
+    check_free_space(needed, free_disk_bytes(target), target)
+    log(f"dataset {repo_id} @ {revision} (commit {info.sha}): fetching {len(sizes)} file(s), {format_bytes(needed)}")
+    folder = snapshot.fetch(sorted(sizes))
+    _note_partial_files(folder)
+    return folder
+
+
+DATASET_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import data_hf
+try:
+    loaded = data_hf.load_hub_dataset_dict(sys.argv[2], sys.argv[3])
+except ValueError as exc:
+    sys.exit(str(exc))
+print(json.dumps({name: {"rows": len(split), "columns": split.column_names} for name, split in loaded.items()}))
+"""
+
+
+def verify_dataset(repo_id: str, revision: str) -> dict[str, dict[str, Any]]:
+    """Load the cached dataset as fsdp_train.py -d will, in a fresh interpreter with HF_DATASETS_OFFLINE=1 and
+    HF_HUB_OFFLINE=1 (both are read at import); {split: {"rows", "columns"}}."""
+    import subprocess
+
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    here = str(Path(__file__).resolve().parent)
+    result = subprocess.run(
+        [sys.executable, "-c", DATASET_CHECK, here, repo_id, revision], env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ToolError(
+            f"--dataset {repo_id}: downloaded, but it does not load offline (HF_DATASETS_OFFLINE=1): {detail}\n"
+            "  fix: rerun with --force-download if a file is corrupt; the files must be parquet, json/jsonl, csv or"
+            " text that the datasets library reads"
+        )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_dataset_download(args: argparse.Namespace) -> int:
+    try:
+        download_dataset(args.dataset, args.revision, args.token, args.force_download)
+    except ToolError:
+        raise
+    except Exception as exc:
+        message = explain_hub_error(exc, args.dataset, args.revision, flag="--dataset")
+        if message is None:
+            raise
+        raise ToolError(message) from exc
+    splits = verify_dataset(args.dataset, args.revision)
+    log(f"verified offline: dataset {args.dataset} @ {args.revision} loads with HF_DATASETS_OFFLINE=1")
+    for name, split in splits.items():
+        log(f"  {name}: {split['rows']:,} rows, columns {', '.join(split['columns'])}")
+    columns = set(splits.get("train", {}).get("columns", []))
+    if "train" not in splits:
+        log("  note: no 'train' split; fsdp_train.py -d needs one")
+    elif not columns & {"text", "messages"}:
+        log("  note: no 'text' or 'messages' column; train with fsdp_train.py -d ... --text-column NAME")
+    hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+    log(f"offline use: export HF_HOME={hf_home}, then fsdp_train.py -d {args.dataset}")
+    if args.revision != "main":
+        log(
+            f"  note: fsdp_train.py -d {args.dataset} reads the cached 'main' revision only; fetch it too (no"
+            " --revision) to train on this dataset"
+        )
+    return 0
 
 
 def run_verify_only(args: argparse.Namespace) -> int:
@@ -1214,6 +1304,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_argument_group("download / verify")
     source.add_argument("--model-name", help="hub repository id, e.g. meta-llama/Llama-3.2-3B-Instruct")
+    source.add_argument(
+        "--dataset",
+        metavar="ORG/NAME",
+        help="download a hub dataset repository into the HF_HOME cache instead, and verify it loads offline",
+    )
     source.add_argument("--revision", default="main", help="branch, tag or commit hash to fetch (default: main)")
     source.add_argument(
         "--local-dir", help="write a plain folder instead of the HF_HOME cache (the --init output folder)"
@@ -1278,6 +1373,13 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         "--overwrite": args.overwrite,
         **size_overrides(args),
     }
+    if args.dataset:
+        if args.model_name or args.init or args.verify_only or args.local_dir:
+            problems.append(
+                "--dataset downloads a dataset into the HF_HOME cache: drop --model-name/--init/--verify-only/--local-dir"
+            )
+        if args.dataset.count("/") != 1:
+            problems.append(f"--dataset {args.dataset}: expected a hub id ORG/NAME")
     if args.init:
         if args.model_name or args.verify_only:
             problems.append("--init creates a new model: drop --model-name/--verify-only")
@@ -1296,9 +1398,10 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         used = [flag for flag, value in scratch_flags.items() if value not in (None, False)]
         if used:
             problems.append(f"{', '.join(used)} only apply with --init SIZE")
-        if not args.model_name and not (args.verify_only and args.local_dir):
+        if not args.model_name and not args.dataset and not (args.verify_only and args.local_dir):
             problems.append(
-                "pass --model-name NAME (download), --verify-only with --model-name or --local-dir, or --init SIZE"
+                "pass --model-name NAME (download), --dataset ORG/NAME, --verify-only with --model-name or"
+                " --local-dir, or --init SIZE"
             )
     return problems
 
@@ -1311,6 +1414,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model_download.py: error: {problem}", file=sys.stderr)
         return 2
     try:
+        if args.dataset:
+            return run_dataset_download(args)
         if args.init:
             return run_init(args)
         if args.verify_only:

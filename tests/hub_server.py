@@ -8,6 +8,8 @@ Read from huggingface_hub 2.4 (hf_api.model_info, list_repo_tree, file_download.
     HEAD /{repo}/resolve/{rev}/{file}             X-Repo-Commit, ETag, Content-Length: the file metadata
     GET  /{repo}/resolve/{rev}/{file}             the bytes; "Range: bytes=N-" answers 206 (resume)
 
+Dataset repositories (`add_dataset`) answer the same routes under /api/datasets/{repo} and /datasets/{repo}.
+
 Errors carry the X-Error-Code header huggingface_hub maps to its exception classes (RepoNotFound,
 RevisionNotFound, EntryNotFound, GatedRepo). Faults for resume tests: `drop_after[file] = n` sends n bytes of the
 next GET of that file and closes the connection; `hang_after[file] = n` sends n bytes and then stalls until
@@ -67,6 +69,11 @@ class FakeHub:
         files = {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
         self.repos[repo_id] = FakeRepo({**files, **(extra or {})}, gated_token)
         return self.repos[repo_id]
+
+    def add_dataset(self, repo_id: str, files: dict[str, bytes]) -> FakeRepo:
+        """A dataset repository: stored as datasets/ORG/NAME, as the hub's URLs name it."""
+        self.repos[f"datasets/{repo_id}"] = FakeRepo(files)
+        return self.repos[f"datasets/{repo_id}"]
 
     @property
     def url(self) -> str:
@@ -128,9 +135,15 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         if path.startswith("/api/models/"):
             self._api(path[len("/api/models/") :])
             return
+        if path.startswith("/api/datasets/"):
+            self._api(path[len("/api/datasets/") :], prefix="datasets/")
+            return
         parts = path.lstrip("/").split("/")
+        prefix = ""
+        if parts[0] == "datasets":
+            prefix, parts = "datasets/", parts[1:]
         if len(parts) >= 5 and parts[2] == "resolve":
-            self._resolve("/".join(parts[:2]), parts[3], "/".join(parts[4:]), head, record)
+            self._resolve(prefix + "/".join(parts[:2]), parts[3], "/".join(parts[4:]), head, record)
             return
         self._error(404, "NotFound", "no such route")
 
@@ -152,14 +165,14 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             return None
         return repo
 
-    def _api(self, rest: str) -> None:
+    def _api(self, rest: str, prefix: str = "") -> None:
         if "/tree/" in rest:
             repo_id, _, revision = rest.partition("/tree/")
         elif "/revision/" in rest:
             repo_id, _, revision = rest.partition("/revision/")
         else:
             repo_id, revision = rest, "main"
-        repo = self._repo(repo_id, revision.split("/")[0])
+        repo = self._repo(prefix + repo_id, revision.split("/")[0])
         if repo is None:
             return
         if "/tree/" in rest:
