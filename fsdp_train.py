@@ -10,7 +10,11 @@ Multi-GPU run (nccl, bf16 compute with fp32 master weights, activation checkpoin
     torchrun --standalone --nproc_per_node 8 fsdp_train.py -e llama3b-sft -d hf_datasets/my_corpus \
         -m meta-llama/Llama-3.2-3B-Instruct --precision bf16 -b 2 --seq-length 2048 --lr 2e-5 --num-epochs 3
 
-Rerunning the same command resumes from the newest complete checkpoint in `outputs/EXP/checkpoint/`.
+A dataset with a `messages` column (`data_hf.py --format chat`) trains as chat SFT: rendered with the tokenizer's
+chat template (or --chat-template FILE), loss on the assistant turns only (--loss-on all for every token).
+
+Rerunning the same command resumes from the newest complete checkpoint in `outputs/EXP/checkpoint/`, also on
+another number of GPUs (with --global-batch-size the accumulation adapts).
 Sections below follow the data flow: Config, Distributed, Data, Model and sharding, Checkpoints,
 Metrics, Train step, main().
 """
