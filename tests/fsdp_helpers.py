@@ -172,7 +172,12 @@ def make_model(
 
 
 def run_trainer(
-    args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 300, background: bool = False
+    args: list[str],
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    background: bool = False,
+    cwd: Path = REPO_ROOT,
 ):
     cmd = [
         sys.executable,
@@ -187,14 +192,14 @@ def run_trainer(
     if background:
         return subprocess.Popen(
             cmd,
-            cwd=REPO_ROOT,
+            cwd=cwd,
             env=full_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def descendants(pid: int) -> list[int]:

@@ -348,3 +348,23 @@ def test_garbage_rng_file_is_a_clear_error(inputs, tmp_path, checksum):
     expected = "no intact checkpoint" if checksum == "stale" else "cannot restore the random number generators"
     assert expected in out
     assert "UnpicklingError" not in out.split(str(rng_file))[0] and 'fsdp_train.py", line' not in out
+
+
+def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
+    """A checkpoint written by the single-file fsdp_train.py of commit ed51a19 (tests/fixtures/make_legacy_run.py)
+    resumes under the current code, and steps 3-4 train to the losses the old code got after the same checkpoint."""
+    import shutil
+
+    fixture = Path(__file__).parent / "fixtures" / "legacy_run"
+    work = tmp_path / "legacy_run"
+    shutil.copytree(fixture, work)
+    expected = json.loads((work / "expected.json").read_text())
+    args = ["-e", "run", "-d", "corpus", "-m", "model", "--save-dir", "outputs", *expected["flags"]]
+    rerun = run_trainer(args, cwd=work)  # the relative paths the fixture was made with
+    out = output_of(rerun)
+    assert rerun.returncode == 0, out
+    assert "resumed from" in out and "at step 2" in out
+    resumed = losses_by_step(work / "outputs" / "run")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step, loss in expected["losses"].items():
+        assert resumed[int(step)] == pytest.approx(loss, rel=1e-6, abs=0), (step, resumed[int(step)], loss)
