@@ -20,7 +20,8 @@ Text rows, one per extracted string (--json-mode records: one per record):
 Bad input never crashes the run and never disappears silently: each skipped file, line or piece is counted by
 reason in the summary printed at the end and saved as `data_hf_summary.json` inside the dataset folder.
 The dataset is written to a hidden temporary folder beside --save_dir and renamed into place only when complete.
-This module must not import torch: fsdp_train.py imports `load_text_dataset` from it.
+Loading a saved dataset (a data_hf.py folder or a cached hub dataset) is fsdp_lib/dataset.py, shared with the
+trainer; this module imports it from there.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 from tqdm import tqdm
+
+from fsdp_lib.dataset import load_text_dataset
 
 # pyarrow and datasets are imported inside the functions of the parent process that use them: every spawned worker
 # imports this module, and pyarrow alone would add ~45 MB to each (datasets ~80 MB more, and a second of start-up).
@@ -1518,142 +1521,6 @@ def _one_line(summary: dict[str, Any]) -> str:
         f"in {summary['seconds']:.1f} s ({speed:.1f} MB/s); {summary['files_skipped']} files skipped, "
         f"{sum(counts.values())} problems{reasons}"
     )
-
-
-# --- Loading (shared with fsdp_train.py) --------------------------------------------------------------------
-
-
-def load_text_dataset(
-    path: str | Path, text_column: str | None = None
-) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train, validation or None) from a folder written by data_hf.py, or from a hub dataset id ORG/NAME fetched
-    beforehand into the HF_HOME cache (`model_download.py --dataset ORG/NAME`), loaded offline.
-
-    A data_hf.py folder is a Dataset, or a DatasetDict with a `train` and an optional `validation` split. Each split
-    has a `text` column (plain text) or a `messages` column (conversations: lists of {"role", "content"}); with
-    `text_column` that column is used as the text instead. Memory-mapped, never copied."""
-    import datasets
-    import pyarrow as pa
-
-    folder = Path(path)
-    if is_hub_dataset_id(str(path)):
-        train, validation = load_hub_dataset(str(path))
-        source = f"hub dataset {path}"
-        how_to_make = f"check the dataset on the hub, or fetch it again with: {download_dataset_command(str(path))}"
-    else:
-        how_to_make = f"create it with: python data_hf.py --data_folder <your files> --save_dir {folder}"
-        if not folder.is_dir():
-            raise ValueError(f"dataset folder {folder} does not exist or is not a folder; {how_to_make}")
-        if not (folder / "state.json").is_file() and not (folder / "dataset_dict.json").is_file():
-            raise ValueError(f"{folder} is not a saved dataset (no state.json or dataset_dict.json); {how_to_make}")
-        try:
-            loaded = datasets.load_from_disk(str(folder))
-        except (OSError, ValueError, pa.ArrowException) as err:
-            raise ValueError(f"{folder} could not be loaded as a saved dataset ({err}); {how_to_make}") from err
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise ValueError(f"{folder} has the splits {sorted(loaded)} but no 'train' split; {how_to_make}")
-            train, validation = loaded["train"], loaded.get("validation")
-        else:
-            train, validation = loaded, None
-        source = str(folder)
-    if text_column:
-        train = use_as_text(train, text_column, "train", source)
-        validation = use_as_text(validation, text_column, "validation", source)
-    for name, split in (("train", train), ("validation", validation)):
-        if split is not None and not {"text", "messages"} & set(split.column_names):
-            raise ValueError(
-                f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
-                f"column; pass --text-column NAME to use another column as the text, or {how_to_make}"
-            )
-    return train, validation
-
-
-def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
-    """The split with `column` renamed to `text` (the column the trainer reads); None stays None."""
-    if split is None:
-        return None
-    if column not in split.column_names:
-        raise ValueError(
-            f"--text-column {column}: {source} has no column {column!r} in its {name} split "
-            f"(columns: {split.column_names})"
-        )
-    if column == "text":
-        return split
-    if "text" in split.column_names:
-        split = split.remove_columns("text")
-    return split.rename_column(column, "text")
-
-
-# --- Hub datasets, offline ----------------------------------------------------------------------------------
-
-
-def is_hub_dataset_id(name: str) -> bool:
-    """ORG/NAME that is not a local path: exactly one slash, not starting like a path, and no such file here."""
-    return (
-        name.count("/") == 1
-        and not name.startswith((".", "~", "/"))
-        and not Path(name).expanduser().exists()
-        and not Path(name).parent.is_dir()  # data/typo while data/ exists: a mistyped folder, not a hub id
-    )
-
-
-def download_dataset_command(repo_id: str) -> str:
-    return f"python model_download.py --dataset {repo_id}"
-
-
-def hub_dataset_snapshot(repo_id: str, revision: str | None = None) -> Path:
-    """The cached snapshot folder of a hub dataset repository; never touches the network."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
-        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
-        raise ValueError(
-            f"hub dataset {repo_id} is not in the local cache (HF_HOME={hf_home}), nor a folder in {Path.cwd()}; run "
-            f"`{download_dataset_command(repo_id)}` on a machine with internet and copy HF_HOME here"
-        ) from exc
-
-
-def load_hub_dataset_dict(repo_id: str, revision: str | None = None) -> datasets.DatasetDict:
-    """Every split of a cached hub dataset, loaded from its snapshot folder with datasets' offline mode on: nothing
-    here may reach the network. Split names come from the file names (train, validation, test) or the card."""
-    import datasets
-
-    folder = hub_dataset_snapshot(repo_id, revision)
-    saved = _set_offline()
-    try:
-        return datasets.load_dataset(str(folder))
-    except Exception as exc:  # noqa: BLE001 - datasets raises many types for unreadable files
-        raise ValueError(f"hub dataset {repo_id}: the cached files in {folder} do not load ({exc})") from exc
-    finally:
-        _set_offline(saved)
-
-
-def load_hub_dataset(repo_id: str, revision: str | None = None) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train, validation, else test, else None) of a cached hub dataset, offline."""
-    loaded = load_hub_dataset_dict(repo_id, revision)
-    if "train" not in loaded:
-        raise ValueError(f"hub dataset {repo_id} has the splits {sorted(loaded)} but no 'train' split")
-    return loaded["train"], loaded.get("validation", loaded.get("test"))
-
-
-def _set_offline(values: tuple[bool, ...] = (True, True, True)) -> tuple[bool, ...]:
-    """Set huggingface_hub's and datasets' offline switches (both read the environment once, at import); returns
-    the previous values, to restore."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    previous = (
-        huggingface_hub.constants.HF_HUB_OFFLINE,
-        datasets.config.HF_HUB_OFFLINE,
-        datasets.config.HF_DATASETS_OFFLINE,
-    )
-    huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = (
-        values
-    )
-    return previous
 
 
 # --- Output folder: atomic publish and stale temporaries ----------------------------------------------------

@@ -32,10 +32,13 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from fsdp_lib.hf_files import BIN_INDEX, SAFETENSORS_INDEX, hf_weight_files, shards_from_index
+from fsdp_lib.memory_plan import format_bytes, format_count, format_memory_plan, training_memory_plan
 
 VERIFICATION_RECORD = "model_download_verified.json"
 """Written into the model folder only after verification passes; removed before any re-download."""
@@ -53,8 +56,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
 MAX_SHARD_SIZE = "5GB"  # --with-weights shard size; also bounds the extra memory needed while saving
 
 # bytes per element of each safetensors dtype tag (https://github.com/huggingface/safetensors format spec)
@@ -192,92 +193,6 @@ def preset_parameter_count(preset: SizePreset, vocab_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Memory plan (pure; fsdp_train.py --dry-run reuses it)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def training_memory_plan(
-    num_params: int,
-    world_sizes: Sequence[int] = (1, 2, 4, 8),
-    largest_unit_params: int = 0,
-    master_bytes: int = 4,
-    grad_bytes: int = 4,
-    optimizer_bytes: int = 8,
-    compute_bytes: int = 2,
-) -> list[dict[str, int | bool]]:
-    """Per-GPU memory for full fine-tuning with FSDP and AdamW, without activations.
-
-    Rule: fp32 master weights (4 B) + fp32 gradients (4 B) + AdamW's two fp32 moments (8 B) = 16 bytes per
-    parameter, sharded evenly over the GPUs; plus, unsharded on every GPU, the bf16 copy of the largest FSDP
-    unit (2 B/param, all-gathered for compute) and its bf16 gradient before the reduce-scatter (2 B/param).
-    With CPU offload (FSDP2 CPUOffloadPolicy) the sharded state lives in host RAM and the optimizer steps
-    there, so the GPU holds only the unsharded unit. Activations, prefetch of the next unit, the CUDA context
-    and allocator fragmentation are not included: leave headroom.
-    """
-    rows: list[dict[str, int | bool]] = []
-    unsharded = largest_unit_params * compute_bytes * 2  # compute copy + its gradient
-    for world_size in world_sizes:
-        if world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {world_size}")
-        shard = -(-num_params // world_size)  # ceil: shards are padded to equal size
-        state = {
-            "params_bytes": shard * master_bytes,
-            "grads_bytes": shard * grad_bytes,
-            "optimizer_bytes": shard * optimizer_bytes,
-        }
-        sharded_total = sum(state.values())
-        for cpu_offload in (False, True):
-            on_gpu = {key: 0 if cpu_offload else value for key, value in state.items()}
-            rows.append(
-                {
-                    "world_size": world_size,
-                    "cpu_offload": cpu_offload,
-                    **on_gpu,
-                    "unsharded_unit_bytes": unsharded,
-                    "gpu_total_bytes": sum(on_gpu.values()) + unsharded,
-                    "cpu_bytes_per_gpu": sharded_total if cpu_offload else 0,
-                }
-            )
-    return rows
-
-
-def format_bytes(num_bytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(num_bytes) < 1000 or unit == "TB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
-        num_bytes /= 1000
-    raise AssertionError("unreachable")
-
-
-def format_count(count: float) -> str:
-    for unit in ("", "K", "M", "B"):
-        if abs(count) < 1000 or unit == "B":
-            return f"{count:.0f}" if unit == "" else f"{count:.2f} {unit}"
-        count /= 1000
-    raise AssertionError("unreachable")
-
-
-def format_memory_plan(rows: list[dict[str, int | bool]]) -> str:
-    """A table of training_memory_plan() rows, with the rule it uses."""
-    lines = [
-        "full fine-tuning memory per GPU (FSDP + AdamW; activations NOT included):",
-        "  rule: 16 B/param sharded over the GPUs (fp32 weights 4 + fp32 grads 4 + Adam moments 8)",
-        "        + 4 B/param of the largest FSDP unit unsharded (bf16 weights + bf16 grads)",
-        f"  {'GPUs':>4}  {'GPU memory':>12}  {'with --cpu-offload: GPU':>24}  {'+ host RAM per GPU':>18}",
-    ]
-    by_world: dict[int, dict[bool, dict[str, int | bool]]] = {}
-    for row in rows:
-        by_world.setdefault(int(row["world_size"]), {})[bool(row["cpu_offload"])] = row
-    for world_size, pair in by_world.items():
-        plain, offload = pair[False], pair[True]
-        lines.append(
-            f"  {world_size:>4}  {format_bytes(plain['gpu_total_bytes']):>12}"
-            f"  {format_bytes(offload['gpu_total_bytes']):>24}  {format_bytes(offload['cpu_bytes_per_gpu']):>18}"
-        )
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Which files to fetch (pure)
 # ---------------------------------------------------------------------------------------------------------
 
@@ -320,14 +235,6 @@ def plan_download(repo_files: Iterable[str]) -> DownloadPlan:
         "the repository has no weights in safetensors or PyTorch .bin format "
         f"(top-level files: {', '.join(top_level) or 'none'})"
     )
-
-
-def shards_from_index(index: dict[str, Any], index_name: str) -> list[str]:
-    """The weight files a sharded-checkpoint index refers to."""
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ToolError(f"{index_name} has no weight_map; the index is corrupt")
-    return sorted(set(weight_map.values()))
 
 
 def glob_escape(name: str) -> str:
@@ -409,25 +316,6 @@ def _numel(shape: Iterable[int]) -> int:
     for dim in shape:
         count *= dim
     return count
-
-
-def checkpoint_weight_files(folder: Path) -> tuple[list[str], list[str]]:
-    """(weight files the folder's checkpoint consists of, problems such as shards missing from disk)."""
-    for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
-        index_path = folder / index_name
-        if index_path.exists():
-            try:
-                shards = shards_from_index(json.loads(index_path.read_text()), index_name)
-            except json.JSONDecodeError as exc:
-                raise ToolError(f"{index_path}: not valid JSON ({exc}); the index is corrupt") from exc
-            missing = [name for name in shards if not (folder / name).is_file()]
-            problems = [f"shard {name} listed in {index_name} is missing from {folder}" for name in missing]
-            return [name for name in shards if name not in missing], problems
-    names = sorted(path.name for path in folder.glob("*.safetensors") if path.is_file())
-    names = [name for name in names if not name.startswith(("consolidated", "adapter_model"))]
-    if not names:
-        names = sorted(path.name for path in folder.glob("pytorch_model*.bin") if path.is_file())
-    return names, []
 
 
 def read_checkpoint(folder: Path, files: list[str]) -> tuple[dict[str, TensorInfo], list[str]]:
@@ -553,7 +441,7 @@ def verify_model(folder: Path, load_name: str, revision: str | None, require_wei
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:
         raise ToolError(f"cannot build {config.model_type} as a causal LM from {folder}/config.json: {exc}") from exc
-    files, weight_problems = checkpoint_weight_files(folder)
+    files, weight_problems = hf_weight_files(folder)
     problems += weight_problems
     notes: list[str] = []
     found: dict[str, TensorInfo] = {}
@@ -892,7 +780,10 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
     remove_verification_record(folder)  # from here until verification passes, the folder is not complete
     weights = plan.weight_files
     if plan.index_file:
-        weights = shards_from_index(json.loads((folder / plan.index_file).read_text()), plan.index_file)
+        try:
+            weights = shards_from_index(json.loads((folder / plan.index_file).read_text()), plan.index_file)
+        except ValueError as exc:  # json's decode error is a ValueError too
+            raise ToolError(f"{plan.index_file} of {repo_id} is not a valid index ({exc})") from exc
         absent = [name for name in weights if name not in sizes]
         if absent:
             raise ToolError(f"{plan.index_file} of {repo_id} lists shards the repository lacks: {_sample(absent)}")
@@ -966,9 +857,9 @@ def download_dataset(repo_id: str, revision: str, token: str | None, force: bool
 DATASET_CHECK = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import data_hf
+from fsdp_lib.dataset import load_hub_dataset_dict
 try:
-    loaded = data_hf.load_hub_dataset_dict(sys.argv[2], sys.argv[3])
+    loaded = load_hub_dataset_dict(sys.argv[2], sys.argv[3])
 except ValueError as exc:
     sys.exit(str(exc))
 print(json.dumps({name: {"rows": len(split), "columns": split.column_names} for name, split in loaded.items()}))

@@ -93,20 +93,24 @@ def throughput_worker(model_dir: str, save_dir: str, reps: int, out: str) -> Non
     import torch
     import torch.distributed as dist
 
-    import fsdp_train as ft
+    from fsdp_lib.checkpoint import Checkpointer, step_dir_name
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data import Batch
+    from fsdp_lib.model import build_model
+    from fsdp_lib.optim import build_optimizer
+    from fsdp_lib.runtime import setup_distributed
+    from fsdp_lib.state import TrainState
 
-    cfg = ft.TrainConfig(
-        experiment_name="ckpt", save_dir=save_dir, model_name=model_dir, precision="fp32", keep_last=1000
-    )
+    cfg = TrainConfig(experiment_name="ckpt", save_dir=save_dir, model_name=model_dir, precision="fp32", keep_last=1000)
     cfg.activation_checkpointing = "off"
-    d = ft.setup_distributed(cfg)
-    bundle = ft.build_model(cfg, "fp32", d)
-    optimizer = ft.build_optimizer(bundle.model, cfg)
+    d = setup_distributed(cfg)
+    bundle = build_model(cfg, "fp32", d)
+    optimizer = build_optimizer(bundle.model, cfg)
     inputs = torch.randint(0, bundle.config.vocab_size, (1, 33))
-    loss, _ = bundle.train_forward(ft.Batch(inputs[:, :-1], inputs[:, 1:], None))  # the FSDP root
+    loss, _ = bundle.train_forward(Batch(inputs[:, :-1], inputs[:, 1:], None))  # the FSDP root
     loss.backward()
     optimizer.step()  # creates AdamW's exp_avg and exp_avg_sq: the checkpoint holds params + 2x state
-    checkpointer = ft.Checkpointer(cfg, d, fingerprint={})
+    checkpointer = Checkpointer(cfg, d, fingerprint={})
     disk_file = Path(save_dir) / "disk_baseline.bin"
 
     def barrier() -> None:
@@ -115,9 +119,9 @@ def throughput_worker(model_dir: str, save_dir: str, reps: int, out: str) -> Non
     def save(step: int) -> tuple[float, Path]:
         barrier()
         start = time.perf_counter()
-        checkpointer.save(bundle.model, optimizer, ft.TrainState(step=step), "bench")
+        checkpointer.save(bundle.model, optimizer, TrainState(step=step), "bench")
         barrier()
-        return time.perf_counter() - start, checkpointer.root / ft.step_dir_name(step)
+        return time.perf_counter() - start, checkpointer.root / step_dir_name(step)
 
     def checksum_seconds() -> float:
         """The slowest rank's checksum time inside the last save (ranks checksum their own files in parallel)."""

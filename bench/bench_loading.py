@@ -100,21 +100,23 @@ def loading_worker(mode: str, model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    import fsdp_train as ft
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.model import build_model, find_decoder_layers, shard_model
+    from fsdp_lib.runtime import setup_distributed
 
-    cfg = ft.TrainConfig(model_name=model_dir, precision="fp32")
+    cfg = TrainConfig(model_name=model_dir, precision="fp32")
     cfg.activation_checkpointing = "off"
-    d = ft.setup_distributed(cfg)
+    d = setup_distributed(cfg)
     warm_up_imports(model_dir)
     before = memory_status()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS: the peak is the load's
     start = time.perf_counter()
     with AnonPeak() as anon:
         if mode == "sharded":
-            model = ft.build_model(cfg, "fp32", d).model
+            model = build_model(cfg, "fp32", d).model
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            ft.shard_model(model, ft.find_decoder_layers(model), cfg, "fp32", d)
+            shard_model(model, find_decoder_layers(model), cfg, "fp32", d)
     seconds = time.perf_counter() - start
     after = memory_status()
     report = {

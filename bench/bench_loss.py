@@ -82,7 +82,7 @@ def build(p: dict[str, Any], seq: int, device: Any) -> tuple[Any, Any]:
     import torch
     import transformers as tf
 
-    import fsdp_train as ft
+    from fsdp_lib.data import Batch
 
     config = tf.LlamaConfig(
         vocab_size=p["vocab"],
@@ -102,17 +102,18 @@ def build(p: dict[str, Any], seq: int, device: Any) -> tuple[Any, Any]:
     ids = torch.randint(0, p["vocab"], (p["batch"], seq + 1), generator=gen)
     labels = ids[:, 1:].clone()
     labels[:, ::10] = -100  # the SFT masks: ignored targets must not count
-    return model, ft.Batch(ids[:, :-1].contiguous(), labels, None).to(device)
+    return model, Batch(ids[:, :-1].contiguous(), labels, None).to(device)
 
 
 def loss_worker(p: dict[str, Any], seq: int, side: str) -> dict[str, Any]:
     import torch
 
-    import fsdp_train as ft
+    from fsdp_lib.loss import CausalLMLoss
+    from fsdp_lib.model import find_decoder_layers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, batch = build(p, seq, device)
-    loss_fn = ft.CausalLMLoss(model, p["chunk"] if side == "chunked" else 0)
+    loss_fn = CausalLMLoss(model, p["chunk"] if side == "chunked" else 0)
 
     def decoder() -> None:
         hidden = model.base_model(input_ids=batch.input_ids).last_hidden_state
@@ -127,7 +128,7 @@ def loss_worker(p: dict[str, Any], seq: int, side: str) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     loss, step_s, step_peak = measured(device, step)
     embed = model.get_input_embeddings().weight  # tied: head and embedding gradients both land here
-    first_layer = next(iter(ft.find_decoder_layers(model)[0].parameters()))
+    first_layer = next(iter(find_decoder_layers(model)[0].parameters()))
     return {
         "loss": loss,
         "grad_norm_embed": embed.grad.norm().item(),

@@ -87,10 +87,10 @@ def prepare(work: Path, p: dict[str, Any]) -> tuple[Path, Path]:
 
 def flops_per_token(model_dir: Path, seq: int) -> float:
     """fsdp_train.py's own estimate, on a meta-device model (nothing allocated)."""
-    import fsdp_train as ft
+    from fsdp_lib.model import build_model_skeleton, flops_per_token
 
-    model = ft.build_model_skeleton(model_dir)
-    return ft.flops_per_token(model, model.config, seq)
+    model = build_model_skeleton(model_dir)
+    return flops_per_token(model, model.config, seq)
 
 
 def run_setting(

@@ -64,13 +64,13 @@ class Stopwatch:
 
 
 def fsdp_train_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str, Any]:
-    import fsdp_train as ft
+    from fsdp_lib.data import PackedBlocks, _token_dtype, tokenize_to_file
 
     out_dir.mkdir(parents=True)
     path = out_dir / "train.tokens"
     with Stopwatch() as watch:
-        ft.tokenize_to_file(dataset, tokenizer, path, batch_rows=BATCH_ROWS)
-        blocks = ft.PackedBlocks(np.memmap(path, dtype=ft._token_dtype(len(tokenizer)), mode="r"), seq)
+        tokenize_to_file(dataset, tokenizer, path, batch_rows=BATCH_ROWS)
+        blocks = PackedBlocks(np.memmap(path, dtype=_token_dtype(len(tokenizer)), mode="r"), seq)
         n_blocks = len(blocks)
     return watch.result(tokens=len(blocks.tokens), blocks=n_blocks, trained_tokens=n_blocks * seq)
 
@@ -112,12 +112,12 @@ def run_clm_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict
 
 
 def tokenizer_floor(dataset: Any, tokenizer: Any) -> dict[str, Any]:
-    import fsdp_train as ft
+    from fsdp_lib.data import encode_batch
 
     tokens = 0
     with Stopwatch() as watch:
         for batch in dataset.iter(batch_size=BATCH_ROWS):
-            tokens += sum(map(len, ft.encode_batch(tokenizer, batch["text"])))
+            tokens += sum(map(len, encode_batch(tokenizer, batch["text"])))
     return watch.result(tokens=tokens)
 
 
@@ -127,9 +127,9 @@ def check_token_streams(fsdp_dir: Path, clm_dir: Path, tokenizer: Any) -> dict[s
     tokens at the end of every 1000-row map batch."""
     import datasets
 
-    import fsdp_train as ft
+    from fsdp_lib.data import _token_dtype
 
-    stream = np.fromfile(fsdp_dir / "train.tokens", dtype=ft._token_dtype(len(tokenizer)))
+    stream = np.fromfile(fsdp_dir / "train.tokens", dtype=_token_dtype(len(tokenizer)))
     eos = tokenizer.eos_token_id
     tokenized = datasets.Dataset.from_file(str(clm_dir / "tokenized.arrow"))
     parts = [np.asarray(ids, dtype=np.int64) for ids in tokenized["input_ids"]]

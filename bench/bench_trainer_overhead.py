@@ -122,15 +122,16 @@ def minimal_loop(model_dir: str, token_file: str, seq: int, batch: int, steps: i
 def trainer_worker(cpu_out: str, argv: list[str]) -> int:
     """fsdp_train.main(argv), noting rank 0's process CPU time at each metric line (one per window)."""
     import fsdp_train as ft
+    from fsdp_lib.metrics import Metrics
 
     marks: list[float] = []
-    emit = ft.Metrics.emit
+    emit = Metrics.emit
 
     def timed_emit(self: Any, *args: Any, **kwargs: Any) -> dict:
         marks.append(time.process_time())
         return emit(self, *args, **kwargs)
 
-    ft.Metrics.emit = timed_emit
+    Metrics.emit = timed_emit
     code = ft.main(argv)
     if os.environ.get("RANK") == "0":
         Path(cpu_out).write_text(json.dumps(marks))

@@ -97,14 +97,14 @@ def generate(model_dir: Path, prompts: list[str], max_new_tokens: int = 16, chat
 
 def assistant_loss(model_dir: Path, conversations: list[list[dict]]) -> float:
     """Mean cross-entropy over the assistant tokens of `conversations`, labelled as the trainer labels them
-    (fsdp_train.ChatEncoder with configs/chatml.jinja)."""
+    (ChatEncoder with configs/chatml.jinja)."""
     import torch
 
-    import fsdp_train
+    from fsdp_lib.chat import ChatEncoder
 
     tokenizer, model = load_model(model_dir)
     loss_sum, targets = 0.0, 0
-    for ids, trained in fsdp_train.ChatEncoder(tokenizer, "assistant").encode(conversations, {}):
+    for ids, trained in ChatEncoder(tokenizer, "assistant").encode(conversations, {}):
         inputs = torch.tensor([ids])
         labels = inputs.masked_fill(torch.from_numpy(trained == 0)[None], -100)
         count = int((labels[:, 1:] != -100).sum())  # the model shifts labels: position i predicts token i+1

@@ -17,21 +17,26 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 import fsdp_train as ft
+from fsdp_lib.config import TrainConfig, load_config
+from fsdp_lib.hf_weights import clean_fqn
+from fsdp_lib.model import ModelBundle
+from fsdp_lib.runtime import ENV_RANK, Dist
 
 PROBE = torch.arange(3, 19).remainder(100).view(1, 16)  # token ids below every tiny vocab size
 trained: dict[str, torch.Tensor] = {}
 failures: list[str] = []
+built: list[ModelBundle] = []  # what build_model returned: the export wrapper needs its FSDP root
 
 
 def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full copies of every parameter and persistent buffer (a collective: every rank calls it)."""
     return {
-        ft.clean_fqn(name): (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+        clean_fqn(name): (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
         for name, t in model.state_dict().items()
     }
 
 
-def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.ModelBundle:
+def build_and_compare(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     bundle = build_model(cfg, precision, d)
     reference = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.float32).state_dict()
     loaded = gathered_state(bundle.model)
@@ -44,18 +49,20 @@ def build_and_compare(cfg: ft.TrainConfig, precision: str, d: ft.Dist) -> ft.Mod
     units = [m for m in bundle.train_forward.modules() if isinstance(m, FSDPModule)]  # the root wraps the model
     if len(units) != bundle.config.num_hidden_layers + 1:
         failures.append(f"FSDP UNITS {len(units)}, expected {bundle.config.num_hidden_layers} layers + root")
+    built.append(bundle)
     return bundle
 
 
-def keep_trained_then_export(bundle: ft.ModelBundle, tokenizer, out_dir, d: ft.Dist) -> None:
-    trained.update(gathered_state(bundle.model))
-    bundle.model.eval()
-    bundle.train_forward.unshard()  # the FSDP root is the training forward around the model: gather its group
+def keep_trained_then_export(model, tokenizer, out_dir, d: Dist, *args) -> None:
+    root = built[0].train_forward  # the FSDP root is the training forward around the model: gather its group
+    trained.update(gathered_state(model))
+    model.eval()
+    root.unshard()
     with torch.no_grad():
-        trained["logits"] = bundle.model(input_ids=PROBE.to(d.device)).logits.float().cpu()
-    bundle.train_forward.reshard()
-    bundle.model.train()
-    export(bundle, tokenizer, out_dir, d)
+        trained["logits"] = model(input_ids=PROBE.to(d.device)).logits.float().cpu()
+    root.reshard()
+    model.train()
+    export(model, tokenizer, out_dir, d, *args)
 
 
 def saved_layout(folder: str) -> dict[str, tuple[int, ...]]:
@@ -91,8 +98,8 @@ ft.build_model, ft.export_hf_model = build_and_compare, keep_trained_then_export
 if __name__ == "__main__":
     argv = sys.argv[1:]
     code = ft.main(argv)
-    if code == 0 and ft._RANK_FOR_LOGS == 0:
-        cfg = ft.load_config(argv)
+    if code == 0 and ENV_RANK == 0:
+        cfg = load_config(argv)
         compare_export(str(cfg.experiment_dir / "final"), cfg.model_name)
     for failure in failures:
         print(failure, flush=True)

@@ -9,21 +9,24 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-import fsdp_train as ft
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.hf_weights import clean_fqn
+from fsdp_lib.model import build_model, check_still_tied
+from fsdp_lib.runtime import setup_distributed
 
 
 def main(model_dir: str, sharding: str) -> int:
-    cfg = ft.TrainConfig(model_name=model_dir, sharding=sharding, seq_length=32, activation_checkpointing="on")
-    d = ft.setup_distributed(cfg)
-    bundle = ft.build_model(cfg, "fp32", d)
+    cfg = TrainConfig(model_name=model_dir, sharding=sharding, seq_length=32, activation_checkpointing="on")
+    d = setup_distributed(cfg)
+    bundle = build_model(cfg, "fp32", d)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     expected = dict(reference.named_parameters()) | dict(reference.named_buffers())
     mismatched = []
     for name, tensor in [*bundle.model.named_parameters(), *bundle.model.named_buffers()]:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        if not torch.equal(full.cpu(), expected[ft.clean_fqn(name)]):
+        if not torch.equal(full.cpu(), expected[clean_fqn(name)]):
             mismatched.append(name)
-    ft.check_still_tied(bundle.model)
+    check_still_tied(bundle.model)
     dist.destroy_process_group()
     if mismatched:
         print(f"MISMATCH {mismatched}")

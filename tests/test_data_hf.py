@@ -28,6 +28,7 @@ from data_hf import (
     read_file,
     split_long_text,
 )
+from fsdp_lib.dataset import load_text_dataset
 
 
 def write_files(root: Path, files: dict[str, str | bytes]) -> Path:
@@ -358,7 +359,7 @@ def test_cli_writes_a_dataset_that_load_from_disk_reads_in_order(tmp_path: Path,
     assert summary["counts_by_reason"] == {} and summary["bytes_read"] == sum(len(c.encode()) for c in CORPUS.values())
     assert "6 files" in capsys.readouterr().out
     assert sorted(os.listdir(out.parent)) == ["my_corpus"]  # no temporary folder left behind
-    train, validation = data_hf.load_text_dataset(out)
+    train, validation = load_text_dataset(out)
     assert list(train["text"]) == CORPUS_ROWS and validation is None
 
 
@@ -395,7 +396,7 @@ def test_val_fraction_writes_a_stable_train_validation_split(tmp_path: Path) -> 
     assert 60 < len(validation) < 140  # 25% of 400, give or take the hash
     assert sorted(validation + list(first["train"]["text"])) == sorted(f"row {i}" for i in range(400))
     assert all(assign_split(text, 0.25) == "validation" for text in validation)
-    train, held_out = data_hf.load_text_dataset(tmp_path / "a")
+    train, held_out = load_text_dataset(tmp_path / "a")
     assert len(train) + len(held_out) == 400
 
 
@@ -403,7 +404,7 @@ def test_val_fraction_warns_when_validation_is_empty(tmp_path: Path, capsys) -> 
     data = write_files(tmp_path / "data", {"a.txt": "only one row"})
     assert convert(data, tmp_path / "out", "--val-fraction", "0.001") == 0
     assert "empty validation split" in capsys.readouterr().err
-    train, validation = data_hf.load_text_dataset(tmp_path / "out")
+    train, validation = load_text_dataset(tmp_path / "out")
     assert list(train["text"]) == ["only one row"] and len(validation) == 0
 
 
@@ -654,7 +655,7 @@ def test_format_chat_writes_one_messages_row_per_conversation(tmp_path: Path, ca
     first_bad = [p for p in summary["problems"] if p["path"].endswith("c_lines.jsonl")][0]
     assert (first_bad["line"], first_bad["reason"]) == (2, BAD_RECORDS[0][1])  # JSON Lines problems carry the line
     assert "8 conversations" in capsys.readouterr().out
-    train, validation = data_hf.load_text_dataset(out)
+    train, validation = load_text_dataset(out)
     assert train.column_names == ["messages"] and validation is None
 
 
@@ -699,7 +700,7 @@ def test_chat_val_fraction_is_a_stable_split_by_conversation(tmp_path: Path) -> 
         assert data_hf.assign_split(data_hf.conversation_json(conversation), 0.25) == "validation"
     questions = sorted(m[0]["content"] for m in validation + first["train"]["messages"][:])
     assert questions == sorted(f"question {i}" for i in range(400))
-    train, held_out = data_hf.load_text_dataset(tmp_path / "a")
+    train, held_out = load_text_dataset(tmp_path / "a")
     assert len(train) + len(held_out) == 400
 
 
@@ -822,16 +823,16 @@ def test_json_mode_records_keeps_one_row_per_record(tmp_path: Path, monkeypatch)
 
 def test_load_text_dataset_explains_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
-        data_hf.load_text_dataset(tmp_path / "nothing")
+        load_text_dataset(tmp_path / "nothing")
     (tmp_path / "plain").mkdir()
     with pytest.raises(ValueError, match="plain is not a saved dataset"):
-        data_hf.load_text_dataset(tmp_path / "plain")
+        load_text_dataset(tmp_path / "plain")
     Dataset.from_dict({"content": ["x"]}).save_to_disk(str(tmp_path / "no_text"))
     with pytest.raises(ValueError, match="no_text: the train split has the columns \\['content'\\]"):
-        data_hf.load_text_dataset(tmp_path / "no_text")
+        load_text_dataset(tmp_path / "no_text")
     DatasetDict({"test": Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "no_train"))
     with pytest.raises(ValueError, match="no 'train' split"):
-        data_hf.load_text_dataset(tmp_path / "no_train")
+        load_text_dataset(tmp_path / "no_train")
 
 
 # --- Stale temporaries and kill -9 --------------------------------------------------------------------------
@@ -919,7 +920,7 @@ def test_kill_9_during_overwrite_keeps_the_previous_dataset(tmp_path: Path, repo
     cli = [sys.executable, str(repo_root / "data_hf.py"), "--save_dir", str(out), "--overwrite", "--num-proc", "1"]
     run_and_kill_midway(cli + ["--data_folder", str(data)], out.parent)
     assert rows_of(out) == ["previous dataset"]
-    assert data_hf.load_text_dataset(out)[0]["text"] == ["previous dataset"]
+    assert load_text_dataset(out)[0]["text"] == ["previous dataset"]
     small = write_files(tmp_path / "small", {"a.txt": "new dataset"})
     assert subprocess.run(cli + ["--data_folder", str(small)], capture_output=True, timeout=300).returncode == 0
     assert rows_of(out) == ["new dataset"]

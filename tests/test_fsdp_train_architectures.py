@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 
 import fsdp_train as ft
+from fsdp_lib.data import Batch
+from fsdp_lib.errors import TrainError
+from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem
+from fsdp_lib.metrics import PhaseTimer
+from fsdp_lib.model import build_model_skeleton
 from tests.fsdp_helpers import REPO_ROOT, losses_by_step, make_dataset, make_model, read_metrics, trainer_args
 
 MATRIX = [
@@ -71,10 +76,10 @@ def test_load_train_export(tmp_path, matrix_dataset, arch, tied):
 
 def test_attn_implementation_is_honoured_or_reported_with_the_flag(tmp_path):
     model = make_model(tmp_path / "gemma2", arch="gemma2")
-    assert ft.build_model_skeleton(model, "auto").config._attn_implementation == "eager"  # no SDPA in Gemma2
-    assert ft.build_model_skeleton(model, "eager").config._attn_implementation == "eager"
-    with pytest.raises(ft.TrainError, match="--attn-implementation sdpa"):
-        ft.build_model_skeleton(model, "sdpa")
+    assert build_model_skeleton(model, "auto").config._attn_implementation == "eager"  # no SDPA in Gemma2
+    assert build_model_skeleton(model, "eager").config._attn_implementation == "eager"
+    with pytest.raises(TrainError, match="--attn-implementation sdpa"):
+        build_model_skeleton(model, "sdpa")
 
 
 @pytest.mark.parametrize("chunk", [0, 5])
@@ -94,12 +99,10 @@ def test_moe_router_loss_joins_the_gradient_like_transformers_own_loss(tmp_path,
     batch = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
     d = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
     guard = types.SimpleNamespace(scale=torch.tensor(1.0))
-    micro = ft.Batch(batch[:, :-1], batch[:, 1:], None)
-    train_forward = ft.CausalLMLoss(model, chunk)
-    assert ft.chunked_loss_problem(model) is None
-    loss_sum, aux = ft.forward_backward(
-        train_forward, [micro], batch[:, 1:].numel(), guard, d, ft.PhaseTimer(d.device), False
-    )
+    micro = Batch(batch[:, :-1], batch[:, 1:], None)
+    train_forward = CausalLMLoss(model, chunk)
+    assert chunked_loss_problem(model) is None
+    loss_sum, aux = ft.forward_backward(train_forward, [micro], batch[:, 1:].numel(), guard, d, PhaseTimer(d.device))
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     outputs = model(input_ids=batch[:, :-1], output_router_logits=True)

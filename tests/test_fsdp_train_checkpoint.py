@@ -336,11 +336,11 @@ def test_garbage_rng_file_is_a_clear_error(inputs, tmp_path, checksum):
     rng_file = folder / "rng_rank00001.pt"
     rng_file.write_bytes(b"not a pickle at all " * 10)
     if checksum == "updated":
-        import fsdp_train as ft
+        from fsdp_lib.checkpoint import CHECKSUM_FILE, file_checksum
 
-        recorded = json.loads((folder / ft.CHECKSUM_FILE).read_text())
-        recorded["files"][rng_file.name] = ft.file_checksum(rng_file)
-        (folder / ft.CHECKSUM_FILE).write_text(json.dumps(recorded))
+        recorded = json.loads((folder / CHECKSUM_FILE).read_text())
+        recorded["files"][rng_file.name] = file_checksum(rng_file)
+        (folder / CHECKSUM_FILE).write_text(json.dumps(recorded))
     rerun = run_trainer([*args, "--max-steps", "6"])
     out = output_of(rerun)
     assert rerun.returncode != 0

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import fsdp_train as ft
+from fsdp_lib.config import TrainConfig, load_config
+from fsdp_lib.data import DataPlan, PackedBlocks, _token_dtype, tokenize_to_file
+from fsdp_lib.errors import ConfigError
+from fsdp_lib.optim import lr_at
 from tests.fsdp_helpers import (
+    REPO_ROOT,
     losses_by_step,
     make_dataset,
     make_model,
@@ -83,27 +88,27 @@ def test_missing_inputs_name_the_flag(tmp_path, capsys):
 def test_yaml_config_and_command_line_precedence(tmp_path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("seq-length: 256\nbatch_size: 4\nactivation-checkpointing: off\nlr: 1.0e-4\n")
-    cfg = ft.load_config(["--config", str(cfg_file), "-b", "8", "-e", "exp"])
+    cfg = load_config(["--config", str(cfg_file), "-b", "8", "-e", "exp"])
     assert (cfg.seq_length, cfg.batch_size, cfg.activation_checkpointing, cfg.lr) == (256, 8, "off", 1e-4)
     cfg_file.write_text("seq_lenght: 256\n")
-    with pytest.raises(ft.ConfigError, match="unknown key 'seq_lenght'"):
-        ft.load_config(["--config", str(cfg_file)])
+    with pytest.raises(ConfigError, match="unknown key 'seq_lenght'"):
+        load_config(["--config", str(cfg_file)])
 
 
 def test_lr_schedule_shapes():
-    cfg = ft.TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule="cosine")
-    lrs = [ft.lr_at(s, cfg, 110) for s in range(110)]
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule="cosine")
+    lrs = [lr_at(s, cfg, 110) for s in range(110)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     cfg.lr_schedule = "linear"
-    assert ft.lr_at(60, cfg, 110) == pytest.approx(1.0 - 0.9 * 0.5)
+    assert lr_at(60, cfg, 110) == pytest.approx(1.0 - 0.9 * 0.5)
 
 
 # --- data order -----------------------------------------------------------------------------------
 
 
-def _block_ids(plan: ft.DataPlan, order: torch.Tensor, step: int) -> list[int]:
+def _block_ids(plan: DataPlan, order: torch.Tensor, step: int) -> list[int]:
     # tokens are 0..N-1, so a block's first token divided by seq_length is its index
     return [int(row[0]) // plan.blocks.seq_length for mb in plan.micro_batches(order, step) for row in mb.input_ids]
 
@@ -111,10 +116,10 @@ def _block_ids(plan: ft.DataPlan, order: torch.Tensor, step: int) -> list[int]:
 @pytest.mark.parametrize("world,micro,accum", [(1, 4, 2), (2, 2, 2), (4, 1, 2), (8, 1, 1)])
 def test_every_block_once_per_epoch_and_same_global_batches_at_any_world_size(world, micro, accum):
     tokens = np.arange(8 * 103 + 1)
-    blocks = ft.PackedBlocks(tokens, 8)
-    reference = ft.DataPlan(blocks, seed=3, global_batch=8, micro_batch=8, world_size=1, rank=0)
+    blocks = PackedBlocks(tokens, 8)
+    reference = DataPlan(blocks, seed=3, global_batch=8, micro_batch=8, world_size=1, rank=0)
     plans = [
-        ft.DataPlan(blocks, seed=3, global_batch=world * micro * accum, micro_batch=micro, world_size=world, rank=r)
+        DataPlan(blocks, seed=3, global_batch=world * micro * accum, micro_batch=micro, world_size=world, rank=r)
         for r in range(world)
     ]
     order = plans[0].epoch_order(0)
@@ -128,7 +133,7 @@ def test_every_block_once_per_epoch_and_same_global_batches_at_any_world_size(wo
 
 
 def test_packed_blocks_cover_every_transition():
-    blocks = ft.PackedBlocks(np.arange(21), 5)
+    blocks = PackedBlocks(np.arange(21), 5)
     batch = blocks.gather(list(range(len(blocks))))
     assert batch.input_ids.shape == batch.labels.shape == (4, 5) and batch.position_ids is None
     assert batch.input_ids.flatten().tolist() == list(range(20))
@@ -285,11 +290,11 @@ def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_mo
     ]
     proc = subprocess.run(
         cmd,
-        cwd=ft.Path(ft.__file__).parent,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": str(ft.Path(ft.__file__).parent)},
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TENSORS EQUAL" in proc.stdout
@@ -332,7 +337,7 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_m
     args = ["-e", "hub", "-d", str(dataset_dir), "--seq-length", "32", "--dry-run"]
     found = subprocess.run(
         [sys.executable, "fsdp_train.py", *args, "-m", "acme/tiny-llama"],
-        cwd=ft.Path(ft.__file__).parent,
+        cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -342,7 +347,7 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_m
     assert f"snapshots/{commit}" in found.stdout
     missing = subprocess.run(
         [sys.executable, "fsdp_train.py", *args, "-m", "acme/other"],
-        cwd=ft.Path(ft.__file__).parent,
+        cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -357,7 +362,7 @@ def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, sc
 
     tokenizer = AutoTokenizer.from_pretrained(scratch_model)
     split = datasets.load_from_disk(str(dataset_dir))["train"]
-    count = ft.tokenize_to_file(split, tokenizer, tmp_path / "t.tokens", batch_rows=7)
-    stream = np.fromfile(tmp_path / "t.tokens", dtype=ft._token_dtype(len(tokenizer)))
+    count = tokenize_to_file(split, tokenizer, tmp_path / "t.tokens", batch_rows=7)
+    stream = np.fromfile(tmp_path / "t.tokens", dtype=_token_dtype(len(tokenizer)))
     expected = [i for text in split["text"] for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
     assert count == len(stream) and stream.tolist() == expected

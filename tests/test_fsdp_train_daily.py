@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import fsdp_train as ft
+from fsdp_lib.config import TrainConfig, _batch_problems, load_config, parse_data_slice, validate_config
 from tests.fsdp_helpers import losses_by_step, make_dataset, make_model, output_of, run_trainer, trainer_args
 
 
@@ -31,14 +31,14 @@ def _records(exp: Path) -> list[dict]:
     ],
 )
 def test_bad_batch_and_slice_flags_name_the_flag(inputs, tmp_path, flags, world, message):
-    cfg = ft.load_config(trainer_args("x", *inputs, tmp_path) + flags)
-    assert any(message in p for p in ft.validate_config(cfg, world)), ft.validate_config(cfg, world)
+    cfg = load_config(trainer_args("x", *inputs, tmp_path) + flags)
+    assert any(message in p for p in validate_config(cfg, world)), validate_config(cfg, world)
 
 
 def test_global_batch_size_sets_the_accumulation():
-    cfg = ft.TrainConfig(global_batch_size=16, batch_size=2)
-    assert ft._batch_problems(cfg, 4) == [] and cfg.grad_accum_steps == 2
-    assert ft.parse_data_slice("5:") == (5, None) and ft.parse_data_slice(":7") == (0, 7)
+    cfg = TrainConfig(global_batch_size=16, batch_size=2)
+    assert _batch_problems(cfg, 4) == [] and cfg.grad_accum_steps == 2
+    assert parse_data_slice("5:") == (5, None) and parse_data_slice(":7") == (0, 7)
 
 
 def test_same_command_resumes_on_one_process_with_global_batch_size(inputs, tmp_path):

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 import fsdp_train as ft
+from fsdp_lib.config import load_config
+from fsdp_lib.errors import ExperimentLockedError
+from fsdp_lib.lock import LOCK_FILE, LOCK_STALE_S, ExperimentLock
 from tests.fsdp_helpers import (
     descendants,
     kill_tree,
@@ -58,19 +61,19 @@ def ends_with(output: str, message: str) -> bool:
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, capsys):
-    held = ft.ExperimentLock(tmp_path / "exp")
+    held = ExperimentLock(tmp_path / "exp")
     held.acquire()
     record = json.loads(held.path.read_text())
     assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
-    with pytest.raises(ft.ExperimentLockedError, match=f"pid {os.getpid()}"):
-        ft.ExperimentLock(tmp_path / "exp").acquire()
+    with pytest.raises(ExperimentLockedError, match=f"pid {os.getpid()}"):
+        ExperimentLock(tmp_path / "exp").acquire()
     held.release()
     assert not held.path.exists()
 
     # a lock left by a process that no longer exists (kill -9): taken over, with a message
     gone = {**record, "pid": 2**22 + 12345, "process_start": "1"}
     held.path.write_text(json.dumps(gone))
-    lock = ft.ExperimentLock(tmp_path / "exp")
+    lock = ExperimentLock(tmp_path / "exp")
     lock.acquire()
     assert "taking over the lock of a run that is gone" in capsys.readouterr().out
     assert json.loads(lock.path.read_text())["pid"] == os.getpid()
@@ -80,20 +83,20 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, capsys):
 def test_lock_from_another_host_is_stale_only_when_no_longer_refreshed(tmp_path):
     exp = tmp_path / "exp"
     exp.mkdir()
-    path = exp / ft.LOCK_FILE
+    path = exp / LOCK_FILE
     path.write_text(json.dumps({"host": "other-node", "pid": 1, "started_at": "earlier"}))
-    with pytest.raises(ft.ExperimentLockedError, match="host other-node, pid 1"):
-        ft.ExperimentLock(exp).acquire()
-    old = time.time() - ft.LOCK_STALE_S - 60
+    with pytest.raises(ExperimentLockedError, match="host other-node, pid 1"):
+        ExperimentLock(exp).acquire()
+    old = time.time() - LOCK_STALE_S - 60
     os.utime(path, (old, old))
-    lock = ft.ExperimentLock(exp)
+    lock = ExperimentLock(exp)
     lock.acquire()
     lock.release()
 
 
 @pytest.mark.parametrize("mode", ["--dry-run", "--export-only"])
 def test_dry_run_and_export_only_respect_the_lock(inputs, tmp_path, mode, capsys):
-    held = ft.ExperimentLock(tmp_path / "run")
+    held = ExperimentLock(tmp_path / "run")
     held.acquire()
     try:
         code = ft.main([*flags(inputs, tmp_path), mode])
@@ -114,7 +117,7 @@ def test_second_launch_is_refused_quickly_and_a_killed_run_is_taken_over(inputs,
     first = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "10"})
     try:
         wait_for_step(exp, 1, first)
-        holder = json.loads((exp / ft.LOCK_FILE).read_text())
+        holder = json.loads((exp / LOCK_FILE).read_text())
         config_mtime = (exp / "config.yaml").stat().st_mtime_ns
         started = time.monotonic()
         second = run_trainer(flags(inputs, tmp_path), timeout=120)
@@ -123,7 +126,7 @@ def test_second_launch_is_refused_quickly_and_a_killed_run_is_taken_over(inputs,
         assert second.returncode != 0
         message = f"is in use by another run: host {holder['host']}, pid {holder['pid']}"
         assert message in out
-        assert ends_with(out, f"delete {exp / ft.LOCK_FILE}."), out[-2000:]
+        assert ends_with(out, f"delete {exp / LOCK_FILE}."), out[-2000:]
         assert out.count(message) <= 2, "printed once by rank 0, and once more by torchrun as the root cause"
         assert refused_after < 60, refused_after
         print(f"second launch refused after {refused_after:.1f}s")
@@ -132,11 +135,11 @@ def test_second_launch_is_refused_quickly_and_a_killed_run_is_taken_over(inputs,
     finally:
         kill_tree(first.pid, signal.SIGKILL)  # every process at once: the lock file stays behind
         first.wait()
-    assert (exp / ft.LOCK_FILE).is_file()
+    assert (exp / LOCK_FILE).is_file()
     rerun = run_trainer(flags(inputs, tmp_path))
     assert rerun.returncode == 0, output_of(rerun)
     assert "taking over the lock of a run that is gone" in output_of(rerun)
-    assert not (exp / ft.LOCK_FILE).exists(), "released at the end"
+    assert not (exp / LOCK_FILE).exists(), "released at the end"
 
 
 # --- errors: one clear message ---------------------------------------------------------------------
@@ -146,7 +149,7 @@ def test_abbreviations_are_refused_and_help_shows_each_flag_once(inputs, tmp_pat
     code = ft.main([*flags(inputs, tmp_path), "--max-step", "3"])
     assert code == 2
     assert "unrecognized arguments: --max-step 3" in capsys.readouterr().out
-    assert ft.load_config(["--max_steps", "3", "--seq_length", "8"]).max_steps == 3, "snake_case aliases still work"
+    assert load_config(["--max_steps", "3", "--seq_length", "8"]).max_steps == 3, "snake_case aliases still work"
     with pytest.raises(SystemExit):
         ft.main(["--help"])
     help_text = capsys.readouterr().out

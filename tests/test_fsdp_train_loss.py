@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fsdp_train as ft
+from fsdp_lib.data import Batch, DataPlan, PackedBlocks, Prefetcher
+from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem, chunked_loss_sum
 from tests.fsdp_helpers import make_dataset, make_model, output_of, read_metrics, run_trainer, tiny_config, trainer_args
 
 
@@ -33,21 +34,19 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_path(masked, bias, sof
         labels[torch.rand(tokens) < 0.4] = -100
     expected = _full_reference(hidden, head.weight, head.bias, labels, softcap)
     expected_grads = torch.autograd.grad(expected * 0.37, [hidden, *head.parameters()])
-    got = ft.chunked_loss_sum(hidden, head, labels, chunk, softcap)
+    got = chunked_loss_sum(hidden, head, labels, chunk, softcap)
     got_grads = torch.autograd.grad(got * 0.37, [hidden, *head.parameters()])
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     for g, e in zip(got_grads, expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
     with torch.no_grad():  # evaluation takes the no-gradient path
-        torch.testing.assert_close(
-            ft.chunked_loss_sum(hidden, head, labels, chunk, softcap), expected, rtol=1e-6, atol=0
-        )
+        torch.testing.assert_close(chunked_loss_sum(hidden, head, labels, chunk, softcap), expected, rtol=1e-6, atol=0)
 
 
 def test_all_labels_ignored_gives_zero_loss_and_zero_gradients():
     hidden = torch.randn(5, 4, requires_grad=True)
     head = torch.nn.Linear(4, 7, bias=False)
-    loss = ft.chunked_loss_sum(hidden, head, torch.full((5,), -100), 2, None)
+    loss = chunked_loss_sum(hidden, head, torch.full((5,), -100), 2, None)
     loss.backward()
     assert loss.item() == 0 and hidden.grad.abs().sum() == 0 and head.weight.grad.abs().sum() == 0
 
@@ -62,14 +61,14 @@ def test_training_forward_equals_the_models_own_logits(arch):
     config = tiny_config(arch, 97, 0)
     config.use_cache = False
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # no dropout
-    assert ft.chunked_loss_problem(model) is None
+    assert chunked_loss_problem(model) is None
     ids = torch.randint(0, 97, (2, 17))
     labels = torch.randint(0, 97, (2, 17))
     labels[0, :5] = -100
-    batch = ft.Batch(ids, labels, None)
+    batch = Batch(ids, labels, None)
     results = {}
     for chunk in (0, 5):
-        loss, aux = ft.CausalLMLoss(model, chunk)(batch)
+        loss, aux = CausalLMLoss(model, chunk)(batch)
         objective = loss if aux is None else loss + aux
         results[chunk] = (loss, aux, torch.autograd.grad(objective, list(model.parameters()), allow_unused=True))
     (full, full_aux, full_grads), (chunked, chunked_aux, chunked_grads) = results[0], results[5]
@@ -88,7 +87,7 @@ def test_a_head_the_chunked_path_cannot_reproduce_falls_back_with_a_reason():
     config = tiny_config("llama", 97, 0)
     model = tf.AutoModelForCausalLM.from_config(config)
     model.config.logit_scale = 0.5
-    assert "logit_scale" in ft.chunked_loss_problem(model)
+    assert "logit_scale" in chunked_loss_problem(model)
 
 
 def _peak_rss_gb(vocab_model: Path, dataset: Path, save: Path, exp: str, chunk: str) -> float:
@@ -124,9 +123,9 @@ def test_prefetcher_gives_exactly_the_plans_batches_across_epochs_and_jumps():
     import numpy as np
 
     tokens = np.arange(8 * 23 + 1)
-    blocks = ft.PackedBlocks(tokens, 8, doc_ends=np.array([50, 51, 120, 185]))
-    plan = ft.DataPlan(blocks, seed=1, global_batch=4, micro_batch=1, world_size=2, rank=1)
-    prefetch = ft.Prefetcher(plan, pin=False)
+    blocks = PackedBlocks(tokens, 8, doc_ends=np.array([50, 51, 120, 185]))
+    plan = DataPlan(blocks, seed=1, global_batch=4, micro_batch=1, world_size=2, rank=1)
+    prefetch = Prefetcher(plan, pin=False)
     walk = [(0, s) for s in range(plan.steps_per_epoch)] + [(1, 0), (1, 1), (0, 3), (2, 4), (3, 0), (2, 2)]
     for epoch, step in walk:
         batches, trained = prefetch.get(epoch, step)

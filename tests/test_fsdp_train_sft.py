@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import fsdp_train as ft
+from fsdp_lib.chat import ChatEncoder
+from fsdp_lib.data import PackedBlocks
 from tests.fsdp_helpers import (
     CHAT_TEMPLATES,
     arithmetic_conversations,
@@ -54,7 +55,7 @@ def test_trained_tokens_are_exactly_the_assistant_turns(template, chat_models):
     tokenizer = _tokenizer(chat_models[template])
     conversations = arithmetic_conversations(6, system=template not in NO_SYSTEM_ROLE)
     skipped: dict[str, int] = {}
-    encoded = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, skipped)
+    encoded = ChatEncoder(tokenizer, "assistant").encode(conversations, skipped)
     assert not skipped and len(encoded) == len(conversations)
     for conversation, (ids, mask) in zip(conversations, encoded):
         ids = np.asarray(ids)
@@ -69,7 +70,7 @@ def test_trained_tokens_are_exactly_the_assistant_turns(template, chat_models):
 
 def test_loss_on_all_trains_every_token(chat_models):
     tokenizer = _tokenizer(chat_models["qwen2.5"])
-    [(ids, mask)] = ft.ChatEncoder(tokenizer, "all").encode(arithmetic_conversations(1), {})
+    [(ids, mask)] = ChatEncoder(tokenizer, "all").encode(arithmetic_conversations(1), {})
     assert mask.all() and len(ids) == len(mask)
 
 
@@ -79,7 +80,7 @@ def test_masks_equal_transformers_generation_markers(chat_models):
     conversations = arithmetic_conversations(8)
     # characters the tiny tokenizer splits into several byte tokens that share one character offset
     conversations.append([{"role": "user", "content": "Données?"}, {"role": "assistant", "content": "数据 ß é."}])
-    ours = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, {})
+    ours = ChatEncoder(tokenizer, "assistant").encode(conversations, {})
     assert len(ours) == len(conversations)
     tokenizer.chat_template = (CHAT_TEMPLATES / "qwen2.5_generation_markers.jinja").read_text()
     for conversation, (ids, mask) in zip(conversations, ours):
@@ -94,7 +95,7 @@ def test_conversations_a_template_refuses_are_skipped_and_counted(chat_models):
     tokenizer = _tokenizer(chat_models["gemma"])
     conversations = arithmetic_conversations(4, system=True)  # conversations 1 and 3 have a system turn
     skipped: dict[str, int] = {}
-    encoded = ft.ChatEncoder(tokenizer, "assistant").encode(conversations, skipped)
+    encoded = ChatEncoder(tokenizer, "assistant").encode(conversations, skipped)
     assert len(encoded) == 2
     assert list(skipped.values()) == [2] and "System role not supported" in next(iter(skipped))
 
@@ -107,7 +108,7 @@ def test_a_template_that_rewrites_earlier_turns_is_a_counted_skip(chat_models):
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     skipped: dict[str, int] = {}
-    assert ft.ChatEncoder(tokenizer, "assistant").encode(arithmetic_conversations(3), skipped) == []
+    assert ChatEncoder(tokenizer, "assistant").encode(arithmetic_conversations(3), skipped) == []
     assert sum(skipped.values()) == 3 and "differently" in next(iter(skipped))
 
 
@@ -116,7 +117,7 @@ def test_a_template_that_rewrites_earlier_turns_is_a_counted_skip(chat_models):
 
 def test_document_masking_restarts_positions_and_skips_cross_document_targets():
     tokens = np.arange(100, 121)  # documents [0,7), [7,9), [9,21)
-    blocks = ft.PackedBlocks(tokens, 5, doc_ends=np.array([7, 9, 21]))
+    blocks = PackedBlocks(tokens, 5, doc_ends=np.array([7, 9, 21]))
     batch = blocks.gather([0, 1, 2, 3])
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 0], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
     # targets 107 and 109 begin documents: nothing before them in the block predicts them
@@ -127,14 +128,14 @@ def test_document_masking_restarts_positions_and_skips_cross_document_targets():
         [116, 117, 118, 119, 120],
     ]
     assert blocks.trained_tokens([0, 1, 2, 3]) == 18
-    unmasked = ft.PackedBlocks(tokens, 5).gather([1])
+    unmasked = PackedBlocks(tokens, 5).gather([1])
     assert unmasked.position_ids is None and unmasked.labels.tolist() == [[106, 107, 108, 109, 110]]
 
 
 def test_trained_mask_and_document_masking_combine():
     tokens = np.arange(11)
     trained = np.array([0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=np.uint8)
-    blocks = ft.PackedBlocks(tokens, 5, trained=trained, doc_ends=np.array([5, 11]))
+    blocks = PackedBlocks(tokens, 5, trained=trained, doc_ends=np.array([5, 11]))
     batch = blocks.gather([0, 1])
     assert batch.labels.tolist() == [[-100, 2, 3, -100, -100], [-100, -100, 7, 8, -100]][:1] + [[-100, 7, 8, -100, 10]]
     assert blocks.trained_tokens([0, 1]) == int((batch.labels != -100).sum())
@@ -150,9 +151,9 @@ def test_changing_one_document_leaves_the_next_documents_logits_unchanged(tmp_pa
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     rng = np.random.default_rng(0)
     first, second = rng.integers(1, 64, 12), rng.integers(1, 64, 20)
-    blocks = ft.PackedBlocks(np.concatenate([first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
+    blocks = PackedBlocks(np.concatenate([first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
     changed_first = rng.integers(1, 64, 12)
-    other = ft.PackedBlocks(np.concatenate([changed_first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
+    other = PackedBlocks(np.concatenate([changed_first, second, [0]]), 32, doc_ends=np.array([12, 32, 33]))
     with torch.no_grad():
         a, b = (
             model(input_ids=x.input_ids, position_ids=x.position_ids).logits

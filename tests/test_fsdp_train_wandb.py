@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import fsdp_train as ft
+from fsdp_lib.config import TrainConfig, load_config, validate_config
+from fsdp_lib.metrics import start_wandb
 from tests.fsdp_helpers import make_dataset, make_model, output_of, run_trainer, trainer_args
 
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -97,19 +99,19 @@ def test_offline_run_logs_the_metrics_and_config_and_a_resume_continues_it(input
 def test_offline_by_default_and_wandb_mode_respected(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = ft.TrainConfig(experiment_name="default", save_dir=str(tmp_path), wandb="on")
-    ft.start_wandb(cfg).finish()
+    cfg = TrainConfig(experiment_name="default", save_dir=str(tmp_path), wandb="on")
+    start_wandb(cfg).finish()
     assert len(list((tmp_path / "default" / "wandb").glob("offline-run-*"))) == 1
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the user's choice wins over our offline default
-    cfg = ft.TrainConfig(experiment_name="disabled", save_dir=str(tmp_path), wandb="on")
-    ft.start_wandb(cfg).finish()
+    cfg = TrainConfig(experiment_name="disabled", save_dir=str(tmp_path), wandb="on")
+    start_wandb(cfg).finish()
     assert not list((tmp_path / "disabled" / "wandb").glob("*-run-*"))
 
 
 def test_missing_wandb_is_a_flag_error_before_any_process_group(inputs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if it were not installed
     args = trainer_args("nowb", *inputs, tmp_path)
-    assert ft.validate_config(ft.load_config(args), 1) == []  # off (the default) never needs it
+    assert validate_config(load_config(args), 1) == []  # off (the default) never needs it
     assert ft.main(args + ["--wandb", "on"]) == 2
     out = capsys.readouterr()
     message = out.out + out.err

@@ -14,8 +14,8 @@ import pytest
 from hub_server import FakeHub
 from test_model_download import run_cli
 
-import data_hf
 import model_download as md
+from fsdp_lib.dataset import load_text_dataset
 from tests.fsdp_helpers import arithmetic_documents, losses_by_step, make_model, output_of, run_trainer
 
 DOCS = arithmetic_documents(160)
@@ -132,22 +132,22 @@ def test_dataset_flag_conflicts(capsys: pytest.CaptureFixture):
 
 
 def test_load_text_dataset_reads_a_cached_hub_dataset(offline_cache: Path):
-    train, validation = data_hf.load_text_dataset("org/sums")
+    train, validation = load_text_dataset("org/sums")
     assert train["text"] == DOCS[:-16] and validation is not None and validation["text"] == DOCS[-16:]
     # --text-column: the named column becomes the text; the test split stands in for a missing validation
-    train, validation = data_hf.load_text_dataset("org/bodies", "body")
+    train, validation = load_text_dataset("org/bodies", "body")
     assert train["text"] == DOCS[:-16] and validation is not None and validation["text"] == DOCS[-16:]
-    train, validation = data_hf.load_text_dataset("org/chats")
+    train, validation = load_text_dataset("org/chats")
     assert train["messages"][0] == CONVERSATION and validation is None
 
 
 def test_load_text_dataset_errors(offline_cache: Path):
     with pytest.raises(ValueError, match="--text-column title2: hub dataset org/bodies has no column 'title2'"):
-        data_hf.load_text_dataset("org/bodies", "title2")
+        load_text_dataset("org/bodies", "title2")
     with pytest.raises(ValueError, match="no 'text' or 'messages' column; pass --text-column NAME"):
-        data_hf.load_text_dataset("org/bodies")
+        load_text_dataset("org/bodies")
     with pytest.raises(ValueError, match=r"not in the local cache .*`python model_download.py --dataset org/nope`"):
-        data_hf.load_text_dataset("org/nope")
+        load_text_dataset("org/nope")
 
 
 # ---------------------------------------------------------------------------------------------------------

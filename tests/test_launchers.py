@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import fsdp_train
+from fsdp_lib.config import ON_OFF, TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SLURM_SUBMIT = REPO_ROOT / "scripts" / "slurm_submit.sh"
@@ -31,14 +31,14 @@ MULTINODE_LAUNCH = REPO_ROOT / "scripts" / "multinode_launch.sh"
 CONFIG_FILES = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
 # The keys a config may use, their choices and types: straight from fsdp_train.py's config dataclass.
-TRAINER_FIELDS = {f.name.replace("_", "-"): f for f in dataclasses.fields(fsdp_train.TrainConfig)}
+TRAINER_FIELDS = {f.name.replace("_", "-"): f for f in dataclasses.fields(TrainConfig)}
 
 
 def allowed_config_keys() -> frozenset[str]:
     return frozenset(TRAINER_FIELDS)
 
 
-ON_OFF_KEYS = {k for k, f in TRAINER_FIELDS.items() if f.metadata.get("choices") == fsdp_train.ON_OFF}
+ON_OFF_KEYS = {k for k, f in TRAINER_FIELDS.items() if f.metadata.get("choices") == ON_OFF}
 CHOICES = {k: set(f.metadata["choices"]) for k, f in TRAINER_FIELDS.items() if f.metadata.get("choices")}
 INT_KEYS = {k for k, f in TRAINER_FIELDS.items() if str(f.type) == "int"}
 FLOAT_KEYS = {k for k, f in TRAINER_FIELDS.items() if str(f.type) == "float"}

@@ -1,0 +1,366 @@
+"""Training checkpoints (DCP, sharded): the folder layout and its checksums, atomic saves (optionally in the
+background), loading with the resume-compatibility check, and pruning. Which checkpoint to resume from
+(discovery, verification, quarantine) is checkpoint_verify.py.
+
+    outputs/EXP/checkpoint/step_00000020/  .metadata, __R_0.distcp (model + optimizer shards), rng_rankNNNNN.pt,
+                                           train_state.json (TrainState, resume fingerprint), checksums.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import mmap
+import os
+import random
+import re
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.data import TrainData
+from fsdp_lib.errors import CheckpointError
+from fsdp_lib.faults import fault_point
+from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
+from fsdp_lib.state import TrainState
+
+# Settings that change the math or the data: a resume with a different value is refused.
+RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer", "data_format")
+
+
+def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData) -> dict:
+    """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json."""
+    return {
+        "model": config_fingerprint(model_config),
+        "dataset": data.dataset_fingerprint,
+        "seq_length": cfg.seq_length,
+        "global_batch_size": data.train.global_batch,
+        "seed": cfg.seed,
+        "tokenizer": data.tokenizer_hash,
+        "data_format": data.data_format,
+    }
+
+
+def config_fingerprint(config: Any) -> str:
+    """The model's architecture settings; not the library version that wrote them, nor the load dtype."""
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("transformers_version", "dtype", "torch_dtype")}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+CHECKSUM_FILE = "checksums.json"  # {"algorithm": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first: only folders named exactly step_ + digits, so a folder moved aside
+    (step_00000020.bad, corrupt_step_00000020) or a temporary (.tmp_step_...) is never resumed from."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[len("step_") :]))
+
+
+def file_checksum(path: Path) -> dict:
+    """Size and CRC-32 of a file. CRC-32 runs at several GB/s (zlib, without the GIL) and the file is mapped,
+    not copied: recorded right after writing, while the file is in the page cache, it is a small part of a save
+    (bench_checkpoint.py reports the share)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:  # an empty file cannot be mapped
+            return {"bytes": 0, "crc32": f"{zlib.crc32(b''):08x}"}
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return {"bytes": size, "crc32": f"{zlib.crc32(data):08x}"}
+
+
+# DCP's CheckpointException derives from BaseException, not Exception.
+CHECKPOINT_FAILURES = (Exception, dcp.api.CheckpointException)
+
+
+def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
+    """Run fn; return its exception instead of raising, so every rank can be told about it first."""
+    try:
+        fn(*args, **kwargs)
+    except CHECKPOINT_FAILURES as exc:
+        return exc
+    return None
+
+
+class _CheckpointWriter(dcp.FileSystemWriter):
+    """DCP's file writer with fsync on and the fault-injection point inside DCP's write phase. Right after this
+    rank wrote its files (in the background with --async-ckpt) it adds their checksums to `checksums`."""
+
+    def __init__(self, path: str, d: Dist, step: int, checksums: dict):
+        super().__init__(path, sync_files=True)
+        self._dist, self._step, self.checksums = d, step, checksums
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fault_point("ckpt_write", self._dist, self._step)
+        future = super().write_data(plan, planner)  # FileSystemWriter returns it completed
+        start = time.perf_counter()
+        for name in sorted({result.storage_data.relative_path for result in future.value()}):
+            self.checksums[name] = file_checksum(Path(self.path) / name)
+        self.checksums["_seconds"] = time.perf_counter() - start
+        return future
+
+
+class Checkpointer:
+    """Atomic DCP checkpoints: each rank writes its shard into `.tmp_step_N/`; only after every rank has
+    finished and the training state is written and synced does rank 0 rename it to `step_N/`.
+    A run killed at any moment therefore leaves the previous checkpoint as the newest complete one."""
+
+    def __init__(self, cfg: TrainConfig, d: Dist, fingerprint: dict):
+        self.cfg, self.d, self.fingerprint = cfg, d, fingerprint
+        self.root = cfg.experiment_dir / "checkpoint"
+        self.pending: tuple[Any, Path, int, dict] | None = None  # (future, tmp dir, step, checksums), async save
+        self.checksum_s = 0.0  # seconds this rank spent on checksums in the last save (bench_checkpoint.py)
+
+    def read_state(self, path: Path) -> dict:
+        state_file = path / "train_state.json"
+        try:
+            payload = json.loads(state_file.read_text())
+            TrainState(**payload["train_state"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable: {state_file} ({exc}). Nothing was resumed. Move that folder "
+                f"aside to resume from the previous checkpoint, or use a new --experiment-name to start over."
+            ) from exc
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable: {path / '.metadata'} is missing. Move that folder "
+                f"aside to resume from the previous checkpoint."
+            )
+        return payload
+
+    def check_compatible(self, saved: dict, path: Path) -> None:
+        # A key the checkpoint lacks was added by a later version of this script: not a change of settings.
+        changed = [k for k in RESUME_PINNED if k in saved and saved[k] != self.fingerprint.get(k)]
+        if not changed:
+            return
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {self.fingerprint.get(k)!r}" for k in changed)
+        if self.cfg.force_resume:
+            log(f"WARNING: resuming from {path} although settings changed ({details}) because of --force-resume")
+            return
+        raise CheckpointError(
+            f"cannot resume from {path}: {details}. These change the math or the data. Restore the original "
+            f"settings, pass --force-resume to resume anyway, or use a new --experiment-name."
+        )
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainState:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        payload = self.read_state(path)
+        self.check_compatible(payload["fingerprint"], path)
+        try:
+            if optimizer is None:
+                model_sd = get_model_state_dict(model)
+                dcp.load({"model": model_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group)
+                set_model_state_dict(model, model_sd)
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                dcp.load(
+                    {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group
+                )
+                set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        except CHECKPOINT_FAILURES as exc:
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}). "
+                f"Move that folder aside to resume from the previous checkpoint."
+            ) from exc
+        rng_file = path / f"rng_rank{self.d.rank:05d}.pt"
+        if payload.get("world_size") == self.d.world_size:
+            error = _attempt(lambda: _set_rng_state(torch.load(rng_file, weights_only=False)))
+            errors: list[str | None] = [None] * self.d.world_size  # every rank stops if any RNG file is bad
+            dist.all_gather_object(errors, f"{rng_file}: {error}" if error else None, group=self.d.cpu_group)
+            if any(errors):
+                raise CheckpointError(
+                    "cannot restore the random number generators from "
+                    + "; ".join(e for e in errors if e)
+                    + ". Move that checkpoint folder aside to resume from the previous one."
+                )
+        else:
+            seed_everything(self.cfg.seed * 1_000_003 + payload["train_state"]["step"] * 101 + self.d.rank)
+            log(
+                f"world size changed ({payload.get('world_size')} -> {self.d.world_size}): per-rank RNG reseeded "
+                f"(only dropout uses it; data order and weights are restored exactly)"
+            )
+        return TrainState(**payload["train_state"])
+
+    # -- saving ----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.cfg.ckpt_freq > 0 and step % self.cfg.ckpt_freq == 0
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, reason: str) -> float:
+        """Save (async with --async-ckpt). Returns the seconds training was blocked."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        start = time.perf_counter()
+        self.finish_pending()
+        final = self.root / step_dir_name(state.step)
+        if final.exists():  # already saved at this step (e.g. ckpt-freq step that is also the last)
+            return time.perf_counter() - start
+        tmp = self.root / f".tmp_{step_dir_name(state.step)}"
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self.d.cpu_group)
+        # Files each rank writes alone: agree on their success before entering DCP's collectives, or a rank
+        # that failed here would wait in a different collective than the others (a hang, not an error).
+        checksums: dict = {}  # of the files this rank writes; rank 0 records everyone's in _commit
+        self._agree_or_fail(_attempt(self._write_side_files, tmp, state, checksums), tmp)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state_dict = {"model": model_sd, "optim": optim_sd}
+        writer = _CheckpointWriter(str(tmp), self.d, state.step, checksums)
+        fault_point("kill_during_write", self.d, state.step)
+        if self.cfg.async_ckpt == "on":
+            # Its collectives run in a background thread while the main thread keeps using cpu_group each
+            # step; sharing one group would interleave the two streams differently on each rank (a deadlock).
+            future = dcp.async_save(state_dict, storage_writer=writer, process_group=self.d.async_ckpt_group)
+            self.pending = (future, tmp, state.step, checksums)
+            error = None
+        else:  # DCP gathers a failure on any rank's write and raises it on every rank
+            error = _attempt(dcp.save, state_dict, storage_writer=writer, process_group=self.d.cpu_group)
+        self._agree_or_fail(error, tmp)
+        if self.pending is None:
+            self._commit(tmp, state.step, checksums)
+        blocked = time.perf_counter() - start
+        log(
+            f"checkpoint step {state.step} ({reason}) {'queued' if self.pending else 'saved'} "
+            f"in {blocked:.2f}s of blocked training -> {self.root / step_dir_name(state.step)}"
+        )
+        return blocked
+
+    def finish_pending(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, step, checksums = self.pending
+        self.pending = None
+        self._agree_or_fail(_attempt(future.result), tmp)
+        self._commit(tmp, step, checksums)
+
+    def _write_side_files(self, tmp: Path, state: TrainState, checksums: dict) -> None:
+        fault_point("side_files_write", self.d, state.step)
+        rng_file = tmp / f"rng_rank{self.d.rank:05d}.pt"
+        with open(rng_file, "wb") as fh:
+            torch.save(_rng_state(), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        checksums[rng_file.name] = file_checksum(rng_file)
+        if self.d.is_main:
+            payload = {
+                "train_state": dataclasses.asdict(state),
+                "fingerprint": self.fingerprint,
+                "world_size": self.d.world_size,
+                "config": dataclasses.asdict(self.cfg),
+                "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
+            }
+            write_json_atomic(tmp / "train_state.json", payload)
+            checksums["train_state.json"] = file_checksum(tmp / "train_state.json")
+
+    def _agree_or_fail(self, error: BaseException | None, tmp: Path) -> None:
+        """Every rank learns whether any rank failed, so a failed write never hangs the others."""
+        if all_ranks_agree(error is not None, self.d):
+            if self.d.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            errors: list[str | None] = [None] * self.d.world_size  # rank 0 reports them all, once
+            dist.all_gather_object(errors, None if error is None else str(error), group=self.d.cpu_group)
+            where = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(errors) if text)
+            previous = self.latest_complete_name()
+            raise CheckpointError(
+                f"writing checkpoint {tmp.name} failed on {where}. The previous checkpoint "
+                f"({previous or 'none'}) is intact; free disk space or fix permissions and rerun."
+            )
+
+    def latest_complete_name(self) -> str | None:
+        complete = step_dirs(self.root)
+        return complete[-1].name if complete else None
+
+    def _commit(self, tmp: Path, step: int, checksums: dict) -> None:
+        self.checksum_s = checksums.pop("_seconds", 0.0)
+        gathered: list[dict | None] = [None] * self.d.world_size
+        # Also the barrier that every rank's files are written and fsynced.
+        dist.all_gather_object(gathered, checksums, group=self.d.cpu_group)
+        fault_point("kill_before_rename", self.d, step)
+        if self.d.is_main:
+            start = time.perf_counter()
+            files = {name: value for part in gathered for name, value in (part or {}).items()}
+            files[".metadata"] = file_checksum(tmp / ".metadata")
+            write_json_atomic(tmp / CHECKSUM_FILE, {"algorithm": "crc32", "files": files})
+            self.checksum_s += time.perf_counter() - start
+            final = self.root / step_dir_name(step)
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            fault_point("kill_after_rename", self.d, step)
+            write_json_atomic(
+                self.cfg.experiment_dir / "state.json",
+                {
+                    "latest_checkpoint": str(final),
+                    "step": step,
+                    "world_size": self.d.world_size,
+                    "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
+                },
+            )
+            self._prune()
+        dist.barrier(group=self.d.cpu_group)
+
+    def _prune(self) -> None:
+        complete = step_dirs(self.root)
+        for old in complete[: max(0, len(complete) - self.cfg.keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+            log(f"pruned old checkpoint {old.name} (--keep-last {self.cfg.keep_last})")

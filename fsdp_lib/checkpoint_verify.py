@@ -1,0 +1,94 @@
+"""Which training checkpoint to resume from: find the complete ones (`step_N/` folders), verify the newest
+against its checksums.json (each rank checks a share of the files), move damaged ones aside as
+`corrupt_step_N`, and remove folders of interrupted saves. Saving and loading live in checkpoint.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fsdp_lib.checkpoint import CHECKSUM_FILE, file_checksum, step_dirs
+from fsdp_lib.errors import CheckpointError
+from fsdp_lib.runtime import Dist, broadcast_object, log
+
+
+def latest_intact_checkpoint(root: Path, d: Dist) -> Path | None:
+    """The newest complete checkpoint whose files match their checksums. Damaged newer ones are reported and
+    moved aside (corrupt_step_N); if every checkpoint is damaged, nothing is moved and the run stops.
+    Rank 0 first removes incomplete folders: the experiment lock makes sure no live run is writing them."""
+    found = None
+    if d.is_main and root.is_dir():
+        for tmp in sorted(root.glob(".tmp_step_*")):
+            log(f"removing incomplete checkpoint {tmp} (a save was interrupted)")
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = [str(p) for p in step_dirs(root)]
+    damaged: list[tuple[Path, list[str]]] = []
+    for path in map(Path, reversed(broadcast_object(found, d) or [])):
+        problems = verify_checkpoint(path, d)
+        if not problems:
+            _set_aside(root, damaged, path, d)
+            return path
+        damaged.append((path, problems))
+    if damaged:
+        details = "\n".join(f"  {p}" for _, problems in damaged for p in problems)
+        raise CheckpointError(
+            f"no intact checkpoint in {root}; damaged files:\n{details}\nNothing was resumed or moved. "
+            f"Restore those files, move the damaged checkpoints aside to start over from step 0, or use a new "
+            f"--experiment-name."
+        )
+    return None
+
+
+def verify_checkpoint(path: Path, d: Dist) -> list[str]:
+    """Every rank checks its share of the files against checksums.json, in parallel; all get every problem."""
+    try:
+        recorded = json.loads((path / CHECKSUM_FILE).read_text())["files"]
+    except FileNotFoundError:
+        log(f"WARNING: {path} has no {CHECKSUM_FILE} (written by an older version); its files are not verified")
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{path / CHECKSUM_FILE}: unreadable ({exc})"]
+    mine = sorted(recorded)[d.rank :: d.world_size]
+    found: list[list[str] | None] = [None] * d.world_size
+    dist.all_gather_object(found, checksum_problems(path, mine, recorded), group=d.cpu_group)
+    return [problem for part in found for problem in part or []]
+
+
+def checksum_problems(folder: Path, names: list[str], recorded: dict) -> list[str]:
+    """What is wrong with these files of a checkpoint, one line per damaged file."""
+    problems = []
+    for name in names:
+        try:
+            actual = file_checksum(folder / name)
+        except OSError as exc:
+            problems.append(f"{folder / name}: unreadable ({exc.strerror or exc})")
+            continue
+        expected = recorded[name]
+        if actual["bytes"] != expected["bytes"]:
+            problems.append(f"{folder / name}: {actual['bytes']} bytes, {expected['bytes']} were written")
+        elif actual["crc32"] != expected["crc32"]:
+            problems.append(
+                f"{folder / name}: checksum mismatch (crc32 {actual['crc32']}, {expected['crc32']} written)"
+            )
+    return problems
+
+
+def _set_aside(root: Path, damaged: list[tuple[Path, list[str]]], intact: Path, d: Dist) -> None:
+    for path, problems in damaged:
+        if d.is_main:
+            aside = root / f"corrupt_{path.name}"
+            for n in range(2, 1000):
+                if not aside.exists():
+                    break
+                aside = root / f"corrupt_{path.name}_{n}"
+            os.rename(path, aside)
+            files = "\n".join(f"  {p}" for p in problems)
+            log(
+                f"WARNING: checkpoint {path.name} is damaged:\n{files}\nMoved it aside to {aside}. "
+                f"RESUMING FROM THE OLDER CHECKPOINT {intact.name}; the steps after it are trained again."
+            )
+    dist.barrier(group=d.cpu_group)

@@ -1,0 +1,383 @@
+"""Data: tokenising each split once into a token cache (tokens, document ends, trained mask), packing it into blocks
+of --seq-length with per-document position ids, the DataPlan that says which blocks every global batch holds
+(independent of the process count, so a resume is exact anywhere), and the prefetcher that gathers them."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash
+from fsdp_lib.config import TrainConfig, parse_data_slice
+from fsdp_lib.dataset import load_text_dataset
+from fsdp_lib.errors import TrainError
+from fsdp_lib.runtime import Dist, log
+
+
+def tokenizer_hash(model_dir: Path) -> str:
+    """A hash of the tokenizer files: a changed tokenizer changes the data."""
+    h = hashlib.sha256()
+    for name in sorted(
+        (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
+            "special_tokens_map.json",
+        )
+    ):
+        if (model_dir / name).is_file():
+            h.update(name.encode())
+            h.update((model_dir / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids with the tokenizer's own special tokens (e.g. BOS). The Rust backend's encode_batch_fast gives
+    the same ids as tokenizer(texts) without computing character offsets: ~15% faster (bench/bench_tokenize.py)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=True)]
+    return tokenizer(texts, add_special_tokens=True)["input_ids"]
+
+
+def _stream_paths(tokens_path: Path) -> dict[str, Path]:
+    """A token stream's files: token ids, document end offsets, and (chat) the per-token trained mask."""
+    return {"tokens": tokens_path, "docs": tokens_path.with_suffix(".docs"), "mask": tokens_path.with_suffix(".mask")}
+
+
+def tokenize_to_file(
+    dataset: Any, tokenizer: Any, out_path: Path, batch_rows: int = 1000, chat: ChatEncoder | None = None
+) -> int:
+    """Tokenise a split into one flat token stream plus its document end offsets (and, for conversations, a
+    trained-token mask). Text rows get EOS after each document; conversations end as their template ends them.
+
+    Streams in row batches (memory stays flat) and writes under temporary names, renamed at the end with the
+    token file last, so a reader that sees the token file sees complete side files. Returns the number of tokens.
+    """
+    eos = tokenizer.eos_token_id
+    dtype = _token_dtype(len(tokenizer))
+    tokenizer.model_max_length = sys.maxsize  # documents are packed into blocks later; silence the length warning
+    paths = _stream_paths(out_path)
+    names = ("docs", "mask", "tokens") if chat is not None else ("docs", "tokens")
+    tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}.{socket.gethostname()}") for k in names}
+    handles = {k: open(tmp[k], "wb") for k in names}
+    total, skipped = 0, {}
+    try:
+        for batch in dataset.iter(batch_size=batch_rows):
+            if chat is not None:
+                encoded = chat.encode(batch["messages"], skipped)
+                pieces = [np.asarray(ids, dtype=dtype) for ids, _ in encoded]
+                if encoded:
+                    np.concatenate([mask for _, mask in encoded]).tofile(handles["mask"])
+            else:
+                encoded_text = encode_batch(tokenizer, batch["text"])
+                pieces = [
+                    np.asarray(ids + [eos] if not ids or ids[-1] != eos else ids, dtype=dtype) for ids in encoded_text
+                ]
+            if pieces:
+                np.concatenate(pieces).tofile(handles["tokens"])
+                (total + np.cumsum([p.size for p in pieces], dtype=np.int64)).tofile(handles["docs"])
+                total += sum(p.size for p in pieces)
+        for fh in handles.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        for fh in handles.values():
+            fh.close()
+    for reason, count in sorted(skipped.items()):
+        log(f"skipped {count} conversation(s) of {out_path.stem}: {reason}")
+    for k in names:  # the token file last: its presence means the stream is complete
+        os.replace(tmp[k], paths[k])
+    return total
+
+
+@dataclass
+class Batch:
+    """One micro-batch: inputs, targets (-100 = no loss) and, with document masking, per-document positions."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids))
+
+
+@dataclass
+class PackedBlocks:
+    """Blocks of seq_length+1 tokens over a flat token stream, with stride seq_length.
+
+    Block i gives inputs tokens[i*L : i*L+L] and targets tokens[i*L+1 : i*L+L+1], so every token
+    transition in the stream is trained on exactly once per epoch. `trained` (conversations) marks the tokens
+    that carry loss as targets. With `doc_ends` (document masking), position ids restart at 0 at each document
+    start and at the block start, so the attention of one document never sees another, and the transition into
+    a new document's first token (unpredictable from the previous document) carries no loss.
+    """
+
+    tokens: np.ndarray
+    seq_length: int
+    trained: np.ndarray | None = None  # uint8 per token: 1 = a target that carries loss (None = all)
+    doc_ends: np.ndarray | None = None  # end offset (exclusive) of every document; None = no document masking
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_length)
+
+    def block(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(inputs, labels, position ids or None) of block i."""
+        L, start = self.seq_length, i * self.seq_length
+        window = np.asarray(self.tokens[start : start + L + 1], dtype=np.int64)
+        labels = window[1:].copy()
+        if self.trained is not None:
+            labels[np.asarray(self.trained[start + 1 : start + L + 1]) == 0] = -100
+        if self.doc_ends is None:
+            return window[:-1], labels, None
+        lo, hi = np.searchsorted(self.doc_ends, [start, start + L], side="right")
+        doc_starts = np.asarray(self.doc_ends[lo:hi], dtype=np.int64) - start  # in (0, L]: where a new doc begins
+        labels[doc_starts - 1] = -100
+        restart = np.zeros(L, dtype=np.int64)
+        inside = doc_starts[doc_starts < L]
+        restart[inside] = inside
+        positions = np.arange(L, dtype=np.int64) - np.maximum.accumulate(restart)
+        return window[:-1], labels, positions
+
+    def gather(self, indices: list[int]) -> Batch:
+        parts = [self.block(i) for i in indices]
+        inputs, labels = (torch.from_numpy(np.stack([p[k] for p in parts])) for k in (0, 1))
+        positions = None if self.doc_ends is None else torch.from_numpy(np.stack([p[2] for p in parts]))
+        return Batch(inputs, labels, positions)
+
+    def trained_tokens(self, indices: list[int]) -> int:
+        """Targets that carry loss in these blocks: what the loss of a global batch is averaged over."""
+        if self.trained is None and self.doc_ends is None:
+            return len(indices) * self.seq_length
+        return int(sum((self.block(i)[1] != -100).sum() for i in indices))
+
+
+def load_token_stream(
+    split: Any, split_name: str, tokenizer: Any, cache_key: str, cfg: TrainConfig, d: Dist, chat: ChatEncoder | None
+) -> PackedBlocks:
+    """Tokenise once per node into a cache keyed by dataset fingerprint, tokenizer and chat settings, then
+    memory-map it as packed blocks of --seq-length.
+
+    The cache holds the flat token stream, so any --seq-length reuses it. Local rank 0 builds it;
+    the others poll for the file instead of waiting in a collective, which would time out on a large corpus.
+    """
+    fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
+    key = hashlib.sha256(f"{fingerprint}|{cache_key}|docs-v2".encode()).hexdigest()[:20]
+    cache_dir = Path(cfg.save_dir) / ".token_cache" / key
+    paths = _stream_paths(cache_dir / f"{split_name}.tokens")
+    failed_path = cache_dir / f"{split_name}.failed"
+    if d.local_rank == 0 and not paths["tokens"].exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        failed_path.unlink(missing_ok=True)
+        log(f"tokenising {split_name} split ({len(split)} rows) into {paths['tokens']}")
+        start = time.perf_counter()
+        try:
+            count = tokenize_to_file(split, tokenizer, paths["tokens"], chat=chat)
+        except BaseException as exc:
+            failed_path.write_text(repr(exc))
+            raise
+        log(f"tokenised {count:,} tokens in {time.perf_counter() - start:.1f}s")
+    deadline = time.monotonic() + cfg.collective_timeout_s
+    while not paths["tokens"].exists():
+        if failed_path.exists():
+            raise TrainError(f"tokenisation failed on local rank 0: {failed_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise TrainError(f"waited {cfg.collective_timeout_s}s for {paths['tokens']}; raise --collective-timeout-s")
+        time.sleep(0.5)
+
+    def mapped(path: Path, dtype: Any) -> np.ndarray:
+        return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
+
+    tokens = mapped(paths["tokens"], _token_dtype(len(tokenizer)))
+    trained = mapped(paths["mask"], np.uint8) if chat is not None else None
+    doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
+    return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
+
+
+@dataclass
+class DataPlan:
+    """Where every global batch comes from. Independent of the number of processes.
+
+    Epoch e is a permutation of the packed blocks seeded by (seed, e); the global batch at step k of
+    an epoch is blocks perm[k*G : (k+1)*G], G = world x batch x grad-accum. So the data position is
+    just (epoch, samples consumed), and a final partial global batch is always dropped.
+    """
+
+    blocks: PackedBlocks
+    seed: int
+    global_batch: int
+    micro_batch: int
+    world_size: int
+    rank: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.blocks) // self.global_batch
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.blocks), generator=g)
+
+    def step_blocks(self, order: torch.Tensor, step_in_epoch: int) -> list[int]:
+        start = step_in_epoch * self.global_batch
+        return order[start : start + self.global_batch].tolist()
+
+    def micro_batches(self, order: torch.Tensor, step_in_epoch: int) -> list[Batch]:
+        """This rank's micro-batches for one optimizer step: slot (a * world + rank) of the global batch."""
+        step_blocks = self.step_blocks(order, step_in_epoch)
+        accum = self.global_batch // (self.world_size * self.micro_batch)
+        out = []
+        for a in range(accum):
+            slot = (a * self.world_size + self.rank) * self.micro_batch
+            out.append(self.blocks.gather(step_blocks[slot : slot + self.micro_batch]))
+        return out
+
+    def trained_tokens(self, order: torch.Tensor, step_in_epoch: int) -> int:
+        """Targets carrying loss in the whole global batch (all ranks): every rank computes the same number from
+        the deterministic plan, so the loss can be normalised by it without a collective."""
+        return self.blocks.trained_tokens(self.step_blocks(order, step_in_epoch))
+
+
+class Prefetcher:
+    """Gathers the micro-batches of step k+1 in a background thread while step k runs. On CUDA they are put in
+    pinned memory, so Batch.to(device) copies them asynchronously. Any (epoch, step) can be asked for (a resume,
+    the first step); a step that was not the prefetched one is gathered on the spot, so the batches are always
+    exactly those of DataPlan."""
+
+    def __init__(self, plan: DataPlan, pin: bool):
+        self.plan, self.pin = plan, pin
+        self.pending: tuple[tuple[int, int], Any] | None = None
+        self.orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self.orders:
+            self.orders = {e: o for e, o in self.orders.items() if e >= epoch - 1}  # at most the current two
+            self.orders[epoch] = self.plan.epoch_order(epoch)
+        return self.orders[epoch]
+
+    def _load(self, epoch: int, step: int) -> tuple[list[Batch], int]:
+        order = self._order(epoch)
+        batches = self.plan.micro_batches(order, step)
+        if self.pin:
+            batches = [Batch(*(None if t is None else t.pin_memory() for t in dataclasses.astuple(b))) for b in batches]
+        return batches, self.plan.trained_tokens(order, step)
+
+    def get(self, epoch: int, step: int) -> tuple[list[Batch], int]:
+        """This rank's micro-batches of (epoch, step in epoch) and the global batch's trained-token count."""
+        if self.pending is not None and self.pending[0] == (epoch, step):
+            result = self.pending[1].result()
+        else:
+            if self.pending is not None:
+                self.pending[1].result()  # never two threads in _load at once
+            result = self._load(epoch, step)
+        following = (epoch, step + 1) if step + 1 < self.plan.steps_per_epoch else (epoch + 1, 0)
+        self.pending = (following, self._in_background(*following))
+        return result
+
+    def _in_background(self, epoch: int, step: int) -> Any:
+        """A daemon thread (an exit or a crash never waits for it) whose result is a Future."""
+        import threading
+        from concurrent.futures import Future
+
+        future: Future = Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._load(epoch, step))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by get() in the training thread
+                future.set_exception(exc)
+
+        threading.Thread(target=work, name="prefetch", daemon=True).start()
+        return future
+
+
+@dataclass
+class TrainData:
+    train: DataPlan
+    validation: PackedBlocks | None
+    tokenizer: Any
+    tokenizer_hash: str
+    dataset_fingerprint: str
+    data_format: str  # what turns rows into trained tokens: text or chat (template, --loss-on), document masking
+
+
+def slice_rows(split: Any, text: str) -> Any:
+    """Rows START:END of the train split. The slice changes the split's fingerprint, hence the token cache key and
+    the resume check."""
+    start, end = parse_data_slice(text) or (0, None)
+    end = len(split) if end is None else min(end, len(split))
+    if start >= end:
+        raise TrainError(f"--data-slice {text}: the train split has {len(split)} rows, so it selects none")
+    log(f"--data-slice {text}: training on rows {start}..{end - 1} of {len(split)}")
+    return split.select(range(start, end))
+
+
+def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
+    from transformers import AutoTokenizer
+
+    try:
+        train_split, val_split = load_text_dataset(cfg.dataset_name, cfg.text_column or None)
+    except ValueError as exc:
+        raise TrainError(f"--dataset-name: {exc}") from exc
+    if cfg.data_slice:
+        train_split = slice_rows(train_split, cfg.data_slice)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise TrainError(
+            f"--model-name {cfg.model_name}: the tokenizer has no EOS token, needed between packed documents"
+        )
+    chat = chat_encoder(cfg, tokenizer, train_split.column_names)
+    tok_hash = tokenizer_hash(model_dir)
+    data_format = f"chat:{chat_template_hash(tokenizer)}:loss-on-{cfg.loss_on}" if chat else "text"
+    train_blocks = load_token_stream(train_split, "train", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat)
+    global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
+    plan = DataPlan(train_blocks, cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank)
+    if plan.steps_per_epoch == 0:
+        raise TrainError(
+            f"--dataset-name {cfg.dataset_name}: {len(plan.blocks)} packed blocks of {cfg.seq_length} tokens are fewer "
+            f"than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
+            f"lower --seq-length, --batch-size or --grad-accum-steps"
+        )
+    validation = None
+    if val_split is not None and len(val_split):
+        validation = load_token_stream(val_split, "validation", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat)
+        if len(validation) == 0:
+            log("validation split is shorter than one block; validation is skipped")
+            validation = None
+    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
+    log(
+        f"data: {len(plan.blocks):,} train blocks of {cfg.seq_length} tokens, global batch {global_batch} "
+        f"({d.world_size} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
+        f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
+    )
+    if chat is not None:
+        share = float(np.mean(train_blocks.trained)) if len(train_blocks.trained) else 0.0
+        log(
+            f"SFT on conversations (a 'messages' column): chat template {chat_template_hash(tokenizer)}, loss on "
+            f"{cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
+        )
+    data_format += f":document-masking-{cfg.document_masking}"
+    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format)
+
+
+def total_steps(cfg: TrainConfig, plan: DataPlan) -> int:
+    steps = plan.steps_per_epoch * cfg.num_epochs
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps

@@ -1,0 +1,321 @@
+"""HF weight files in and out, side by side because they are inverses: sharded loading of a Hugging Face model
+folder into the FSDP shards (routed through transformers' own key conversions, equal bit for bit to
+from_pretrained), and the export of the sharded model back to a standard folder in save_pretrained's layout.
+Training checkpoints are checkpoint.py; which files make up a folder's weights is hf_files.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.errors import TrainError
+from fsdp_lib.hf_files import hf_weight_files
+from fsdp_lib.runtime import Dist, log
+
+
+def clean_fqn(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def weight_keys(model_dir: Path) -> tuple[dict[str, Path], str]:
+    """Each tensor name in the folder's weight files (hf_weight_files) -> its file, and the format: "safetensors",
+    "bin", or "none" for a folder without weights."""
+    from safetensors import safe_open
+
+    names, problems = hf_weight_files(model_dir)
+    if problems:
+        raise TrainError(f"--model-name {model_dir}: {'; '.join(problems)}; re-download with model_download.py")
+    files: dict[str, Path] = {}
+    for name in names:
+        path = model_dir / name
+        if name.endswith(".safetensors"):
+            with safe_open(str(path), framework="pt") as fh:
+                files.update(dict.fromkeys(fh.keys(), path))
+        else:
+            files.update(dict.fromkeys(torch.load(path, map_location="meta", weights_only=True, mmap=True), path))
+    fmt = "none" if not files else "safetensors" if names[0].endswith(".safetensors") else "bin"
+    return files, fmt
+
+
+@dataclass
+class WeightLoadPlan:
+    """Where each model tensor comes from, routed by transformers' own conversion mapping for this version."""
+
+    files: dict[str, Path]  # tensor name in the weight files -> the file holding it
+    renamed: dict[str, str]  # model FQN -> tensor name in the files: read slice by slice
+    converted: dict[str, Any]  # first target FQN -> transformers WeightConverter holding its source keys
+    conversions: list[Any]  # the transforms that matched; the export reverts exactly these (as save_pretrained)
+
+
+def plan_weight_load(model: nn.Module, files: dict[str, Path]) -> WeightLoadPlan:
+    """Route every tensor name of the weight files as from_pretrained does (transformers.core_model_loading): all
+    WeightRenamings, then at most one WeightConverter, then add or strip the base-model prefix.
+
+    A renamed key is read slice by slice; a converted one (e.g. per-expert `experts.N.gate_proj` stacked into
+    `experts.gate_up_proj`) needs its whole source tensors. Keys the architecture does not use are ignored, as
+    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately; a
+    persistent buffer the weight files lack keeps its computed value.
+    """
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", "model")
+    tied = _tied_parameter_names(model)
+    params = {clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    # Persistent buffers load too where stored, as in from_pretrained (e.g. GLM-4.5's router e_score_correction_bias)
+    expected = dict.fromkeys(params | {clean_fqn(n) for n in model.state_dict()}, True)
+    renamed: dict[str, str] = {}
+    converted: dict[str, Any] = {}
+    for key in sorted(files, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if target not in expected:  # as from_pretrained: a name the model already has (maybe prefixed) wins
+            target, pattern = rename_source_key(key, [], [], prefix, expected)
+        if target not in expected or target in tied:
+            continue
+        if pattern is None:
+            renamed[target] = key
+        else:
+            converted.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, key, pattern, key)
+    produced = set(renamed)
+    for first, converter in converted.items():
+        produced.update(first.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
+    missing = sorted(params - produced - tied)
+    if missing:
+        raise TrainError(
+            f"the model folder's weights lack {len(missing)} tensors the architecture needs (after transformers' "
+            f"key conversions), e.g. {missing[:5]}; re-download with model_download.py (it verifies every tensor)"
+        )
+    return WeightLoadPlan(files, renamed, converted, [c for c in conversions if c.was_used()])
+
+
+def _tied_parameter_names(model: nn.Module) -> set[str]:
+    """Names under which an already-seen Parameter appears again (e.g. lm_head.weight tied to embed_tokens)."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(clean_fqn(name))
+        seen.add(id(param))
+    return tied
+
+
+def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, Path], fmt: str) -> None:
+    """Load the folder's weights into the shards, equal bit for bit to from_pretrained. `files` and `fmt`: what
+    weight_keys found in model_dir.
+
+    Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped).
+    Converted tensors: each rank reads the whole source tensors of one converter at a time (e.g. every
+    expert's gate and up projection of one layer), lets transformers' ops build the full target, and
+    keeps its slice, so the extra memory is about twice one layer's fused tensor.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    plan = plan_weight_load(model, files)
+    state = get_model_state_dict(model)
+    by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed}
+    if fmt == "safetensors":
+        dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
+    else:
+        _load_bin_slices(by_file_key, model_dir)
+    _load_converted(model, plan, state)
+    model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
+
+
+def _load_converted(model: nn.Module, plan: WeightLoadPlan, state: dict[str, Any]) -> None:
+    import functools
+
+    with torch.no_grad(), contextlib.ExitStack() as open_files:
+        read = functools.partial(_read_whole_tensor, plan.files, open_files, {})
+        for first, converter in plan.converted.items():
+            for pattern, keys in converter.collected_tensors.items():  # load lazily, one converter at a time
+                converter.collected_tensors[pattern] = [functools.partial(read, key) for key in keys]
+            for name, full in converter.convert(first, model=model, config=model.config).items():
+                _copy_into_shard(state[name], full[0] if isinstance(full, list) else full)
+
+
+def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack, handles: dict, key: str) -> Any:
+    from safetensors import safe_open
+
+    path = files[key]
+    if path not in handles:
+        if path.suffix == ".safetensors":
+            handles[path] = open_files.enter_context(safe_open(str(path), framework="pt"))
+        else:
+            handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    handle = handles[path]
+    return handle.get_tensor(key) if path.suffix == ".safetensors" else handle[key]
+
+
+def _copy_into_shard(target: Any, full: torch.Tensor) -> None:
+    """Copy this rank's slice of a full tensor into a parameter (its DTensor shard, or all of it)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):  # src_data_rank=None: every rank holds `full`, so slice locally, no messages
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(full.to_local())
+    else:
+        target.copy_(full)
+
+
+def _load_bin_slices(targets: dict[str, Any], model_dir: Path) -> None:
+    """Fallback for repos without safetensors: mmap each .bin and copy this rank's slice of each tensor."""
+    with torch.no_grad():
+        for f in sorted(model_dir.glob("pytorch_model*.bin")):
+            stored = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            for key, tensor in stored.items():
+                if key in targets:
+                    _copy_into_shard(targets[key], tensor)
+
+
+def export_dtype(cfg: TrainConfig, model_dir: Path) -> torch.dtype:
+    if cfg.export_dtype != "auto":
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.export_dtype]
+    return original_dtype(model_dir)
+
+
+def original_dtype(model_dir: Path) -> torch.dtype:
+    """The model's own dtype: config.json's dtype/torch_dtype, else that of its weight files, else fp32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), framework="pt") as fh:
+            keys = list(fh.keys())
+            if keys:
+                stored = fh.get_slice(keys[0]).get_dtype()
+                return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
+    return torch.float32
+
+
+def export_hf_model(
+    model: nn.Module, tokenizer: Any, out_dir: Path, d: Dist, dtype: torch.dtype, source_dir: Path
+) -> None:
+    """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model,
+    in the layout save_pretrained writes (transformers' conversions reverted, e.g. one tensor per expert).
+
+    Tensors that only rename on save: DCP's HF writer has every rank write its own slices, then rank 0
+    consolidates them file by file, so no process gathers them. Tensors a converter reverts (stacked MoE
+    experts): gathered one decoder layer at a time, reverted by transformers and written by rank 0.
+    Saved in `dtype` (--export-dtype; auto: the model's own); tied weights stay tied. The generation config of
+    source_dir (the model folder trained from) is copied.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    tied = _tied_parameter_names(model)
+    state = {k: v.to(dtype) for k, v in get_model_state_dict(model).items() if k not in tied}
+    state, converted_by_layer = split_export_layout(model, state)
+    index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
+    file_no = 1
+    for key, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if size and size + nbytes > max_bytes:
+            file_no, size = file_no + 1, 0
+        index[key], size = file_no, size + nbytes
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    if d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(group=d.cpu_group)
+    writer = dcp.HuggingFaceStorageWriter(
+        str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
+    )
+    dcp.save(state, storage_writer=writer, process_group=d.cpu_group)
+    _write_converted(model, converted_by_layer, tmp, max_bytes, d)
+    if d.is_main:
+        shutil.rmtree(tmp / "sharded", ignore_errors=True)
+        config = model.config
+        config.use_cache, config.dtype = True, dtype
+        config.save_pretrained(tmp)
+        if (source_dir / "generation_config.json").is_file():
+            shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
+        tokenizer.save_pretrained(tmp)
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        log(f"exported Hugging Face model ({dtype}) to {out_dir}")
+    dist.barrier(group=d.cpu_group)
+
+
+def split_export_layout(model: nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Ask transformers how save_pretrained would write each tensor (revert_weight_conversion on a meta copy):
+    -> {saved name: sharded tensor} for plain renames, and per decoder layer the tensors a converter reverts."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    renamed: dict[str, Any] = {}
+    converted: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        probe = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        try:
+            saved = revert_weight_conversion(model, {key: probe})
+        except Exception:  # noqa: BLE001 - a many-to-one revert needs its partners: handled with its layer below
+            saved = {}
+        if len(saved) == 1 and next(iter(saved.values())) is probe:
+            renamed[next(iter(saved))] = value
+        else:
+            layer = re.match(r"(.*?\.\d+)\.", key)
+            converted.setdefault(layer.group(1) if layer else "", {})[key] = value
+    return renamed, list(converted.values())
+
+
+def _write_converted(model: nn.Module, groups: list[dict[str, Any]], folder: Path, max_bytes: int, d: Dist) -> None:
+    """Gather each layer's converted tensors (every rank takes part), revert them, and let rank 0 append them
+    to the export as extra safetensors files listed in the index."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not groups:
+        return
+    pending: dict[str, torch.Tensor] = {}
+    written: dict[str, str] = {}
+    written_bytes = 0
+
+    def flush() -> None:
+        nonlocal written_bytes
+        written_bytes += sum(v.numel() * v.element_size() for v in pending.values())
+        name = f"model-converted-{len(set(written.values())) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in pending.items()}, str(folder / name), metadata={"format": "pt"})
+        written.update(dict.fromkeys(pending, name))
+        pending.clear()
+
+    for group in groups:
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in group.items()}
+        if d.is_main:
+            # clone: reverted tensors are views of one stacked tensor, and safetensors refuses shared storage
+            pending.update({k: v.clone() for k, v in revert_weight_conversion(model, full).items()})
+            if sum(v.numel() * v.element_size() for v in pending.values()) >= max_bytes:
+                flush()
+    if d.is_main:
+        if pending:
+            flush()
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(written)
+        index["metadata"]["total_size"] += written_bytes
+        index_path.write_text(json.dumps(index, indent=2))

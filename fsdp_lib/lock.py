@@ -1,0 +1,145 @@
+"""One run per experiment: outputs/EXP/run.lock, taken atomically (hard link, also on NFS), refreshed while the run
+lives, and taken over with a message when its holder is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fsdp_lib.errors import ExperimentLockedError
+from fsdp_lib.runtime import log
+
+LOCK_FILE = "run.lock"
+
+
+LOCK_REFRESH_S = 30.0  # the holder touches its lock file this often...
+
+
+LOCK_STALE_S = 600.0  # ...so a lock from another host that nobody touched for this long belongs to a dead run
+
+
+def _process_start_ticks(pid: int) -> str | None:
+    """When a process started (field 22 of /proc/PID/stat); None if it is gone or a zombie. A pid reused by
+    an unrelated process has another start time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _process_alive(pid: int, start_ticks: str | None) -> bool:
+    if Path("/proc/self/stat").is_file():
+        ticks = _process_start_ticks(pid)
+        return ticks is not None and (start_ticks is None or ticks == start_ticks)
+    try:  # no procfs (macOS): existence only
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class ExperimentLock:
+    """One run per experiment: `outputs/EXP/run.lock` names the holder (host, pid, start time).
+
+    It is created complete under a private name and hard-linked into place: link() fails if the lock exists,
+    atomically, also on NFS and the parallel filesystems of a cluster. A lock whose holder is gone is taken over
+    with a message: on this host when the process no longer exists, from another host when the holder stopped
+    refreshing it for LOCK_STALE_S. Global rank 0 holds it for the whole run and removes it on exit."""
+
+    def __init__(self, experiment_dir: Path):
+        self.path = experiment_dir / LOCK_FILE
+        self.record: dict | None = None
+        self._stop_refresh = threading.Event()
+
+    def _read(self, path: Path | None = None) -> dict | None:
+        try:
+            holder = json.loads((path or self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+
+    def _alive(self, holder: dict) -> bool:
+        if holder.get("host") == socket.gethostname():
+            return _process_alive(holder["pid"], holder.get("process_start"))
+        with contextlib.suppress(OSError):
+            return time.time() - self.path.stat().st_mtime < LOCK_STALE_S
+        return False
+
+    def _held_message(self, holder: dict) -> str:
+        return (
+            f"experiment {self.path.parent} is in use by another run: host {holder.get('host')}, pid "
+            f"{holder['pid']}, started {holder.get('started_at')} (lock file {self.path}). Wait for that run to "
+            f"finish or stop it, or use another --experiment-name. If that process is really gone (e.g. its node "
+            f"died), delete {self.path}."
+        )
+
+    def check_free(self) -> None:
+        holder = self._read()
+        if holder is not None and self._alive(holder):
+            raise ExperimentLockedError(self._held_message(holder))
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": _process_start_ticks(os.getpid()),
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+        }
+        mine = self.path.with_name(f".{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
+        mine.write_text(json.dumps(self.record))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(mine, self.path)
+                    break
+                except FileExistsError:
+                    self._take_over_if_stale()
+            else:
+                raise ExperimentLockedError(f"could not take {self.path}: other launches keep racing for it")
+        finally:
+            mine.unlink(missing_ok=True)
+        threading.Thread(target=self._refresh, name="experiment-lock", daemon=True).start()
+
+    def _take_over_if_stale(self) -> None:
+        holder = self._read()
+        if holder is not None and self._alive(holder):
+            raise ExperimentLockedError(self._held_message(holder))
+        stale = self.path.with_name(f".{LOCK_FILE}.stale.{socket.gethostname()}.{os.getpid()}")
+        try:
+            os.rename(self.path, stale)
+        except FileNotFoundError:
+            return  # another launch removed it first; try again
+        if self._read(stale) != holder:  # a live run took the lock between our read and the rename: give it back
+            with contextlib.suppress(FileExistsError):
+                os.link(stale, self.path)
+        else:
+            what = (
+                f"host {holder.get('host')}, pid {holder['pid']}, started {holder.get('started_at')}"
+                if holder
+                else "unreadable"
+            )
+            log(f"taking over the lock of a run that is gone ({what}): {self.path}")
+        stale.unlink(missing_ok=True)
+
+    def _refresh(self) -> None:
+        while not self._stop_refresh.wait(LOCK_REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop_refresh.set()
+        if self.record is not None and self._read() == self.record:
+            self.path.unlink(missing_ok=True)
+        self.record = None

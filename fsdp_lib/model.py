@@ -1,0 +1,269 @@
+"""The model: built on the meta device with the attention kernel chosen, decoder layers found from the model's own
+_no_split_modules, activation checkpointing (recompute in backward) per layer, FSDP2 fully_shard per layer plus
+the root, then its shards filled from the HF weight files or initialised. Also the --dry-run report."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import yaml
+
+from fsdp_lib.config import TrainConfig, resolve_model_dir
+from fsdp_lib.errors import TrainError
+from fsdp_lib.hf_weights import clean_fqn, export_dtype, load_pretrained_sharded, weight_keys
+from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem
+from fsdp_lib.memory_plan import format_memory_plan, training_memory_plan
+from fsdp_lib.runtime import Dist, log
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build a model with parameters on the meta device but real buffers.
+
+    Parameters cost nothing (their init runs on meta), while buffers such as rotary `inv_freq`
+    are computed for real, so we can put them back after `to_empty` wipes them.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":  # meta already: a re-registration (weight tying)
+            kwargs = {"requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def auto_attention_order(packed_documents: bool) -> tuple[str, ...]:
+    """--attn-implementation auto. With document masking on a GPU, flash-attention first when installed: it takes
+    the packed documents as variable-length sequences (transformers derives them from the position ids), where
+    sdpa needs a [batch x 1 x T x T] boolean mask and a slower kernel. Otherwise sdpa, then eager."""
+    if packed_documents and torch.cuda.is_available():
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return ("flash_attention_2", "sdpa", "eager")
+    return ("sdpa", "eager")
+
+
+def build_model_skeleton(
+    model_dir: Path, attn_implementation: str = "auto", packed_documents: bool = False
+) -> nn.Module:
+    """The model with parameters on meta. auto tries the kernels of auto_attention_order in turn.
+
+    Each attempt starts from a freshly read config: from_config records the requested implementation in
+    the config object it is given, so retrying with the same object would ask for sdpa again (Gemma2).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    attempts = auto_attention_order(packed_documents) if attn_implementation == "auto" else (attn_implementation,)
+    for attn in attempts:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config.use_cache = False
+        try:
+            with parameters_on_meta():
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        except (ValueError, ImportError) as exc:  # no such kernel for this architecture, or not installed
+            problem = exc
+    raise TrainError(
+        f"--attn-implementation {attn_implementation}: cannot build {config.architectures or config.model_type} "
+        f"from {model_dir} ({problem}); try --attn-implementation auto or eager"
+    )
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Decoder layers, found from the model's own `_no_split_modules` so any architecture works."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        candidates = sorted(
+            {type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+        )
+        raise TrainError(
+            f"cannot find decoder layers of {type(model).__name__}: _no_split_modules={sorted(names)} matches no "
+            f"submodule. Candidates (children of ModuleLists): {candidates}"
+        )
+    return layers
+
+
+def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], every_n: int) -> int:
+    """Wrap every Nth decoder layer with torch's checkpoint wrapper (non-reentrant).
+
+    We do not use HF's gradient_checkpointing flag: under FSDP it re-runs the layer outside the
+    FSDP hooks' view and costs an extra all-gather per layer.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as wrap,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    selected = {id(layer) for i, layer in enumerate(layers) if i % every_n == 0}
+    wrap(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in selected)
+    return len(selected)
+
+
+def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, precision: str, d: Dist) -> None:
+    """fully_shard each decoder layer, then the root: the training forward (CausalLMLoss) around the model, whose
+    group holds the embeddings, final norm and head (a tied head shares the embedding's parameter)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory speeds up the GPU copies; without a GPU there is nothing to pin for (and it fails).
+    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload == "on" else OffloadPolicy()
+    reshard = cfg.sharding != "grad-op"
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in root.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+    for i, layer in enumerate(layers):
+        unit = wrappers.get(id(layer), layer)  # shard the checkpoint wrapper, so recompute sees FSDP's hooks
+        if cfg.compile == "on":
+            unit.compile()
+        # The last layer's backward comes right after the loss: resharding it after forward would only regather it.
+        last = i == len(layers) - 1
+        fully_shard(unit, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard and not last)
+    fully_shard(root, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+
+
+def materialize(model: nn.Module, d: Dist, cfg: TrainConfig) -> None:
+    """Allocate the local shards, then restore the buffers that `to_empty` left as garbage."""
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    model.to_empty(device="cpu" if cfg.cpu_offload == "on" else d.device)
+    for name, value in buffers.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        owner = model.get_submodule(module_name) if module_name else model
+        owner._buffers[buffer_name] = value.to(d.device)  # buffers stay on the compute device, even with offload
+
+
+def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist) -> None:
+    """Initialise from scratch, shard by shard, identically at any number of processes.
+
+    Each parameter is drawn in full from a generator seeded by (seed, name) and sliced to this rank's shard,
+    so only one full parameter exists at a time. Rule: matrices ~ N(0, initializer_range), 1-D weights
+    (norms) = 1, biases = 0.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    std = getattr(config, "initializer_range", 0.02)
+    gen_device = d.device if d.device.type == "cuda" else torch.device("cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            name = clean_fqn(name)
+            full = torch.empty(param.shape, dtype=torch.float32, device=gen_device)
+            if param.ndim >= 2:
+                g = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full.normal_(0.0, std, generator=g)
+            else:
+                full.fill_(0.0 if name.endswith("bias") else 1.0)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+
+
+def check_still_tied(model: nn.Module) -> None:
+    """Tied input/output embeddings must remain one Parameter through sharding, or training unties them."""
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None:
+        if head.weight is not model.get_input_embeddings().weight:
+            raise TrainError("tied input/output embeddings became two tensors during sharding; please report this")
+
+
+@dataclass
+class ModelBundle:
+    model: nn.Module  # the Hugging Face model: its state dict is what checkpoints and the export hold
+    train_forward: CausalLMLoss  # the FSDP root around it: batch -> summed loss
+    config: Any
+    model_dir: Path
+    num_params: int
+    activation_checkpointed_layers: int  # decoder layers recomputed in backward
+    flops_per_token: float
+    export_dtype: torch.dtype  # --export-dtype; auto = the dtype the model was shipped in
+
+
+def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
+    """6N + 12*L*H*Q*T (PaLM appendix B): N counts matmul parameters, i.e. all but the input embedding,
+    plus the output head even when it is tied to the input embedding (the head matmul still runs)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    n = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if head is not None and head.weight is embed:
+        n += embed.numel()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, heads = text.num_hidden_layers, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 6 * n + 12 * layers * heads * head_dim * seq_length
+
+
+def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
+    model_dir = resolve_model_dir(cfg.model_name)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
+    num_params = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(model, model.config, cfg.seq_length)
+    layers = find_decoder_layers(model)
+    arch, layer_class = type(model).__name__, type(layers[0]).__name__  # before fully_shard renames the classes
+    recomputed = (
+        apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
+        if cfg.activation_checkpointing == "on"
+        else 0
+    )
+    train_forward = CausalLMLoss(model, cfg.loss_chunk_tokens)
+    if cfg.loss_chunk_tokens and (problem := chunked_loss_problem(model)):
+        log(f"--loss-chunk-tokens: full logits instead of the chunked loss for {arch}: {problem}")
+        train_forward.chunk = 0
+    shard_model(train_forward, layers, cfg, precision, d)
+    materialize(model, d, cfg)
+    files, fmt = weight_keys(model_dir)
+    if files:
+        start = time.perf_counter()
+        load_pretrained_sharded(model, model_dir, files, fmt)
+        log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")
+    else:
+        init_weights_on_shards(model, model.config, cfg.seed, d)
+        log(f"no weight files in {model_dir}: initialised {num_params:,} parameters from scratch on the shards")
+    check_still_tied(model)
+    model.train()
+    log(
+        f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
+        f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
+        f"{recomputed} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}, "
+        f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
+    )
+    return ModelBundle(
+        model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir)
+    )
+
+
+def dry_run(cfg: TrainConfig, world_size: int) -> int:
+    model_dir = resolve_model_dir(cfg.model_name)
+    model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
+    layers = find_decoder_layers(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    log("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False).rstrip())
+    log(f"model {type(model).__name__} from {model_dir}: {num_params:,} parameters")
+    log(
+        f"sharding plan: {len(layers)} x {type(layers[0]).__name__} ({per_layer:,} params each) each its own FSDP "
+        f"unit, plus the root unit ({num_params - per_layer * len(layers):,} params: embeddings, final norm, head); "
+        f"--sharding {cfg.sharding} over {world_size} processes, cpu offload {cfg.cpu_offload}, activation "
+        f"checkpointing {cfg.activation_checkpointing} (every {cfg.ac_every_n_layers} layer(s))"
+    )
+    sizes = sorted({1, 2, 4, 8, world_size})
+    rows = training_memory_plan(
+        num_params, world_sizes=sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
+    )
+    log(f"per-rank memory estimate (this run: {world_size} processes):\n" + format_memory_plan(rows))
+    log("dry run: nothing was trained")
+    return 0

@@ -1,0 +1,170 @@
+"""The process side of a run: the process group and device mesh (Dist), rank-0 logging with timestamps, host-side
+agreement between ranks, seeding, signals as a stop request, workers that die with their launcher, and the one
+error report per failure that torchrun shows as the root cause."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fsdp_lib.config import TrainConfig
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: Any  # DeviceMesh: 1-D ("shard",) or 2-D ("replicate", "shard")
+    cpu_group: Any  # gloo group for host-side agreement (signals, checkpoint bookkeeping): never syncs the GPU
+    async_ckpt_group: Any  # gloo group used only by background checkpoint writes (see Checkpointer.save)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+ENV_RANK = int(os.environ.get("RANK", "0"))  # the global rank torchrun gave us, known before any process group
+
+
+def log(message: str, all_ranks: bool = False) -> None:
+    """Every line carries a timestamp and the rank; by default only rank 0 prints."""
+    if all_ranks or ENV_RANK == 0:
+        stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        print(f"[{stamp}][rank{ENV_RANK}] {message}", flush=True)
+
+
+def _ensure_launcher_env() -> None:
+    """Allow `python fsdp_train.py ...` as a single process, as if launched by torchrun."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
+def setup_distributed(cfg: TrainConfig) -> Dist:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _ensure_launcher_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    timeout = dt.timedelta(seconds=cfg.collective_timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    async_ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    if cfg.sharding in ("hybrid", "none"):
+        shard = 1 if cfg.sharding == "none" else (cfg.hybrid_shard_size or local_world)
+        mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group)
+
+
+def all_ranks_agree(flag: bool, d: Dist) -> bool:
+    """True if any rank raised the flag. Runs on the gloo CPU group, so it never waits on the GPU."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.cpu_group)
+    return bool(t.item())
+
+
+def broadcast_object(obj: Any, d: Dist) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=d.cpu_group)
+    return box[0]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+ERROR_GRACE_S = 15.0  # how long a rank other than 0 leaves the report of an error to rank 0
+
+
+def report_error(message: str, exit_code: int) -> int:
+    """One clear message from one rank; returns the exit code.
+
+    An error every rank hits is reported by rank 0 alone: the other ranks wait to be stopped by torchrun,
+    which ends every worker as soon as one fails; only an error rank 0 did not hit outlives the wait and is
+    reported by the rank that hit it. Under torchrun the message also goes into the worker's error file
+    (TORCHELASTIC_ERROR_FILE), which torchrun prints last, as the root cause, instead of "To enable traceback"."""
+    if ENV_RANK != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # StopRequest turned SIGTERM into a flag; now it must end us
+        time.sleep(ERROR_GRACE_S)
+    log(f"ERROR: {message}", all_ranks=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):  # the format torch.distributed.elastic's ErrorHandler writes
+            extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+            Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+    return exit_code
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_launcher() -> None:
+    """A worker started by torchrun ends within seconds when torchrun itself dies (kill -9, the OOM killer):
+    orphans would otherwise keep training unattended, beside the rerun. Linux sends SIGKILL the moment the
+    parent dies (PR_SET_PDEATHSIG); a watchdog thread polling the parent pid covers other systems. Being killed
+    never leaves a partial checkpoint: a save only becomes a step_N folder by its final atomic rename."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: the user's shell is no launcher to follow
+        return
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    threading.Thread(target=_watch_launcher, args=(launcher,), name="launcher-watchdog", daemon=True).start()
+
+
+def _watch_launcher(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    log(f"the launcher (torchrun, pid {launcher}) is gone: stopping this worker", all_ranks=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step boundary, save and exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means now
+        self.requested = True
+        log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)

@@ -1,0 +1,26 @@
+"""TrainState: the counters besides model and optimizer that an exact resume restores (saved as JSON in every
+training checkpoint)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainState:
+    """Everything besides model and optimizer that an exact resume needs."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    samples_in_epoch: int = 0  # packed blocks consumed in the current epoch (a multiple of the global batch)
+    skipped_steps: int = 0  # steps whose optimizer update was skipped (non-finite loss or gradient)
+    bad_streak: int = 0  # consecutive skipped steps up to now
+    loss_scale: float = 1.0  # fp16 dynamic loss scale
+    scale_good_steps: int = 0
+
+    def advance(self, global_batch: int, steps_per_epoch: int) -> None:
+        self.step += 1
+        self.samples_in_epoch += global_batch
+        if self.samples_in_epoch >= steps_per_epoch * global_batch:
+            self.epoch += 1
+            self.samples_in_epoch = 0
