@@ -52,9 +52,12 @@ def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData) -> 
     }
 
 
-def config_fingerprint(config: Any) -> str:
-    """The model's architecture settings; not the library version that wrote them, nor the load dtype."""
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("transformers_version", "dtype", "torch_dtype")}
+def config_fingerprint(config: Any, with_path: bool = False) -> str:
+    """The model's architecture settings; not the library version that wrote them, nor the load dtype, nor the
+    folder it was read from (a moved model folder or HF_HOME is the same model). with_path: the fingerprint of
+    versions before that change, which hashed the folder path (_name_or_path) too; a resume accepts either."""
+    ignored = {"transformers_version", "dtype", "torch_dtype"} | (set() if with_path else {"_name_or_path"})
+    settings = {k: v for k, v in config.to_dict().items() if k not in ignored}
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -181,9 +184,11 @@ class Checkpointer:
             )
         return payload
 
-    def check_compatible(self, saved: dict, path: Path) -> None:
+    def check_compatible(self, saved: dict, path: Path, model_config: Any) -> None:
         # A key the checkpoint lacks was added by a later version of this script: not a change of settings.
         changed = [k for k in RESUME_PINNED if k in saved and saved[k] != self.fingerprint.get(k)]
+        if "model" in changed and saved["model"] == config_fingerprint(model_config, with_path=True):
+            changed.remove("model")  # written by an older version, whose model fingerprint included the path
         if not changed:
             return
         details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {self.fingerprint.get(k)!r}" for k in changed)
@@ -205,7 +210,7 @@ class Checkpointer:
         )
 
         payload = self.read_state(path)
-        self.check_compatible(payload["fingerprint"], path)
+        self.check_compatible(payload["fingerprint"], path, model.config)
         try:
             if optimizer is None:
                 model_sd = get_model_state_dict(model)

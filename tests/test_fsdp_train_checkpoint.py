@@ -368,3 +368,21 @@ def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4]
     for step, loss in expected["losses"].items():
         assert resumed[int(step)] == pytest.approx(loss, rel=1e-6, abs=0), (step, resumed[int(step)], loss)
+
+
+def test_a_moved_model_folder_still_resumes(inputs, reference, tmp_path):
+    """The model's fingerprint is its architecture, not the folder it was read from: after moving the model folder
+    (or HF_HOME to another disk) the same run resumes, and trains as the uninterrupted reference did."""
+    import shutil
+
+    dataset, model = inputs
+    first = shutil.copytree(model, tmp_path / "models" / "a")
+    crashed = run_trainer(flags((dataset, first), tmp_path), env={"FSDP_TRAIN_FAULT": "kill_before_rename@0:8"})
+    assert crashed.returncode != 0 and "step_00000004" in checkpoints(tmp_path)
+    assert "step_00000008" not in checkpoints(tmp_path)
+    moved = first.rename(tmp_path / "elsewhere")
+    rerun = run_trainer(flags((dataset, moved), tmp_path))
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "at step 4" in output_of(rerun)
+    resumed = losses_by_step(tmp_path / "run")
+    assert all(resumed[s] == reference[s] for s in range(5, STEPS + 1))
