@@ -66,6 +66,11 @@ class TrainConfig:
         choices=("assistant", "all"),
     )
     chat_template: str = _opt("", "Jinja chat template file, for a tokenizer without one (conversation data)")
+    max_skipped_fraction: float = _opt(
+        0.05,
+        "conversation data: stop when more than this fraction of a split's conversations cannot be trained (e.g. "
+        "the chat template refuses them); above 0.01 the start of the run warns",
+    )
     loss_chunk_tokens: int = _opt(
         1024, "tokens per chunk of the output head + loss, so full [tokens x vocab] logits never exist (0 = full)"
     )
@@ -267,6 +272,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         if choices and getattr(cfg, f.name) not in choices:
             flag = "--" + f.name.replace("_", "-")
             problems.append(f"{flag} {getattr(cfg, f.name)!r} is not one of {', '.join(choices)}")
+    if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
+        problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")
     if not cfg.lr > 0 or not math.isfinite(cfg.lr):
         problems.append(f"--lr must be a positive number (got {cfg.lr})")
     elif cfg.min_lr > cfg.lr:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import socket
 import sys
@@ -58,7 +59,12 @@ def encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 def _stream_paths(tokens_path: Path) -> dict[str, Path]:
     """A token stream's files: token ids, document end offsets, and (chat) the per-token trained mask."""
-    return {"tokens": tokens_path, "docs": tokens_path.with_suffix(".docs"), "mask": tokens_path.with_suffix(".mask")}
+    return {
+        "tokens": tokens_path,
+        "docs": tokens_path.with_suffix(".docs"),
+        "mask": tokens_path.with_suffix(".mask"),
+        "skips": tokens_path.with_suffix(".skips.json"),
+    }
 
 
 def tokenize_to_file(
@@ -77,11 +83,15 @@ def tokenize_to_file(
     names = ("docs", "mask", "tokens") if chat is not None else ("docs", "tokens")
     tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}.{socket.gethostname()}") for k in names}
     handles = {k: open(tmp[k], "wb") for k in names}
-    total, skipped = 0, {}
+    total, skipped, first_skipped, rows = 0, {}, {}, 0
     try:
         for batch in dataset.iter(batch_size=batch_rows):
             if chat is not None:
-                encoded = chat.encode(batch["messages"], skipped)
+                in_batch: dict[str, int] = {}
+                encoded = chat.encode(batch["messages"], skipped, in_batch)
+                for reason, row in in_batch.items():
+                    first_skipped.setdefault(reason, rows + row)
+                rows += len(batch["messages"])
                 pieces = [np.asarray(ids, dtype=dtype) for ids, _ in encoded]
                 if encoded:
                     np.concatenate([mask for _, mask in encoded]).tofile(handles["mask"])
@@ -100,8 +110,9 @@ def tokenize_to_file(
     finally:
         for fh in handles.values():
             fh.close()
-    for reason, count in sorted(skipped.items()):
-        log(f"skipped {count} conversation(s) of {out_path.stem}: {reason}")
+    if chat is not None:  # read with every use of the cache: load_token_stream reports and checks them
+        skips = {"conversations": rows, "expanded": chat.expanded, "skipped": skipped, "first_row": first_skipped}
+        paths["skips"].write_text(json.dumps(skips, indent=1))
     for k in names:  # the token file last: its presence means the stream is complete
         os.replace(tmp[k], paths[k])
     return total
@@ -180,7 +191,8 @@ def load_token_stream(
     the others poll for the file instead of waiting in a collective, which would time out on a large corpus.
     """
     fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
-    key = hashlib.sha256(f"{fingerprint}|{cache_key}|docs-v2".encode()).hexdigest()[:20]
+    version = f"docs-v2|chat-v{ChatEncoder.VERSION}" if chat is not None else "docs-v2"
+    key = hashlib.sha256(f"{fingerprint}|{cache_key}|{version}".encode()).hexdigest()[:20]
     cache_dir = Path(cfg.save_dir) / ".token_cache" / key
     paths = _stream_paths(cache_dir / f"{split_name}.tokens")
     failed_path = cache_dir / f"{split_name}.failed"
@@ -209,7 +221,33 @@ def load_token_stream(
     tokens = mapped(paths["tokens"], _token_dtype(len(tokenizer)))
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
+    if chat is not None:
+        report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction)
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
+
+
+def report_skipped(skips: dict, split_name: str, max_fraction: float) -> None:
+    """Every run (also from the cache): what became of a split's conversations. More than 1% skipped is a loud
+    warning at the start; more than --max-skipped-fraction stops the run."""
+    total, skipped = skips["conversations"], sum(skips["skipped"].values())
+    if skips["expanded"]:
+        log(
+            f"{skips['expanded']} conversation(s) of {split_name} are rendered by the chat template with earlier turns "
+            f"differing from the last (e.g. Qwen3's <think> blocks): each is trained as one sample per assistant "
+            f"turn, that turn rendered as the template renders a final one"
+        )
+    for reason, count in sorted(skips["skipped"].items()):
+        log(f"skipped {count} conversation(s) of {split_name}: {reason} (first: row {skips['first_row'][reason]})")
+    fraction = skipped / max(1, total)
+    if fraction <= 0.01:
+        return
+    summary = f"{skipped} of {total} conversations ({fraction:.1%}) of the {split_name} split are skipped"
+    if fraction > max_fraction:
+        raise TrainError(
+            f"{summary}, more than --max-skipped-fraction {max_fraction} (reasons above). Fix the data or the chat "
+            f"template (--chat-template), or raise --max-skipped-fraction to train on the rest."
+        )
+    log(f"WARNING: {summary}; they are not trained (reasons and first rows above)")
 
 
 @dataclass

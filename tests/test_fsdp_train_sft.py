@@ -32,13 +32,14 @@ ASSISTANT_SPANS = {
     "mistral": lambda c: " " + c + "<|eos|>",
     "gemma": lambda c: c.strip() + "<end_of_turn>\n",
 }
+CHAT_TEMPLATE_NAMES = [*ASSISTANT_SPANS, "qwen3"]
 NO_SYSTEM_ROLE = {"mistral", "gemma"}
 
 
 @pytest.fixture(scope="module")
 def chat_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("chat_models")
-    return {name: make_chat_model(root / name, name) for name in ASSISTANT_SPANS}
+    return {name: make_chat_model(root / name, name) for name in CHAT_TEMPLATE_NAMES}
 
 
 def _tokenizer(folder: Path):
@@ -110,6 +111,106 @@ def test_a_template_that_rewrites_earlier_turns_is_a_counted_skip(chat_models):
     skipped: dict[str, int] = {}
     assert ChatEncoder(tokenizer, "assistant").encode(arithmetic_conversations(3), skipped) == []
     assert sum(skipped.values()) == 3 and "differently" in next(iter(skipped))
+
+
+def test_qwen3_style_multi_turn_trains_every_assistant_turn_as_a_final_turn(chat_models):
+    """Qwen3 renders earlier assistant turns without the <think></think> block the final turn gets: each assistant
+    turn becomes its own sample, turns[:i+1], trained on that turn exactly as the template renders a final one."""
+    tokenizer = _tokenizer(chat_models["qwen3"])
+    conversations = arithmetic_conversations(6)  # odd ones: a system turn and two exchanges
+    encoder = ChatEncoder(tokenizer, "assistant")
+    skipped: dict[str, int] = {}
+    encoded = encoder.encode(conversations, skipped)
+    samples = [c[: i + 1] for c in conversations for i, t in enumerate(c) if t["role"] == "assistant"]
+    assert not skipped and len(encoded) == len(samples) == 9 and encoder.expanded == 3
+    for sample, (ids, mask) in zip(samples, encoded):
+        ids = np.asarray(ids)
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(sample, tokenize=False)
+        assert tokenizer.decode(ids[mask == 1]) == "<think>\n\n</think>\n\n" + sample[-1]["content"] + "<|im_end|>\n"
+
+
+@pytest.mark.parametrize("template", ["llama3", "qwen2.5", "qwen3"])
+def test_a_conversation_that_starts_with_the_assistant_trains_its_answer_only(template, chat_models):
+    """Not the BOS, the system prompt the template adds, or the assistant header: only what the model answers."""
+    tokenizer = _tokenizer(chat_models[template])
+    conversation = [{"role": "assistant", "content": "Ask me a sum."}] + arithmetic_conversations(1, system=False)[0]
+    encoded = ChatEncoder(tokenizer, "assistant").encode([conversation], {})
+    assert len(encoded) == (2 if template == "qwen3" else 1)  # qwen3: one sample per assistant turn
+    ids, mask = np.asarray(encoded[0][0]), encoded[0][1]
+    first_run_end = int(np.argmax(np.diff(np.append(mask, 0).astype(int)) == -1)) + 1
+    first = tokenizer.decode(ids[:first_run_end][mask[:first_run_end] == 1])
+    expected = {"llama3": ASSISTANT_SPANS["llama3"], "qwen2.5": ASSISTANT_SPANS["qwen2.5"]}
+    expected["qwen3"] = lambda c: "<think>\n\n</think>\n\n" + c + "<|im_end|>\n"  # its own sample
+    assert first == expected[template]("Ask me a sum.")
+    assert mask[0] == 0
+
+
+def _metaspace_tokenizer(folder: Path, template: str):
+    """A SentencePiece-style tokenizer (Metaspace: a space joins the word after it, "▁Five")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["Five.", "Seven.", "Nine.", "User:", "Assistant:", "What", "is", "two", "plus", "three?"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(
+        [" ".join(words)] * 50, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"])
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    return _tokenizer(folder)
+
+
+def test_tokens_that_straddle_a_span_boundary_are_trained_by_where_they_end(tmp_path):
+    """The generation prompt ends in a space that the tokenizer merges into the answer ("Assistant: " + "Five." ->
+    "▁Five."): that token carries the answer and is trained. The span's own last space merges into the next turn
+    ("▁User:"): that token carries the next turn's text and is not."""
+    template = (
+        "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }} {% endfor %}"
+        "{% if add_generation_prompt %}Assistant: {% endif %}"
+    )
+    tokenizer = _metaspace_tokenizer(tmp_path / "metaspace", template)
+    conversation = [
+        {"role": "user", "content": "What is two plus three?"},
+        {"role": "assistant", "content": "Five."},
+        {"role": "user", "content": "What is two plus three?"},
+        {"role": "assistant", "content": "Nine."},
+    ]
+    [(ids, mask)] = ChatEncoder(tokenizer, "assistant").encode([conversation], {})
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    trained = [p for p, m in zip(pieces, mask) if m]
+    assert "▁Five." in pieces and "▁User:" in pieces  # the merges the test is about happen
+    # the last turn's closing space is a token of its own at the end of the text, inside the span: trained
+    assert trained == ["▁Five.", "▁Nine.", "▁"]
+
+
+def test_skipped_conversations_warn_above_one_percent_and_stop_above_the_limit(capsys):
+    from fsdp_lib.data import report_skipped
+    from fsdp_lib.errors import TrainError
+
+    def skips(n: int) -> dict:
+        return {"conversations": 1000, "expanded": 0, "skipped": {"refused": n}, "first_row": {"refused": 17}}
+
+    report_skipped(skips(10), "train", 0.05)  # 1%: reported, not loud
+    out = capsys.readouterr().out
+    assert "skipped 10 conversation(s) of train: refused (first: row 17)" in out and "WARNING" not in out
+    report_skipped(skips(30), "train", 0.05)
+    assert "WARNING: 30 of 1000 conversations (3.0%) of the train split are skipped" in capsys.readouterr().out
+    with pytest.raises(TrainError, match="--max-skipped-fraction 0.05"):
+        report_skipped(skips(60), "train", 0.05)
+    report_skipped(skips(60), "train", 0.1)
+
+
+def test_a_run_that_would_skip_too_many_conversations_stops_naming_the_flag(tmp_path, chat_dataset, chat_models):
+    """Gemma's template refuses system turns: half of these conversations have one."""
+    args = trainer_args("gemma", chat_dataset, chat_models["gemma"], tmp_path) + ["--max-steps", "1"]
+    result = run_trainer(args, nproc=1)
+    out = output_of(result)
+    assert result.returncode == 1 and "--max-skipped-fraction" in out and "first: row 1" in out
+    result = run_trainer(args + ["--max-skipped-fraction", "0.6"], nproc=1)
+    assert result.returncode == 0 and "WARNING:" in output_of(result)
 
 
 # --- packing with document masking ---------------------------------------------------------------
