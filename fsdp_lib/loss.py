@@ -26,13 +26,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     The forward also computes the gradients chunk by chunk (the loss is a scalar, so backward only scales them):
     no logits are kept and none are recomputed. Optional tanh soft-capping (Gemma 2/3) is applied per chunk.
+
+    The head's gradient accumulates in the weight's own dtype: it is the one [vocab x hidden] buffer autograd
+    must return anyway (bf16 under mixed precision), so no fp32 copy of the head exists (2.1 GB for a 128k x 4096
+    head); the chunks' partial sums are rounded to that dtype as they add up, like the gradient of any Linear
+    layer under mixed precision. Backward scales both gradients by the incoming scale (world / trained tokens)
+    in fp32, in place, never rounding the scale itself to bf16.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk, softcap):  # type: ignore[override]
         needs_grad = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if needs_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad[1] else None
+        grad_weight = torch.zeros_like(weight) if needs_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs_grad[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
@@ -58,8 +64,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk] = grad @ weight
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+            if grad_weight is not None:  # in place: no [vocab x hidden] temporary per chunk
+                grad_weight.addmm_(grad.t().to(weight.dtype), h.to(weight.dtype))
             if grad_bias is not None:
                 grad_bias += grad.float().sum(0)
             del logits, grad  # free this chunk's buffers before the next chunk allocates its own
@@ -72,13 +78,21 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
         return (
-            grad_hidden * grad_output.to(grad_hidden.dtype) if needs[0] else None,
-            (grad_weight * grad_output).to(ctx.dtypes[0]) if needs[1] else None,
+            _scale_in_fp32_(grad_hidden, grad_output) if needs[0] else None,
+            _scale_in_fp32_(grad_weight, grad_output) if needs[1] else None,
             (grad_bias * grad_output).to(ctx.dtypes[1]) if needs[2] and ctx.dtypes[1] is not None else None,
             None,
             None,
             None,
         )
+
+
+def _scale_in_fp32_(tensor: torch.Tensor, scale: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """tensor *= scale, computed in fp32 and rounded once to the tensor's dtype, in place, a block of rows at a
+    time (bounded fp32 temporaries). `bf16_tensor * fp32_scalar_tensor` would round the scale to bf16 first."""
+    for block in tensor.split(rows):
+        block.copy_(block.float().mul_(scale))
+    return tensor
 
 
 def chunked_loss_sum(
@@ -107,10 +121,6 @@ def moe_aux_loss(model: nn.Module, outputs: Any) -> torch.Tensor | None:
     return router_aux_loss(SimpleNamespace(aux_loss=aux), model.config)
 
 
-# Config attributes that rescale a model's logits after its output head: the chunked loss cannot know how.
-LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier")
-
-
 def chunked_loss_problem(model: nn.Module) -> str | None:
     """Why the chunked loss cannot reproduce this model's logits, or None when it can."""
     head = model.get_output_embeddings()
@@ -122,15 +132,20 @@ def chunked_loss_problem(model: nn.Module) -> str | None:
         _load_balancing_fn(model) and hasattr(model, "num_experts") and hasattr(model, "num_experts_per_tok")
     ):
         return "its router loss is computed in a way only its own forward knows"
-    found = [a for a in LOGIT_POSTPROCESSING if getattr(model.config, a, None) not in (None, 1, 1.0)]
-    return f"its config rescales logits ({', '.join(found)})" if found else None
+    return None  # what the head computes after the Linear is checked on real numbers at start-up (probes.py)
 
 
 class CausalLMLoss(nn.Module):
     """The training forward: the decoder, then output head and loss together, in chunks of --loss-chunk-tokens
     tokens, so the [tokens x vocab] logits and their gradient never exist in full. This module is the FSDP
     root, so the head's weight stays gathered from the decoder's output to the end of the loss.
-    With chunk 0 (or a model whose head the chunked path cannot reproduce) the model's own logits are used."""
+    With chunk 0 (or a model whose head the chunked path cannot reproduce) the model's own logits are used.
+
+    Packed documents (a batch with position ids) are kept apart the way the model needs, chosen at start-up by
+    probes.choose_document_masking: "position_ids" (transformers derives a block-diagonal mask from positions
+    that restart per document), "one_row" (the micro-batch as one row: varlen kernels such as flash-attention
+    detect packed documents only in a batch of one row) or "block_mask" (an explicit [batch x 1 x T x T] mask, for
+    models that build their causal mask without the position ids)."""
 
     def __init__(self, model: nn.Module, chunk_tokens: int):
         super().__init__()
@@ -138,10 +153,17 @@ class CausalLMLoss(nn.Module):
         self.chunk = chunk_tokens
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.router_kwargs = router_forward_kwargs(model.config)
+        self.document_masking = "position_ids"
+        self.mask_dtype = torch.float32  # of an additive block mask (eager attention): the compute dtype
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None)."""
-        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}
+    def forward(self, batch: Batch, probe: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None). probe (start-up
+        checks, no grad): (the model's own logits, the chunked path's logits or None) instead."""
+        inputs = self.model_inputs(batch)
+        if probe:
+            own = self.model(**inputs).logits.float()
+            ours = self.head_logits(self.model.base_model(**inputs).last_hidden_state) if self.chunk else None
+            return own, ours
         if not self.chunk:
             outputs = self.model(**inputs)
             return token_loss_sum(outputs.logits, batch.labels), router_aux_loss(outputs, self.model.config)
@@ -150,6 +172,37 @@ class CausalLMLoss(nn.Module):
         hidden = outputs.last_hidden_state.flatten(0, 1)
         loss = chunked_loss_sum(hidden, head, batch.labels.flatten(), self.chunk, self.softcap)
         return loss, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
+
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}
+        if batch.position_ids is None or self.document_masking == "position_ids":
+            return inputs
+        if self.document_masking == "one_row":  # every block starts at position 0, so blocks stay apart too
+            return {
+                **inputs,
+                "input_ids": batch.input_ids.reshape(1, -1),
+                "position_ids": batch.position_ids.reshape(1, -1),
+            }
+        eager = self.model.config._attn_implementation == "eager"
+        return {**inputs, "attention_mask": block_diagonal_mask(batch.position_ids, self.mask_dtype if eager else None)}
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the chunked path computes from the decoder's output: head, fp32, soft-capping where configured."""
+        logits = self.model.get_output_embeddings()(hidden).float()
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
+def block_diagonal_mask(position_ids: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:
+    """[batch x 1 x T x T]: token i may attend to token j <= i of its own document (documents start where the
+    position ids restart at 0). Boolean (True = attend), or additive (0 / the dtype's lowest) for eager attention."""
+    document = (position_ids == 0).cumsum(dim=1)
+    same = document[:, :, None] == document[:, None, :]
+    causal = torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool, device=position_ids.device)
+    allowed = (same & causal.tril())[:, None]
+    if additive_dtype is None:
+        return allowed
+    zeros = torch.zeros((), dtype=additive_dtype, device=position_ids.device)
+    return torch.where(allowed, zeros, torch.finfo(additive_dtype).min)
 
 
 def router_forward_kwargs(model_config: Any) -> dict[str, bool]:

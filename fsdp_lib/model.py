@@ -22,6 +22,7 @@ from fsdp_lib.errors import TrainError
 from fsdp_lib.hf_weights import clean_fqn, export_dtype, load_pretrained_sharded, weight_keys
 from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem
 from fsdp_lib.memory_plan import format_memory_plan, training_memory_plan
+from fsdp_lib.probes import run_start_up_checks
 from fsdp_lib.runtime import Dist, log
 
 
@@ -235,11 +236,15 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         log(f"no weight files in {model_dir}: initialised {num_params:,} parameters from scratch on the shards")
     check_still_tied(model)
     model.train()
+    train_forward.mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    vocab_size = model.get_input_embeddings().num_embeddings
+    run_start_up_checks(train_forward, vocab_size, precision, cfg.document_masking == "on", d)
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
         f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
         f"{recomputed} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}, "
         f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
+        + (f", packed documents kept apart by {train_forward.document_masking}" if cfg.document_masking == "on" else "")
     )
     return ModelBundle(
         model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir)

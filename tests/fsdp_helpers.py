@@ -178,14 +178,16 @@ def run_trainer(
     timeout: float = 300,
     background: bool = False,
     cwd: Path = REPO_ROOT,
+    script: Path = TRAIN_SCRIPT,
 ):
+    """torchrun --standalone of fsdp_train.py (or a worker script that wraps it) with these flags."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(TRAIN_SCRIPT),
+        str(script),
         *args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

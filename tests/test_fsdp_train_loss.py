@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_lib.data import Batch, DataPlan, PackedBlocks, Prefetcher
-from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem, chunked_loss_sum
+from fsdp_lib.loss import CausalLMLoss, ChunkedCrossEntropy, chunked_loss_problem, chunked_loss_sum
 from tests.fsdp_helpers import make_dataset, make_model, output_of, read_metrics, run_trainer, tiny_config, trainer_args
 
 
@@ -81,13 +81,57 @@ def test_training_forward_equals_the_models_own_logits(arch):
             torch.testing.assert_close(c, f, rtol=1e-5, atol=1e-6)
 
 
-def test_a_head_the_chunked_path_cannot_reproduce_falls_back_with_a_reason():
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("CohereConfig", {"logit_scale": 0.5}),  # logits * logit_scale after the head
+        ("RecurrentGemmaConfig", {"logits_soft_cap": 30.0, "lru_width": 32, "attention_window_size": 16}),
+        ("LlamaConfig", {}),
+        ("Gemma2Config", {"final_logit_softcapping": 30.0, "head_dim": 8}),  # a soft cap the chunked path applies
+    ],
+)
+def test_the_start_up_head_check_compares_the_chunked_head_with_the_models_own_logits(name, config):
+    """No list of config keys: the chunked head (Linear, then the soft cap where final_logit_softcapping says so)
+    is compared with the model's own logits on a probe. Cohere's logit_scale and RecurrentGemma's logits_soft_cap
+    are transforms it does not apply: caught (the trainer then uses the model's own logits); the others agree."""
     import transformers as tf
 
-    config = tiny_config("llama", 97, 0)
-    model = tf.AutoModelForCausalLM.from_config(config)
-    model.config.logit_scale = 0.5
-    assert "logit_scale" in chunked_loss_problem(model)
+    from fsdp_lib.probes import HEAD_TOLERANCE, head_difference
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model_config = getattr(tf, name)(**common, num_key_value_heads=1, eos_token_id=0, bos_token_id=0, **config)
+    model_config.use_cache = False
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(model_config)
+    assert chunked_loss_problem(model) is None  # nothing in the config tells a static check
+    difference = head_difference(CausalLMLoss(model, 8), 97, torch.device("cpu"))
+    transforms = name in ("CohereConfig", "RecurrentGemmaConfig")
+    assert (difference > HEAD_TOLERANCE["fp32"]) == transforms, difference
+
+
+def test_bf16_gradients_are_scaled_in_fp32_and_the_head_gradient_stays_in_its_dtype():
+    """The loss scale (world / trained tokens) multiplies both gradients in fp32 and is rounded once; before, the
+    hidden-state gradient got the scale rounded to bf16 (x1.0017 here). The head's gradient accumulates in the
+    head's dtype: no fp32 [vocab x hidden] copy."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(101, 16, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 101, (37,))
+    labels[::5] = -100
+    scale = torch.tensor(2 / 1199)  # bf16 rounds it to 2 / 1199 * 1.0017
+    ChunkedCrossEntropy.apply(hidden, weight, None, labels, 8, None).backward()
+    unscaled = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    (ChunkedCrossEntropy.apply(hidden, weight, None, labels, 8, None) * scale).backward()
+    assert weight.grad.dtype == torch.bfloat16
+    for grad, reference in zip((hidden.grad, weight.grad), unscaled):
+        assert torch.equal(grad, (reference.float() * scale).to(torch.bfloat16))
+    assert not torch.equal(hidden.grad, unscaled[0] * scale.to(torch.bfloat16))  # what the old code did
+    # and the chunk-by-chunk bf16 gradients stay as close to an fp32 reference as bf16 allows
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    F.cross_entropy(h32 @ w32.t(), labels, ignore_index=-100, reduction="sum").backward()
+    for grad, reference in zip(unscaled, (h32.grad, w32.grad)):
+        assert (grad.float() - reference).norm() / reference.norm() < 1e-2
 
 
 def _peak_rss_gb(vocab_model: Path, dataset: Path, save: Path, exp: str, chunk: str) -> float:

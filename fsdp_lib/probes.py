@@ -1,0 +1,118 @@
+"""Start-up checks, on real numbers, that the model computes what the trainer assumes: the chunked loss's head
+reproduces the model's own logits, and packed documents never attend to each other. Each runs a few no-grad
+forwards of a [2 x 32] probe through the FSDP root (every rank, in step) before the first step: cheap next to
+loading the weights, and they replace lists of architectures or config keys that a new model would slip past."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_lib.data import Batch
+from fsdp_lib.errors import TrainError
+from fsdp_lib.loss import CausalLMLoss
+from fsdp_lib.runtime import Dist, all_ranks_agree, log
+
+ROWS, LENGTH, FIRST_DOCUMENT = 2, 32, 12  # probe rows of two documents: tokens [0, 12) and [12, 32)
+# Largest difference, relative to the largest logit, still taken as "the same": fp32 paths agree to ~1e-6; bf16
+# computations of the same numbers agree exactly, and different shapes to about 1e-2.
+HEAD_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
+LEAK_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
+ALONE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+MASKING_MODES = ("position_ids", "one_row", "block_mask")
+
+
+def probe_ids(vocab_size: int, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Token ids from a private generator: the same on every rank, and the global RNG (dropout, data order on
+    resume) is not touched."""
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def probe_logits(train_forward: CausalLMLoss, ids: torch.Tensor, positions: torch.Tensor | None, device: torch.device):
+    """(the model's own logits [rows x T x vocab], the chunked path's or None), in eval mode (no dropout)."""
+    was_training = train_forward.training
+    train_forward.eval()
+    try:
+        own, ours = train_forward(Batch(ids, ids, positions).to(device), probe=True)
+    finally:
+        train_forward.train(was_training)
+        reshard_all(train_forward)
+    rows, length = ids.shape
+    return own.reshape(rows, length, -1), None if ours is None else ours.reshape(rows, length, -1)
+
+
+def reshard_all(root: torch.nn.Module) -> None:
+    """A no-grad forward leaves the FSDP units that do not reshard after forward (the last decoder layer) gathered,
+    with their unsharded parameters registered: the optimizer, built next, must see the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
+
+
+def head_difference(train_forward: CausalLMLoss, vocab_size: int, device: torch.device) -> float:
+    """How far the chunked path's logits (the head over the decoder's output, soft-capped as configured) are from
+    the model's own, relative to their largest value (inf when their shapes differ)."""
+    own, ours = probe_logits(train_forward, probe_ids(vocab_size, (1, LENGTH), seed=1), None, device)
+    return relative_difference(own, ours) if own.shape == ours.shape else float("inf")
+
+
+def document_leaks(train_forward: CausalLMLoss, vocab_size: int, device: torch.device) -> tuple[float, float]:
+    """With the current document masking: how far the second document's logits move when the first document
+    changes, and how far they are from the same document alone at the start of a row (both relative)."""
+    first = probe_ids(vocab_size, (ROWS, FIRST_DOCUMENT), seed=2)
+    other_first = probe_ids(vocab_size, (ROWS, FIRST_DOCUMENT), seed=3)
+    second = probe_ids(vocab_size, (ROWS, LENGTH - FIRST_DOCUMENT), seed=4)
+    restart = torch.cat([torch.arange(FIRST_DOCUMENT), torch.arange(LENGTH - FIRST_DOCUMENT)]).repeat(ROWS, 1)
+    packed, _ = probe_logits(train_forward, torch.cat([first, second], 1), restart, device)
+    changed, _ = probe_logits(train_forward, torch.cat([other_first, second], 1), restart, device)
+    alone, _ = probe_logits(train_forward, second, torch.arange(LENGTH - FIRST_DOCUMENT).repeat(ROWS, 1), device)
+    leak = relative_difference(packed[:, FIRST_DOCUMENT:], changed[:, FIRST_DOCUMENT:])
+    return leak, relative_difference(alone, packed[:, FIRST_DOCUMENT:])
+
+
+def check_chunked_head(train_forward: CausalLMLoss, vocab_size: int, precision: str, d: Dist) -> str | None:
+    """Why the chunked path cannot stand in for the model's own logits (a transform after the head it does not
+    know: a logit scale, a soft cap under another name, vocabulary slicing), or None when it can."""
+    difference = head_difference(train_forward, vocab_size, d.device)
+    if all_ranks_agree(difference > HEAD_TOLERANCE[precision], d):
+        return f"its own logits differ from its output head's by {difference:.2g} of their largest value"
+    return None
+
+
+def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precision: str, d: Dist) -> str:
+    """The first way of telling the model where packed documents start under which a document's logits are those
+    it has alone: not moved by a change in the document before it, and equal to the same document at the start
+    of a row. Raises TrainError (naming --document-masking) when there is none."""
+    problems = []
+    for mode in MASKING_MODES:
+        train_forward.document_masking = mode
+        leak, apart = document_leaks(train_forward, vocab_size, d.device)
+        if not all_ranks_agree(leak > LEAK_TOLERANCE[precision] or apart > ALONE_TOLERANCE[precision], d):
+            return mode
+        problems.append(
+            f"{mode}: the second document's logits move by {leak:.2g} with the first, {apart:.2g} from alone"
+        )
+    arch = type(train_forward.model).__name__
+    raise TrainError(
+        f"--document-masking on: {arch} lets packed documents see each other however they are marked "
+        f"({'; '.join(problems)}). Recurrent or state-space layers carry state along the whole sequence, "
+        f"and some attention kernels take no document boundaries. Use --document-masking off (a document then "
+        f"sees the ones before it in its block), or another --attn-implementation."
+    )
+
+
+def run_start_up_checks(train_forward: CausalLMLoss, vocab_size: int, precision: str, packed: bool, d: Dist) -> None:
+    """Falls back to the model's own logits when the chunked head differs; picks the document masking."""
+    if train_forward.chunk and (problem := check_chunked_head(train_forward, vocab_size, precision, d)):
+        log(
+            f"--loss-chunk-tokens: full logits instead of the chunked loss for {type(train_forward.model).__name__}: {problem}"
+        )
+        train_forward.chunk = 0
+    if packed:
+        train_forward.document_masking = choose_document_masking(train_forward, vocab_size, precision, d)
