@@ -130,3 +130,24 @@ def test_a_recurrent_model_refuses_document_masking_and_trains_without_it(tmp_pa
     assert trained.returncode == 0, out
     assert "full logits instead of the chunked loss for RecurrentGemmaForCausalLM" in out
     assert "kept apart" not in out
+
+
+FAMILIES = sorted({"llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "opt", "gpt_neox"}
+                  | {"mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "glm4_moe"})  # fmt: skip
+BLOCK_MASK_FAMILIES = {"opt"}  # their causal mask ignores the position ids
+
+
+# Gemma2 has no sdpa attention (transformers refuses it: the trainer builds it with eager on its own)
+KERNELS = [(arch, attn) for arch in FAMILIES for attn in ("sdpa", "eager") if (arch, attn) != ("gemma2", "sdpa")]
+
+
+@pytest.mark.parametrize("arch,attn", KERNELS, ids=[f"{a}-{k}" for a, k in KERNELS])
+def test_every_family_of_the_matrix_keeps_packed_documents_apart(arch, attn):
+    """Per family and kernel: the way the start-up probe would pick (the first of position ids, one row, block
+    mask that isolates) exists, it is the expected one, and with it a changed document leaves the next one's
+    logits unchanged and equal to the document alone."""
+    from fsdp_lib.probes import MASKING_MODES
+
+    model = tiny_model(arch, attn)
+    chosen = next((mode for mode in MASKING_MODES if isolated(model, mode)), None)
+    assert chosen == ("block_mask" if arch in BLOCK_MASK_FAMILIES else "position_ids")
