@@ -92,7 +92,11 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
     problems = []
     for mode in MASKING_MODES:
         train_forward.document_masking = mode
-        leak, apart = document_leaks(train_forward, vocab_size, d.device)
+        try:
+            leak, apart = document_leaks(train_forward, vocab_size, d.device)
+        except Exception as exc:  # noqa: BLE001 - e.g. a model that takes no 4-D mask: the same on every rank
+            problems.append(f"{mode}: the model refuses it ({type(exc).__name__}: {str(exc)[:100]})")
+            continue
         if not all_ranks_agree(leak > LEAK_TOLERANCE[precision] or apart > ALONE_TOLERANCE[precision], d):
             return mode
         problems.append(
@@ -101,8 +105,8 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
     arch = type(train_forward.model).__name__
     raise TrainError(
         f"--document-masking on: {arch} lets packed documents see each other however they are marked "
-        f"({'; '.join(problems)}). Recurrent or state-space layers carry state along the whole sequence, "
-        f"and some attention kernels take no document boundaries. Use --document-masking off (a document then "
+        f"({'; '.join(problems)}). Recurrent or state-space layers carry state along the whole sequence; "
+        f"some models build their mask or position bias (ALiBi) from a 2-D mask only. Use --document-masking off (a document then "
         f"sees the ones before it in its block), or another --attn-implementation."
     )
 

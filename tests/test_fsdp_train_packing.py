@@ -151,3 +151,34 @@ def test_every_family_of_the_matrix_keeps_packed_documents_apart(arch, attn):
     model = tiny_model(arch, attn)
     chosen = next((mode for mode in MASKING_MODES if isolated(model, mode)), None)
     assert chosen == ("block_mask" if arch in BLOCK_MASK_FAMILIES else "position_ids")
+
+
+OUTSIDE_THE_MATRIX = {  # families the review named: config, attention kernel, the masking that keeps them apart
+    "falcon": ("FalconConfig", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}, "sdpa", "position_ids"),
+    "mpt": ("MptConfig", {"d_model": 32, "n_layers": 2, "n_heads": 4}, "eager", "block_mask"),
+    "biogpt": ("BioGptConfig", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}, "sdpa", "block_mask"),
+    "xglm": ("XGLMConfig", {"d_model": 32, "num_layers": 2, "attention_heads": 4, "ffn_dim": 64}, "eager", "block_mask"),
+    "bloom": ("BloomConfig", {"hidden_size": 32, "n_layer": 2, "n_head": 4}, "eager", None),  # ALiBi from a 2-D mask
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(OUTSIDE_THE_MATRIX))
+def test_families_that_ignore_packed_position_ids_get_a_block_mask_or_are_refused(family):
+    """MPT, BioGPT and XGLM build their causal mask without the position ids: the block mask keeps their documents
+    apart. Bloom takes neither position ids nor a 4-D mask (its ALiBi is built from a 2-D one): no way works, so
+    the trainer refuses --document-masking on for it (choose_document_masking raises)."""
+    import transformers as tf
+
+    name, sizes, attn, expected = OUTSIDE_THE_MATRIX[family]
+    config = getattr(tf, name)(vocab_size=64, **sizes)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = CausalLMLoss(tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn), 0)
+    works = []
+    for mode in ("position_ids", "one_row", "block_mask"):
+        try:
+            works.append(isolated(model, mode))
+        except Exception:  # noqa: BLE001 - as in choose_document_masking: a mode the model refuses does not work
+            works.append(False)
+    chosen = next((mode for mode, ok in zip(("position_ids", "one_row", "block_mask"), works) if ok), None)
+    assert chosen == expected
