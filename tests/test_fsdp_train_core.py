@@ -284,7 +284,7 @@ def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_mo
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        "tests/fsdp_load_check.py",
+        "tests/workers/fsdp_load_check.py",
         str(pretrained_model),
         sharding,
     ]
