@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,12 +39,17 @@ from typing import Any
 import numpy as np
 from common import (
     REPO_ROOT,
+    Stopwatch,
     bench_arg_parser,
+    fresh_dir,
     interleaved,
     machine_info,
     make_corpus,
-    median,
+    print_goal,
     print_table,
+    route_table,
+    wall_cpu_tokens,
+    work_folder,
     write_results,
 )
 
@@ -57,20 +61,6 @@ CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
 # Turn lengths in characters, log-normal (median, sigma): short prompts, longer answers, as in instruction data
 # (Alpaca's median instruction is ~60 characters and output ~270; chat data runs longer).
 LENGTHS = {"system": (120, 0.5), "user": (150, 0.9), "assistant": (450, 0.8)}
-
-
-class Stopwatch:
-    """Wall-clock and process CPU time (all threads, so the Rust tokenizer's pool counts) of a block."""
-
-    def __enter__(self) -> Stopwatch:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-    def result(self, **counts: int) -> dict[str, Any]:
-        return {"seconds": self.wall, "cpu_seconds": self.cpu, **counts}
 
 
 # --- Inputs -------------------------------------------------------------------------------------------------
@@ -112,7 +102,7 @@ def make_chatml_tokenizer(folder: Path, texts: list[str], vocab: int) -> None:
     """A byte-level BPE trained on `texts` plus the ChatML special tokens, as a Qwen2.5-style tokenizer has."""
     from transformers import AutoTokenizer
 
-    from tests.fsdp_helpers import train_tokenizer
+    from fsdp_lib.testing import train_tokenizer
 
     train_tokenizer(folder, texts, vocab_size=vocab)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -272,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
 
     datasets.disable_progress_bars()
-    with tempfile.TemporaryDirectory(prefix="bench_chat_tokenize_") as tmp:
-        work = args.workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "bench_chat_tokenize_") as work:
         start = time.perf_counter()
         conversations = make_conversations(p["conversations"])
         texts = [turn["content"] for conversation in conversations[:2000] for turn in conversation]
@@ -294,46 +282,26 @@ def main(argv: list[str] | None = None) -> int:
 
         rendered = render_all(dataset, ours_tokenizer)
 
-        def fresh(name: str) -> Path:
-            shutil.rmtree(work / name, ignore_errors=True)
-            return work / name
-
         runs = interleaved(
             reps,
             {
-                "fsdp_train": lambda: fsdp_train_route(dataset, ours_tokenizer, fresh("fsdp"), p["seq"]),
-                "trl": lambda: trl_route(dataset, trl_tokenizer, fresh("trl"), p["seq"]),
+                "fsdp_train": lambda: fsdp_train_route(dataset, ours_tokenizer, fresh_dir(work, "fsdp"), p["seq"]),
+                "trl": lambda: trl_route(dataset, trl_tokenizer, fresh_dir(work, "trl"), p["seq"]),
                 "tokenizer_floor": lambda: tokenizer_floor(rendered, ours_tokenizer),
             },
-            summary=lambda r: f"wall {r['seconds']:.2f}s, CPU {r['cpu_seconds']:.2f}s, {r['tokens']:,} tokens",
+            summary=wall_cpu_tokens,
         )
         check = compare_routes(work / "fsdp", work / "trl", ours_tokenizer)
-    seconds = {name: median([r["seconds"] for r in rs]) for name, rs in runs.items()}
-    cpu = {name: median([r["cpu_seconds"] for r in rs]) for name, rs in runs.items()}
-    ratio = {"wall": seconds["trl"] / seconds["fsdp_train"], "cpu": cpu["trl"] / cpu["fsdp_train"]}
+    labels = {
+        "fsdp_train": "fsdp_train ChatEncoder + tokenize_to_file + PackedBlocks",
+        "trl": "trl map(apply_chat_template, assistant mask) + wrapped packing",
+        "tokenizer_floor": "tokenizer floor: encode_batch of pre-rendered conversations",
+    }
+    seconds, cpu, ratio, rows = route_table(runs, "trl", "fsdp_train", labels, check["conversations"], "blocks")
     # What each route spends besides the tokenizer (rendering, masks, dataset writes), in CPU seconds.
     beyond_floor = {name: cpu[name] - cpu["tokenizer_floor"] for name in ("fsdp_train", "trl")}
-    rows = []
-    for name, label in (
-        ("fsdp_train", "fsdp_train ChatEncoder + tokenize_to_file + PackedBlocks"),
-        ("trl", "trl map(apply_chat_template, assistant mask) + wrapped packing"),
-        ("tokenizer_floor", "tokenizer floor: encode_batch of pre-rendered conversations"),
-    ):
-        last = runs[name][-1]
-        rows.append(
-            [
-                label,
-                seconds[name],
-                check["conversations"] / seconds[name],
-                cpu[name],
-                f"{last['tokens']:,}",
-                f"{last['blocks']:,}" if "blocks" in last else "-",
-                ", ".join(f"{r['seconds']:.1f}" for r in runs[name]),
-            ]
-        )
     print_table(["route", "wall (s)", "conversations/s", "CPU (s)", "tokens", "blocks", "wall per rep (s)"], rows)
-    for key, label in (("wall", "wall-clock"), ("cpu", "CPU time")):
-        print(f"trl / fsdp_train, {label}: {ratio[key]:.2f} (goal >= 1.5: {'met' if ratio[key] >= 1.5 else 'NOT met'})")
+    print_goal(ratio, "trl / fsdp_train", 1.5)
     print(
         f"CPU seconds beyond the tokenizer floor: fsdp_train {beyond_floor['fsdp_train']:.1f}, "
         f"trl {beyond_floor['trl']:.1f}; the tokenizer alone is {cpu['tokenizer_floor'] / cpu['trl']:.0%} of trl's CPU time"

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,12 +42,11 @@ from common import (
     folder_bytes,
     interleaved,
     machine_info,
-    make_corpus,
-    make_llama_folder,
+    make_train_inputs,
     median,
     print_table,
-    save_text_dataset,
     torchrun,
+    work_folder,
     write_results,
 )
 
@@ -215,12 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p = QUICK if args.quick else FULL
     reps = args.reps or p["reps"]
     info = machine_info()
-    with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:
-        work = args.workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        docs = make_corpus(1_000_000 if not args.quick else 200_000)
-        make_llama_folder(work / "model", docs[:200], p["hidden"], p["layers"], p["vocab"])
-        save_text_dataset(docs, work / "dataset")
+    with work_folder(args, "bench_checkpoint_") as work:
+        make_train_inputs(work, p, 1_000_000 if not args.quick else 200_000)
 
         print("part 1: Checkpointer save/load against the disk (one launch, interleaved inside)", flush=True)
         out = work / "throughput.json"

@@ -2,6 +2,7 @@
 
     python bench/bench_data_hf.py                  # 1024 MB corpus in a temporary folder, removed afterwards
     python bench/bench_data_hf.py --size-mb 64 --workdir /tmp/bench_data_hf --keep
+    python bench/bench_data_hf.py --quick          # 4 MB corpus: proves the benchmark still runs
 
 The corpus mixes .txt, .md, .json (arrays of records), .jsonl and multi-document .yaml, including one text
 file large enough to be read in pieces. Each route runs in its own fresh process; the benchmark samples the
@@ -15,7 +16,8 @@ Routes:
 - standard_num_proc: the same with `num_proc` set like data_hf.py's (`load_dataset` and `save_to_disk`);
 - data_hf_all: data_hf.py on the whole corpus, YAML included (for information; nothing to compare it with).
 
-Results are printed as a table and written as JSON (default bench/results/data_hf.json).
+With --reps N every route runs N times, routes interleaved (ABBA order); the table shows each route's run of
+median time. Results are printed as a table and written as JSON (default bench/results/data_hf.json).
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from common import REPO_ROOT, bench_arg_parser, interleaved, machine_info, write_results
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # Share of the corpus bytes per kind; "big_txt" is one text file read in pieces by data_hf.py.
 MIX = {"txt": 0.30, "big_txt": 0.05, "md": 0.05, "json": 0.20, "jsonl": 0.30, "yaml": 0.10}
 STANDARD_EXTENSIONS = (".txt", ".md", ".json", ".jsonl")
 SAMPLE_SECONDS = 0.02
+FULL = {"size_mb": 1024, "reps": 1}
+QUICK = {"size_mb": 4, "reps": 1}
 
 
 # --- Corpus -------------------------------------------------------------------------------------------------
@@ -212,20 +215,22 @@ def standard_route(corpus: Path, output: Path, cache: Path, num_proc: int | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mb", type=float, default=1024, help="corpus size in MB (default: %(default)s)")
-    parser.add_argument("--workdir", type=Path, help="where to put corpus and outputs (default: a temporary folder)")
+    parser = bench_arg_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=0, help="corpus size in MB (0 = 1024, or 4 with --quick)")
     parser.add_argument("--keep", action="store_true", help="keep --workdir afterwards")
     parser.add_argument("--num-proc", type=int, help="data_hf.py --num-proc (default: its own default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--routes", nargs="+", default=["data_hf", "standard", "standard_num_proc", "data_hf_all"])
-    parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results" / "data_hf.json")
     parser.add_argument("--standard-route", nargs=4, help=argparse.SUPPRESS)  # corpus output cache num_proc
     args = parser.parse_args(argv)
     if args.standard_route:  # the standard route, run in its own process by the benchmark
         corpus, output, cache, num_proc = args.standard_route
         standard_route(Path(corpus), Path(output), Path(cache), int(num_proc) or None)
         return 0
+    p = QUICK if args.quick else FULL
+    args.size_mb = args.size_mb or p["size_mb"]
+    reps = args.reps or p["reps"]
+    info = machine_info()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data_hf_"))
     corpus = workdir / "corpus"
@@ -266,25 +271,36 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "data_hf_all": (data_hf + ["--save_dir", str(workdir / "out_data_hf_all")] + num_proc, all_bytes, workdir / "out_data_hf_all"),
         }  # fmt: skip
-        results = []
-        for name in args.routes:
+
+        def run(name: str) -> RouteResult:
             command, input_bytes, output = routes[name]
             shutil.rmtree(output, ignore_errors=True)
             shutil.rmtree(workdir / "cache", ignore_errors=True)
-            results.append(run_route(name, command, input_bytes, output, env))
+            return run_route(name, command, input_bytes, output, env)
+
+        runs = interleaved(
+            reps,
+            {name: (lambda n=name: run(n)) for name in args.routes},
+            summary=lambda r: f"{r.seconds:.1f} s, {r.mb_per_s:.1f} MB/s, peak {r.peak_tree_rss_mb:.0f} MB",
+        )
+        # each route's run of median time (the run itself for one repetition)
+        results = [sorted(rs, key=lambda r: r.seconds)[(len(rs) - 1) // 2] for rs in runs.values()]
+        summary = (
+            f"{platform.node()} {platform.machine()}, {len(os.sched_getaffinity(0))} cores available, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, Python {platform.python_version()}"
+        )
         report = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.node()} {platform.machine()}, {len(os.sched_getaffinity(0))} cores available, "
-            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, Python {platform.python_version()}",
+            "date": info["date"],
+            "machine": {**info, "summary": summary},
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "params": {"size_mb": args.size_mb, "seed": args.seed, "reps": reps, "num_proc": args.num_proc},
             "corpus_mb": round(all_bytes / 1e6, 1),
             "corpus_without_yaml_mb": round(standard_bytes / 1e6, 1),
             "results": [asdict(r) for r in results],
+            "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
         }
         print_table(report)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"results written to {args.results}")
+        write_results(args.results_dir, "data_hf", report)
         return 0 if all(r.returncode == 0 for r in results) else 1
     finally:
         if not args.keep:
@@ -293,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(report: dict[str, object]) -> None:
     results = {r["route"]: r for r in report["results"]}  # type: ignore[attr-defined]
-    print(f"\n{report['machine']}, {report['date']}")
+    print(f"\n{report['machine']['summary']}, {report['date']}")  # type: ignore[index]
     print(f"corpus {report['corpus_mb']} MB ({report['corpus_without_yaml_mb']} MB without YAML)")
     print(
         f"{'route':<18} {'input MB':>9} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12} {'sum of peaks MB':>16} {'exit':>5}"

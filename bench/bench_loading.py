@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from common import (
     median,
     print_table,
     torchrun,
+    work_folder,
     write_results,
 )
 
@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     runs: dict[str, list] = {}
     weights_mb: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_loading_") as tmp:
-        work = args.workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "bench_loading_") as work:
         texts = make_corpus(500_000)
         for dtype in p["dtypes"]:
             model_dir = make_llama_folder(

@@ -83,17 +83,10 @@ def build(p: dict[str, Any], seq: int, device: Any) -> tuple[Any, Any]:
     import transformers as tf
 
     from fsdp_lib.data import Batch
+    from fsdp_lib.testing import llama_sizes
 
     config = tf.LlamaConfig(
-        vocab_size=p["vocab"],
-        hidden_size=p["hidden"],
-        intermediate_size=int(p["hidden"] * 8 / 3) // 64 * 64,
-        num_hidden_layers=p["layers"],
-        num_attention_heads=max(1, p["hidden"] // 64),
-        num_key_value_heads=max(1, p["hidden"] // 64),
-        max_position_embeddings=seq,
-        tie_word_embeddings=True,
-        use_cache=False,
+        vocab_size=p["vocab"], **llama_sizes(p["hidden"], p["layers"], seq), tie_word_embeddings=True, use_cache=False
     )
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").to(device)

@@ -24,11 +24,8 @@ MFU column is labelled nominal: it proves the plumbing, not a figure.
 from __future__ import annotations
 
 import itertools
-import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +33,16 @@ from common import (
     REPO_ROOT,
     LaunchError,
     bench_arg_parser,
+    failed_launch,
     machine_info,
     make_corpus,
     median,
     print_table,
+    report_failures,
     save_text_dataset,
+    take_metric_windows,
     torchrun,
+    work_folder,
     write_results,
 )
 
@@ -70,7 +71,6 @@ QUICK = {
     "peak_tflops": 1.0,  # nominal: a CPU has no meaningful datasheet peak here
 }
 PHASES = ("data", "forward", "backward", "update")
-OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
 def prepare(work: Path, p: dict[str, Any]) -> tuple[Path, Path]:
@@ -107,16 +107,9 @@ def run_setting(
     try:
         torchrun(REPO_ROOT / "fsdp_train.py", args, nproc=1, timeout=1800)
     except LaunchError as exc:
-        if any(marker in exc.output for marker in OOM_MARKERS):
-            return {"status": "OOM"}
-        errors = [line for line in exc.output.splitlines() if "Error" in line] or exc.output.splitlines()[-1:]
-        return {"status": "failed", "error": errors[-1][-300:] if errors else str(exc)[:300]}
+        return failed_launch(exc)
     finally:
-        records = []
-        metrics = work / "outputs" / exp / "metrics.jsonl"
-        if metrics.is_file():
-            records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "tokens_per_s" in r]
-        shutil.rmtree(work / "outputs" / exp, ignore_errors=True)  # a 1B checkpoint + export is ~17 GB
+        records = take_metric_windows(work / "outputs" / exp)
     steady = records[1:]
     if not steady:
         raise RuntimeError(f"{exp}: {len(records)} metric windows; need --steps >= 2 x --log-freq")
@@ -149,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_mfu_") as tmp:
-        work = args.workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "bench_mfu_") as work:
         dataset, model_dir = prepare(work, p)
         fpt = flops_per_token(model_dir, p["seq"])
         sweep = itertools.product(p["micro_batches"], p["activation_checkpointing"], p["compile"])
@@ -199,10 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "best": best,
         },
     )
-    failed = [key for key, r in results.items() if r["status"] == "failed"]
-    for key in failed:
-        print(f"{key} failed: {results[key]['error']}")
-    return 1 if failed else 0
+    return report_failures(results)
 
 
 if __name__ == "__main__":

@@ -24,43 +24,31 @@ Goal: run_clm time / fsdp_train time >= 1.5.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
-import time
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from common import (
+    Stopwatch,
     bench_arg_parser,
+    fresh_dir,
     interleaved,
     machine_info,
     make_corpus,
-    median,
+    print_goal,
     print_table,
+    route_table,
     save_text_dataset,
+    wall_cpu_tokens,
+    work_folder,
     write_results,
 )
 
 FULL = {"corpus_chars": 20_000_000, "vocab": 16384, "seq": 1024, "reps": 5}
 QUICK = {"corpus_chars": 1_000_000, "vocab": 512, "seq": 128, "reps": 1}
 BATCH_ROWS = 1000  # both routes' row batch: tokenize_to_file's default and datasets.map's default
-
-
-class Stopwatch:
-    """Wall-clock and process CPU time (all threads, so the Rust tokenizer's pool counts) of a block."""
-
-    def __enter__(self) -> Stopwatch:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-    def result(self, **counts: int) -> dict[str, Any]:
-        return {"seconds": self.wall, "cpu_seconds": self.cpu, **counts}
 
 
 def fsdp_train_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str, Any]:
@@ -150,12 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
     from transformers import AutoTokenizer
 
-    from tests.fsdp_helpers import train_tokenizer
+    from fsdp_lib.testing import train_tokenizer
 
     datasets.disable_progress_bars()
-    with tempfile.TemporaryDirectory(prefix="bench_tokenize_") as tmp:
-        work = args.workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "bench_tokenize_") as work:
         docs = make_corpus(p["corpus_chars"])
         train_tokenizer(work / "tokenizer", docs[: max(1, len(docs) // 20)], vocab_size=p["vocab"])
         save_text_dataset(docs, work / "dataset")
@@ -165,46 +151,24 @@ def main(argv: list[str] | None = None) -> int:
         dataset = datasets.load_from_disk(str(work / "dataset"))
         print(f"corpus: {len(dataset):,} documents, {corpus_mb:.1f} MB; tokenizer vocab {len(tokenizer):,}")
 
-        def fresh(name: str) -> Path:
-            shutil.rmtree(work / name, ignore_errors=True)
-            return work / name
-
         runs = interleaved(
             reps,
             {
-                "fsdp_train": lambda: fsdp_train_route(dataset, tokenizer, fresh("fsdp"), p["seq"]),
-                "run_clm": lambda: run_clm_route(dataset, tokenizer, fresh("clm"), p["seq"]),
+                "fsdp_train": lambda: fsdp_train_route(dataset, tokenizer, fresh_dir(work, "fsdp"), p["seq"]),
+                "run_clm": lambda: run_clm_route(dataset, tokenizer, fresh_dir(work, "clm"), p["seq"]),
                 "tokenizer_floor": lambda: tokenizer_floor(dataset, tokenizer),
             },
-            summary=lambda r: f"wall {r['seconds']:.2f}s, CPU {r['cpu_seconds']:.2f}s, {r['tokens']:,} tokens",
+            summary=wall_cpu_tokens,
         )
         check = check_token_streams(work / "fsdp", work / "clm", tokenizer)
-    seconds = {name: median([r["seconds"] for r in rs]) for name, rs in runs.items()}
-    cpu = {name: median([r["cpu_seconds"] for r in rs]) for name, rs in runs.items()}
-    ratio = {"wall": seconds["run_clm"] / seconds["fsdp_train"], "cpu": cpu["run_clm"] / cpu["fsdp_train"]}
-    rows = []
-    for name, label in (
-        ("fsdp_train", "fsdp_train tokenize_to_file + PackedBlocks"),
-        ("run_clm", "run_clm map(tokenize) + map(group_texts)"),
-        ("tokenizer_floor", "tokenizer floor: encode_batch ids only"),
-    ):
-        last = runs[name][-1]
-        rows.append(
-            [
-                label,
-                seconds[name],
-                corpus_mb / seconds[name],
-                cpu[name],
-                f"{last['tokens']:,}",
-                f"{last['trained_tokens']:,}" if "trained_tokens" in last else "-",
-                ", ".join(f"{r['seconds']:.1f}" for r in runs[name]),
-            ]
-        )
+    labels = {
+        "fsdp_train": "fsdp_train tokenize_to_file + PackedBlocks",
+        "run_clm": "run_clm map(tokenize) + map(group_texts)",
+        "tokenizer_floor": "tokenizer floor: encode_batch ids only",
+    }
+    seconds, cpu, ratio, rows = route_table(runs, "run_clm", "fsdp_train", labels, corpus_mb, "trained_tokens")
     print_table(["route", "wall (s)", "MB/s", "CPU (s)", "tokens kept", "target tokens", "wall per rep (s)"], rows)
-    for key, label in (("wall", "wall-clock"), ("cpu", "CPU time")):
-        print(
-            f"run_clm / fsdp_train, {label}: {ratio[key]:.2f} (goal >= 1.5: {'met' if ratio[key] >= 1.5 else 'NOT met'})"
-        )
+    print_goal(ratio, "run_clm / fsdp_train", 1.5)
     print(
         f"token check: fsdp_train stream == documents + one EOS each: {check['fsdp_stream_equals_docs_plus_eos']} "
         f"({check['document_tokens']:,} document tokens + {check['eos_added']:,} EOS); run_clm keeps "

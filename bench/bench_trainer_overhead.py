@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,12 +35,11 @@ from common import (
     bench_arg_parser,
     interleaved,
     machine_info,
-    make_corpus,
-    make_llama_folder,
+    make_train_inputs,
     median,
     print_table,
-    save_text_dataset,
     torchrun,
+    work_folder,
     write_results,
 )
 
@@ -198,9 +196,7 @@ def prepare(work: Path, p: dict[str, Any]) -> None:
     minimal loop (EOS after each document, as fsdp_train.py packs them)."""
     from transformers import AutoTokenizer
 
-    docs = make_corpus(2_000_000 if p is FULL else 300_000)
-    make_llama_folder(work / "model", docs[:200], p["hidden"], p["layers"], p["vocab"])
-    save_text_dataset(docs, work / "dataset")
+    docs = make_train_inputs(work, p, 2_000_000 if p is FULL else 300_000)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     ids = tokenizer(docs)["input_ids"]
     np.save(work / "tokens.npy", np.concatenate([np.asarray(x + [tokenizer.eos_token_id], np.int32) for x in ids]))
@@ -212,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p = QUICK if args.quick else FULL
     reps = args.reps or p["reps"]
     info = machine_info()
-    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
-        work = args.workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "bench_overhead_") as work:
         prepare(work, p)
         counter = iter(range(reps))
         runs = interleaved(

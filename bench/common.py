@@ -9,16 +9,19 @@ median of the repetitions is what is reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-if str(REPO_ROOT) not in sys.path:  # so workers can import fsdp_train and tests.fsdp_helpers
+if str(REPO_ROOT) not in sys.path:  # so workers can import fsdp_train and fsdp_lib
     sys.path.insert(0, str(REPO_ROOT))
 DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
 
@@ -50,6 +53,15 @@ def bench_arg_parser(description: str) -> argparse.ArgumentParser:
         "--workdir", type=Path, default=None, help="folder for generated data (default: a temporary folder, removed)"
     )
     return parser
+
+
+@contextlib.contextmanager
+def work_folder(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
+    """--workdir (created, kept) or a temporary folder named `prefix`..., removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        yield work
 
 
 def machine_info() -> dict[str, Any]:
@@ -124,6 +136,70 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+class Stopwatch:
+    """Wall-clock and process CPU time (all threads, so the Rust tokenizer's pool counts) of a block."""
+
+    def __enter__(self) -> Stopwatch:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    def result(self, **counts: int) -> dict[str, Any]:
+        return {"seconds": self.wall, "cpu_seconds": self.cpu, **counts}
+
+
+def wall_cpu_tokens(result: dict[str, Any]) -> str:
+    """interleaved()'s summary of a Stopwatch result that counts tokens."""
+    return f"wall {result['seconds']:.2f}s, CPU {result['cpu_seconds']:.2f}s, {result['tokens']:,} tokens"
+
+
+def route_table(
+    runs: dict[str, list[dict[str, Any]]], baseline: str, ours: str, labels: dict[str, str], amount: float, extra: str
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[list[Any]]]:
+    """Median wall and CPU seconds of every side's Stopwatch results, baseline / ours for each, and a table row
+    per side in `labels` (name -> label): median wall, `amount` per second, median CPU, the last run's tokens and
+    `extra` count ("-" if it has none), and every repetition's wall time."""
+    seconds = {name: median([r["seconds"] for r in rs]) for name, rs in runs.items()}
+    cpu = {name: median([r["cpu_seconds"] for r in rs]) for name, rs in runs.items()}
+    ratio = {"wall": seconds[baseline] / seconds[ours], "cpu": cpu[baseline] / cpu[ours]}
+    rows = []
+    for name, label in labels.items():
+        last = runs[name][-1]
+        rows.append(
+            [
+                label,
+                seconds[name],
+                amount / seconds[name],
+                cpu[name],
+                f"{last['tokens']:,}",
+                f"{last[extra]:,}" if extra in last else "-",
+                ", ".join(f"{r['seconds']:.1f}" for r in runs[name]),
+            ]
+        )
+    return seconds, cpu, ratio, rows
+
+
+def print_goal(ratio: dict[str, float], what: str, goal: float) -> None:
+    for key, label in (("wall", "wall-clock"), ("cpu", "CPU time")):
+        print(f"{what}, {label}: {ratio[key]:.2f} (goal >= {goal}: {'met' if ratio[key] >= goal else 'NOT met'})")
+
+
+def fresh_dir(parent: Path, name: str) -> Path:
+    """parent/name, removed if it is there (for a repetition to create anew)."""
+    shutil.rmtree(parent / name, ignore_errors=True)
+    return parent / name
+
+
+def report_failures(results: dict[str, dict[str, Any]]) -> int:
+    """Print the error of every configuration whose status is "failed"; the exit code: 1 if any failed, else 0."""
+    failed = [key for key, r in results.items() if r["status"] == "failed"]
+    for key in failed:
+        print(f"{key} failed: {results[key]['error']}")
+    return 1 if failed else 0
+
+
 def drop_page_cache() -> bool:
     """Write dirty pages and drop the page cache, so a read is from the disk. Needs root; False if refused."""
     os.sync()
@@ -185,35 +261,24 @@ def make_llama_folder(
     max_positions: int = 2048,
     weights_dtype: str | None = None,
 ) -> Path:
-    """A Llama model folder: a byte-level BPE tokenizer trained on `texts`, config.json, and with
-    `weights_dtype` ("bfloat16", "float32") random weights as safetensors (else fsdp_train.py initialises
-    from scratch)."""
-    import torch
-    import transformers as tf
+    """A Llama model folder (fsdp_lib.testing.make_model at llama_sizes(hidden, layers)): a byte-level BPE tokenizer
+    trained on `texts`, config.json, and with `weights_dtype` ("bfloat16", "float32") random weights as safetensors
+    (else fsdp_train.py initialises from scratch)."""
+    from fsdp_lib.testing import llama_sizes, make_model
 
-    from tests.fsdp_helpers import train_tokenizer
+    sizes = llama_sizes(hidden, layers, max_positions)
+    weights = {"with_weights": bool(weights_dtype), "dtype": weights_dtype or "float32", "fill_stored": False}
+    return make_model(folder, texts=texts, vocab_size=vocab, sizes=sizes, seed=0, **weights)
 
-    folder.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(folder, texts, vocab_size=vocab)
-    tokenizer = tf.AutoTokenizer.from_pretrained(folder)
-    config = tf.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,  # Llama's SwiGLU width, rounded
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=max_positions,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    if weights_dtype:
-        torch.manual_seed(0)
-        tf.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, weights_dtype)).save_pretrained(folder)
-    else:
-        config.save_pretrained(folder)
-    return folder
+
+def make_train_inputs(work: Path, p: dict[str, Any], corpus_chars: int) -> list[str]:
+    """What a training benchmark starts from: a generated corpus of `corpus_chars`, saved as work/dataset, and
+    work/model, a Llama of p["hidden"], p["layers"] and p["vocab"] whose tokenizer is trained on its first 200
+    documents. Returns the documents."""
+    docs = make_corpus(corpus_chars)
+    make_llama_folder(work / "model", docs[:200], p["hidden"], p["layers"], p["vocab"])
+    save_text_dataset(docs, work / "dataset")
+    return docs
 
 
 def folder_bytes(folder: Path) -> int:
@@ -235,9 +300,31 @@ def torchrun(script: Path, args: list[str], nproc: int, timeout: float = 900) ->
     """`torchrun --standalone` on CPU (gloo), one OpenMP thread per process so processes x threads = cores.
     Raises LaunchError when the run fails or hangs (then every process below it is killed), so a broken
     benchmark never reports a figure and a hung one never outlives the benchmark."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    from fsdp_lib.testing import torchrun_command
+
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    return run_launcher([*cmd, *args], env, timeout, script.name)
+    return run_launcher(torchrun_command(script, args, nproc), env, timeout, script.name)
+
+
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+
+
+def failed_launch(exc: LaunchError) -> dict[str, Any]:
+    """A launch's result when it failed: status "OOM" if the log says the device ran out of memory, else
+    "failed" with the last line naming an Error (or the log's last line)."""
+    if any(marker in exc.output for marker in OOM_MARKERS):
+        return {"status": "OOM"}
+    errors = [line for line in exc.output.splitlines() if "Error" in line] or exc.output.splitlines()[-1:]
+    return {"status": "failed", "error": errors[-1][-300:] if errors else str(exc)[:300]}
+
+
+def take_metric_windows(exp_dir: Path) -> list[dict[str, Any]]:
+    """The records of exp_dir/metrics.jsonl that have a throughput (tokens_per_s), in file order; then removes
+    exp_dir: its checkpoint and export are not needed (and for a 1B model are ~17 GB)."""
+    metrics = exp_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    shutil.rmtree(exp_dir, ignore_errors=True)
+    return [r for r in map(json.loads, lines) if "tokens_per_s" in r]
 
 
 def multinode_launch(args: list[str], nnodes: int, nproc: int, rdzv_id: str, timeout: float = 900) -> Any:
@@ -251,7 +338,7 @@ def multinode_launch(args: list[str], nnodes: int, nproc: int, rdzv_id: str, tim
 
 def run_launcher(cmd: list[str], env: dict[str, str], timeout: float, name: str) -> subprocess.CompletedProcess:
     """Run a launcher command from the repository root with `env` added; LaunchError on failure or timeout."""
-    from tests.fsdp_helpers import kill_tree
+    from fsdp_lib.testing import kill_tree
 
     start = time.perf_counter()
     proc = subprocess.Popen(

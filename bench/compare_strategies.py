@@ -30,12 +30,9 @@ Writes <results-dir>/compare_strategies.json, .md (the table, the rule and the r
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,14 +41,18 @@ from common import (
     REPO_ROOT,
     LaunchError,
     bench_arg_parser,
+    failed_launch,
     format_table,
     interleaved,
     machine_info,
     make_corpus,
     median,
     multinode_launch,
+    report_failures,
     save_text_dataset,
+    take_metric_windows,
     torchrun,
+    work_folder,
     write_results,
 )
 
@@ -59,7 +60,6 @@ FULL = {"steps": 20, "log_freq": 5, "seq": 256, "batch": 4, "nproc": 2, "lr": 3e
 # --quick: the tiny preset on a generated corpus; 4 steps, 2 metric windows (the first is warm-up)
 QUICK = {"steps": 4, "log_freq": 2, "seq": 64, "batch": 2, "nproc": 2, "lr": 3e-4, "corpus_chars": 200_000}
 SPEED_TIE = 0.05  # settings within 5% of the fastest that fits count as equally fast
-OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
 @dataclass(frozen=True)
@@ -173,15 +173,9 @@ def run_setting(
         else:
             torchrun(REPO_ROOT / "fsdp_train.py", args, nproc=p["nproc"], timeout=p["timeout_s"])
     except LaunchError as exc:
-        if any(marker in exc.output for marker in OOM_MARKERS):
-            return {"status": "OOM"}
-        errors = [line for line in exc.output.splitlines() if "Error" in line] or exc.output.splitlines()[-1:]
-        return {"status": "failed", "error": errors[-1][-300:] if errors else str(exc)[:300]}
+        return failed_launch(exc)
     finally:
-        metrics = work / "outputs" / exp / "metrics.jsonl"
-        lines = metrics.read_text().splitlines() if metrics.is_file() else []
-        shutil.rmtree(work / "outputs" / exp, ignore_errors=True)  # its checkpoint and export are not needed
-    records = [r for r in map(json.loads, lines) if "tokens_per_s" in r]
+        records = take_metric_windows(work / "outputs" / exp)
     if len(records) < 2:
         return {"status": "failed", "error": f"{len(records)} metric windows; need --steps >= 2 x log-freq"}
     return {
@@ -297,9 +291,8 @@ def run_all(args: Any, p: dict[str, Any], settings: list[Setting], nnodes: int) 
             return f"{r['status']} {r.get('error', '')}"
         return f"{r['tokens_per_s']:.0f} tokens/s, {r['mem_peak_alloc_gb']:.3f} GiB, loss {r['final_loss']:.4f}"
 
-    with tempfile.TemporaryDirectory(prefix="compare_strategies_") as tmp:
-        work = (args.workdir or Path(tmp)).resolve()
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "compare_strategies_") as work:
+        work = work.resolve()
         if args.quick:
             dataset, model = map(str, prepare_quick(work, p))
         else:
@@ -362,10 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"machine": info, "params": p, "memory_budget_gb": budget_gb, "memory_budget_source": budget_source}
     payload |= {"skipped": skipped, "results": results, "recommended": best, "reason": reason}
     write_results(args.results_dir, "compare_strategies", payload)
-    failed = [key for key, r in results.items() if r["status"] == "failed"]
-    for key in failed:
-        print(f"{key} failed: {results[key]['error']}")
-    return 1 if failed else 0
+    return report_failures(results)
 
 
 if __name__ == "__main__":

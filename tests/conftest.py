@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to the repo and the interpreter running the tests."""
+"""Shared test fixtures: paths to the repo, the interpreter running the tests, and the trainer tests' inputs."""
 
 from __future__ import annotations
 
@@ -27,3 +27,13 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def python_exe() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """The dataset (with a validation split) and tiny bf16 Llama with weights that the trainer tests share;
+    built once per session. Tests read them and write only under their own folders."""
+    from tests.fsdp_helpers import make_dataset, make_model
+
+    root = tmp_path_factory.mktemp("inputs")
+    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")

@@ -142,6 +142,18 @@ def test_compare_strategies_quick(repo_root, tmp_path):
     assert (tmp_path / "compare_strategies.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_data_hf_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_data_hf.py", tmp_path)
+    routes = {r["route"]: r for r in result["results"]}
+    assert set(routes) == {"data_hf", "standard", "standard_num_proc", "data_hf_all"}
+    for name, r in routes.items():
+        assert r["returncode"] == 0 and r["output_bytes"] > 0, (name, r)
+        assert r["seconds"] > 0 and r["peak_tree_rss_mb"] > 0, (name, r)
+    assert routes["data_hf"]["input_bytes"] == routes["standard"]["input_bytes"] < routes["data_hf_all"]["input_bytes"]
+    assert [len(runs) for runs in result["runs"].values()] == [1] * 4, "--quick: one repetition per route"
+
+
 def load_compare_strategies(repo_root: Path):
     sys.path.insert(0, str(repo_root / "bench"))
     try:

@@ -1,8 +1,8 @@
 """The architecture matrix: every family the README lists, loaded, trained and exported for real.
 
-One torchrun launch (2 processes, gloo) per architecture runs tests/fsdp_arch_check.py: sharded load equals
-`from_pretrained` bit for bit, 3 training steps lower the loss, and `from_pretrained` of the export
-reproduces the trained parameters and logits.
+One torchrun launch (2 processes, gloo) per architecture runs the worker tests/workers/fsdp_arch_check.py:
+sharded load equals `from_pretrained` bit for bit, 3 training steps lower the loss, and `from_pretrained` of
+the export reproduces the trained parameters and logits.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_load_train_export(tmp_path, matrix_dataset, arch, tied):
     args = [*trainer_args("run", matrix_dataset, model, tmp_path), "--max-steps", "3", "-b", "2", "--lr", "1e-2"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["tests/fsdp_arch_check.py", *args],
+        + ["tests/workers/fsdp_arch_check.py", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -65,6 +65,8 @@ def test_load_train_export(tmp_path, matrix_dataset, arch, tied):
     assert proc.returncode == 0, out
     assert out.count("LOAD EQUAL") == 2, out  # both ranks compared every parameter
     assert "EXPORT REPRODUCES" in out, out
+    masking = "block_mask" if arch == "opt" else "position_ids"  # OPT's causal mask ignores the position ids
+    assert f"packed documents kept apart by {masking}" in out, out  # the start-up probe's choice for the family
     losses = losses_by_step(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
     aux = [r.get("aux_loss") for r in read_metrics(tmp_path / "run")]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,15 @@ import torch
 from tests.fsdp_helpers import (
     kill_tree,
     losses_by_step,
-    make_dataset,
-    make_model,
     output_of,
     run_trainer,
     trainer_args,
+    wait_for_step,
 )
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("ckpt_inputs")
-    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
 
 
 def flags(inputs, save_dir: Path, exp: str = "run", *extra: str) -> list[str]:
@@ -63,19 +55,9 @@ def checkpoints(save: Path, exp: str = "run") -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
-def wait_for_step(save: Path, step: int, proc, exp: str = "run", timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if max(losses_by_step(save / exp), default=0) >= step:
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached")
-
-
 def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_path):
     proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
-    wait_for_step(tmp_path, 6, proc)
+    wait_for_step(tmp_path / "run", 6, proc)
     kill_tree(proc.pid, signal.SIGKILL)  # torchrun and both workers, no chance to clean up
     proc.wait()
     assert checkpoints(tmp_path) == ["step_00000004"]
@@ -109,7 +91,7 @@ def test_killed_inside_a_save_resumes_from_newest_complete(inputs, reference, tm
 
 def test_sigterm_saves_at_the_interrupted_step_and_rerun_finishes(inputs, reference, tmp_path):
     proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
-    wait_for_step(tmp_path, 5, proc)
+    wait_for_step(tmp_path / "run", 5, proc)
     os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers, as on preemption
     out, _ = proc.communicate(timeout=60)
     stopped = int(out.split("stopped at step ")[1].split()[0])

@@ -16,6 +16,7 @@ from fsdp_lib.errors import ConfigError
 from fsdp_lib.optim import lr_at
 from tests.fsdp_helpers import (
     REPO_ROOT,
+    io_args,
     losses_by_step,
     make_dataset,
     make_model,
@@ -47,14 +48,7 @@ def pretrained_model(tmp_path_factory) -> Path:
 def test_bad_flags_are_all_reported_with_their_names(tmp_path, dataset_dir, scratch_model, capsys):
     code = ft.main(
         [
-            "-e",
-            "x",
-            "-d",
-            str(dataset_dir),
-            "-m",
-            str(scratch_model),
-            "--save-dir",
-            str(tmp_path),
+            *io_args("x", dataset_dir, scratch_model, tmp_path),
             "--batch-size",
             "0",
             "--lr",
@@ -284,7 +278,7 @@ def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_mo
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        "tests/fsdp_load_check.py",
+        "tests/workers/fsdp_load_check.py",
         str(pretrained_model),
         sharding,
     ]
@@ -303,14 +297,7 @@ def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_mo
 def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scratch_model, capsys):
     code = ft.main(
         [
-            "-e",
-            "dry",
-            "-d",
-            str(dataset_dir),
-            "-m",
-            str(scratch_model),
-            "--save-dir",
-            str(tmp_path),
+            *io_args("dry", dataset_dir, scratch_model, tmp_path),
             "--seq-length",
             "64",
             "--dry-run",

@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_lib.config import TrainConfig, _batch_problems, load_config, parse_data_slice, validate_config
-from tests.fsdp_helpers import losses_by_step, make_dataset, make_model, output_of, run_trainer, trainer_args
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("daily")
-    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
+from tests.fsdp_helpers import losses_by_step, output_of, run_trainer, trainer_args
 
 
 def _records(exp: Path) -> list[dict]:

@@ -19,34 +19,16 @@ from fsdp_lib.lock import LOCK_FILE, LOCK_STALE_S, ExperimentLock
 from tests.fsdp_helpers import (
     descendants,
     kill_tree,
-    losses_by_step,
-    make_dataset,
-    make_model,
     output_of,
     run_trainer,
     trainer_args,
+    wait_for_step,
 )
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("guard_inputs")
-    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
 
 
 def flags(inputs, save_dir: Path, *extra: str) -> list[str]:
     dataset, model = inputs
     return [*trainer_args("run", dataset, model, save_dir), "--max-steps", "6", "--ckpt-freq", "2", "-b", "2", *extra]
-
-
-def wait_for_step(exp_dir: Path, step: int, proc, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if max(losses_by_step(exp_dir), default=0) >= step:
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached")
 
 
 def ends_with(output: str, message: str) -> bool:

@@ -13,15 +13,9 @@ import pytest
 import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config, validate_config
 from fsdp_lib.metrics import start_wandb
-from tests.fsdp_helpers import make_dataset, make_model, output_of, run_trainer, trainer_args
+from tests.fsdp_helpers import output_of, run_trainer, trainer_args
 
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("wandb")
-    return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True)
 
 
 def wandb_records(path: Path) -> list:

@@ -16,14 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from fsdp_lib.config import ON_OFF, TrainConfig
+from tests.fsdp_helpers import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SLURM_SUBMIT = REPO_ROOT / "scripts" / "slurm_submit.sh"
@@ -381,17 +380,6 @@ def test_sbatch_header_requests_one_task_per_node_requeue_and_appending_logs() -
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: real torchrun on CPU, stub trainer, real signals
-
-
-def wait_until(condition: Callable[[], bool], process: subprocess.Popen[str], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            pytest.fail(f"exited early with {process.returncode}:\n{process.communicate()[0]}")
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"timed out:\n{process.communicate()[0]}")
-        time.sleep(0.1)
 
 
 def free_port() -> int:

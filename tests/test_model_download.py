@@ -13,8 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import model_download as md
+from tests.fsdp_helpers import wait_until
 
 REPO_ID = "org/tiny"
 # Served next to the model but useless for training: a download must leave them alone.
@@ -123,13 +123,6 @@ def assert_same_files(folder: Path, served: Path) -> None:
         assert (folder / path.name).read_bytes() == path.read_bytes(), path.name
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # download against the fake hub
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +209,7 @@ def test_killed_download_never_looks_complete_and_a_rerun_finishes_it(hub: FakeH
     try:
         assert hub.hanging.wait(timeout=120), "the download never reached the stalled shard"
         # the other shards download in parallel threads: let them land so the rerun can be shown to skip them
-        wait_until(lambda: all((snapshot / name).exists() for name in others))
+        wait_until(lambda: all((snapshot / name).exists() for name in others), timeout=60)
     finally:
         process.kill()
         process.communicate()
