@@ -105,8 +105,9 @@ REASONS = {
     "bad_message": "a turn that is not an object with role/content (or ShareGPT from/value), or a messages or "
     "conversations value that is not a list",
     "unknown_role": "a role other than system/user/assistant (or the aliases human, gpt, bot, model)",
-    "non_string_content": "a turn, instruction, prompt, answer or system prompt that is not a string (e.g. null, "
-    "a list of multimodal parts, a tool call)",
+    "non_string_content": "a turn, instruction, prompt, answer or system prompt that is not a string or a list of "
+    "text parts (e.g. null, a number, a tool call)",
+    "non_text_content": "a turn whose content parts include one that is not text (an image, audio, a file)",
     "misplaced_system_turn": "a system turn that is not the first turn",
     "no_assistant_turn": "a conversation without an assistant turn that has text: nothing to learn from",
     "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
@@ -442,10 +443,34 @@ def _turns_of_list(turns: object, key: str) -> list[tuple[str, str]]:
         role, content = turn[role_key], turn[content_key]
         if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
             raise BadRecord("unknown_role", f"turn {number} of {key!r} has the role {role!r}")
-        if not isinstance(content, str):
-            raise BadRecord("non_string_content", f"turn {number} of {key!r} has {type(content).__name__} content")
-        result.append((ROLE_ALIASES[role.strip().lower()], content))
+        result.append((ROLE_ALIASES[role.strip().lower()], _content_text(content, f"turn {number} of {key!r}")))
     return result
+
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")  # OpenAI's chat and responses APIs name text parts so
+
+
+def _content_text(content: object, where: str) -> str:
+    """A turn's content: a string, or a list of parts (OpenAI/HF multimodal style) whose text parts,
+    {"type": "text", "text": ...} or with "value" instead of "text" (or plain strings), are joined with a newline.
+    A part that is not text (an image, audio, a file) makes the conversation a counted skip."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content")
+    texts = []
+    for number, part in enumerate(content, 1):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+        if kind not in TEXT_PART_TYPES:
+            raise BadRecord("non_text_content", f"{where}: content part {number} is {kind!r}, not text")
+        text = part.get("text", part.get("value"))
+        if not isinstance(text, str):
+            raise BadRecord("non_string_content", f"{where}: text part {number} has no string text or value")
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:

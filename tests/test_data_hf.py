@@ -581,6 +581,9 @@ BAD_RECORDS = [
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "a"}]},
      "non_string_content"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, "non_string_content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}},
+                                               {"type": "text", "text": "what is it?"}]},
+                   {"role": "assistant", "content": "a cat"}]}, "non_text_content"),
     ({"instruction": 7, "output": "a"}, "non_string_content"),
     ({"instruction": "i", "input": ["x"], "output": "a"}, "non_string_content"),
     ({"question": "q", "answer": "a", "system": {"text": "s"}}, "non_string_content"),
@@ -592,6 +595,32 @@ BAD_RECORDS = [
     ({"messages": []}, "no_assistant_turn"),
     ({"prompt": "p", "completion": "   "}, "no_assistant_turn"),
 ]  # fmt: skip
+
+
+def test_content_given_as_a_list_of_text_parts_is_joined() -> None:
+    """OpenAI/HF multimodal-style content: text parts (with "text", or "value" as some dumps write it, or plain
+    strings) are joined with a newline; the same in ShareGPT turns."""
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "value": "2 plus 3?"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "5."}, "Five."]},
+        ]
+    }
+    assert data_hf.parse_conversation(record) == (("user", "What is\n2 plus 3?"), ("assistant", "5.\nFive."))
+    sharegpt = {"conversations": [{"from": "human", "value": [{"text": "hi"}]}, {"from": "gpt", "value": "hello"}]}
+    assert data_hf.parse_conversation(sharegpt) == (("user", "hi"), ("assistant", "hello"))
+
+
+def test_chat_conversion_keeps_conversations_with_text_parts_and_counts_non_text_ones(tmp_path: Path) -> None:
+    parts = {"role": "user", "content": [{"type": "text", "text": "q"}]}
+    image = {"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "q"}]}
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "a"}]}
+    lines = [json.dumps({"messages": [turn, answer]}) for turn in (parts, parts, image)]
+    data = write_files(tmp_path / "data", {"parts.jsonl": "\n".join(lines) + "\n"})
+    assert convert(data, tmp_path / "out", "--format", "chat") == 0
+    messages = load_from_disk(str(tmp_path / "out"))["messages"][:]
+    assert messages == [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]] * 2
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"non_text_content": 1}
 
 
 @pytest.mark.parametrize(("record", "reason"), BAD_RECORDS)
