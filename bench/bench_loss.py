@@ -1,5 +1,6 @@
-"""Memory-efficient loss: peak memory and step time of the chunked loss (`--loss-chunk-tokens 1024`) against
-full logits (`--loss-chunk-tokens 0`), on a 1-layer Llama with a 128k vocabulary.
+"""Memory-efficient loss: peak memory and step time of the chunked loss (`--loss-chunk-tokens auto`, 512 tokens at
+this vocabulary; `--chunk N` for another) against full logits (`--loss-chunk-tokens 0`), on a 1-layer Llama with a
+128k vocabulary.
 
     python bench/bench_loss.py            # hidden 256, vocab 131072, micro-batch 4, seq 512 and 2048
     python bench/bench_loss.py --seqs 512,1024,2048 --reps 3
@@ -34,7 +35,7 @@ from typing import Any
 
 from common import REPO_ROOT, bench_arg_parser, interleaved, machine_info, median, print_table, write_results
 
-FULL = {"hidden": 256, "layers": 1, "vocab": 131072, "batch": 4, "seqs": (512, 2048), "chunk": 1024, "reps": 2}
+FULL = {"hidden": 256, "layers": 1, "vocab": 131072, "batch": 4, "seqs": (512, 2048), "chunk": "auto", "reps": 2}
 QUICK = {"hidden": 64, "layers": 1, "vocab": 32768, "batch": 4, "seqs": (128,), "chunk": 64, "reps": 1}
 SIDES = ("chunked", "full")
 GIB = 2**30
@@ -180,6 +181,10 @@ def summarise(p: dict[str, Any], seq: int, runs: dict[str, list[dict[str, Any]]]
         "tokens": p["batch"] * seq,
         "figures": fig,
         "logits_share_full_over_chunked": fig["full"]["logits_share_gib"] / fig["chunked"]["logits_share_gib"],
+        # the goal of --loss-chunk-tokens auto (issue 21): <= 0.4 of [tokens x vocab] fp32 logits at 2048 tokens
+        "chunked_share_over_fp32_logits": fig["chunked"]["logits_share_gib"]
+        * GIB
+        / (p["batch"] * seq * p["vocab"] * 4),
         "step_peak_full_over_chunked": fig["full"]["step_peak_gib"] / fig["chunked"]["step_peak_gib"],
         "step_time_chunked_over_full": fig["chunked"]["step_s"] / fig["full"]["step_s"],
         "step_time_ratio_per_rep": step_ratios,
@@ -193,8 +198,12 @@ def summarise(p: dict[str, Any], seq: int, runs: dict[str, list[dict[str, Any]]]
 def main(argv: list[str] | None = None) -> int:
     parser = bench_arg_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", default="", help="comma-separated sequence lengths (default: 512,2048)")
+    parser.add_argument("--chunk", default="", help="--loss-chunk-tokens of the chunked side (default: auto)")
     args = parser.parse_args(argv)
     p = dict(QUICK if args.quick else FULL)
+    from fsdp_lib.loss import loss_chunk_tokens
+
+    p["chunk"] = loss_chunk_tokens(args.chunk or p["chunk"], p["vocab"])
     if args.seqs:
         p["seqs"] = tuple(int(s) for s in args.seqs.split(","))
     reps = args.reps or p["reps"]
@@ -249,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             f"seq {s['seq']}: logits' share full/chunked {s['logits_share_full_over_chunked']:.2f}x "
             f"(goal >= 4), step time chunked/full {s['step_time_chunked_over_full']:.3f} (per rep {ratios}; "
             f"goal <= 1.05), loss path time chunked/full {s['loss_path_time_chunked_over_full']:.3f}; "
+            f"chunked share / full fp32 logits {s['chunked_share_over_fp32_logits']:.2f} (chunk {p['chunk']}); "
             f"max rel diff {', '.join(f'{k} {v:.1e}' for k, v in s['max_rel_diff'].items())}"
         )
     write_results(

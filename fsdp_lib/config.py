@@ -71,8 +71,10 @@ class TrainConfig:
         "conversation data: stop when more than this fraction of a split's conversations cannot be trained (e.g. "
         "the chat template refuses them); above 0.01 the start of the run warns",
     )
-    loss_chunk_tokens: int = _opt(
-        1024, "tokens per chunk of the output head + loss, so full [tokens x vocab] logits never exist (0 = full)"
+    loss_chunk_tokens: str = _opt(
+        "auto",
+        "tokens per chunk of the output head + loss, so full [tokens x vocab] logits never exist; auto = as many as "
+        "keep one chunk's fp32 logits within 256 MiB (512 at a 128k vocabulary); 0 = full logits",
     )
     precision: str = _opt(
         "auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp16", "fp32")
@@ -254,7 +256,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
     non_negative = {
         "--max-steps": cfg.max_steps,
-        "--loss-chunk-tokens": cfg.loss_chunk_tokens,
         "--warmup-steps": cfg.warmup_steps,
         "--ckpt-freq": cfg.ckpt_freq,
         "--eval-freq": cfg.eval_freq,
@@ -272,6 +273,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         if choices and getattr(cfg, f.name) not in choices:
             flag = "--" + f.name.replace("_", "-")
             problems.append(f"{flag} {getattr(cfg, f.name)!r} is not one of {', '.join(choices)}")
+    if cfg.loss_chunk_tokens != "auto" and not str(cfg.loss_chunk_tokens).strip().isdigit():
+        problems.append(
+            f"--loss-chunk-tokens {cfg.loss_chunk_tokens!r}: expected auto or a whole number of tokens (0 = full logits)"
+        )
     if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
         problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")
     if not cfg.lr > 0 or not math.isfinite(cfg.lr):

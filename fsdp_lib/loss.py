@@ -14,6 +14,19 @@ import torch.nn.functional as F
 
 from fsdp_lib.data import Batch
 
+# --loss-chunk-tokens auto: one chunk's fp32 logits (softmax and gradient are computed in place in them) stay within
+# this. At a 128k vocabulary that is 512 tokens: at 2,048 tokens per micro-batch the loss path's extra memory is
+# about a quarter of the full fp32 logits (bench/bench_loss.py), and each head matmul still has >= 256 rows.
+LOSS_CHUNK_BUDGET_BYTES = 256 * 2**20
+
+
+def loss_chunk_tokens(setting: str | int, vocab_size: int) -> int:
+    """--loss-chunk-tokens as a number of tokens: a number as given (0 = full logits); auto = the most tokens,
+    a multiple of 64 and at least 64, whose fp32 logits fit LOSS_CHUNK_BUDGET_BYTES."""
+    if str(setting) != "auto":
+        return int(setting)
+    return max(64, LOSS_CHUNK_BUDGET_BYTES // (4 * vocab_size) // 64 * 64)
+
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the targets that carry loss (label -100 = none), in fp32."""

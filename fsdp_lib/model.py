@@ -20,7 +20,7 @@ import yaml
 from fsdp_lib.config import TrainConfig, resolve_model_dir
 from fsdp_lib.errors import TrainError
 from fsdp_lib.hf_weights import clean_fqn, export_dtype, load_pretrained_sharded, weight_keys
-from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem
+from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens
 from fsdp_lib.memory_plan import format_memory_plan, training_memory_plan
 from fsdp_lib.probes import run_start_up_checks
 from fsdp_lib.runtime import Dist, log
@@ -220,8 +220,9 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         if cfg.activation_checkpointing == "on"
         else 0
     )
-    train_forward = CausalLMLoss(model, cfg.loss_chunk_tokens)
-    if cfg.loss_chunk_tokens and (problem := chunked_loss_problem(model)):
+    vocab_size = model.get_input_embeddings().num_embeddings
+    train_forward = CausalLMLoss(model, loss_chunk_tokens(cfg.loss_chunk_tokens, vocab_size))
+    if train_forward.chunk and (problem := chunked_loss_problem(model)):
         log(f"--loss-chunk-tokens: full logits instead of the chunked loss for {arch}: {problem}")
         train_forward.chunk = 0
     shard_model(train_forward, layers, cfg, precision, d)
@@ -237,13 +238,13 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     check_still_tied(model)
     model.train()
     train_forward.mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    vocab_size = model.get_input_embeddings().num_embeddings
     run_start_up_checks(train_forward, vocab_size, precision, cfg.document_masking == "on", d)
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
         f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
         f"{recomputed} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}, "
         f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
+        + (" (auto)" if cfg.loss_chunk_tokens == "auto" and train_forward.chunk else "")
         + (f", packed documents kept apart by {train_forward.document_masking}" if cfg.document_masking == "on" else "")
     )
     return ModelBundle(

@@ -228,3 +228,24 @@ def test_eager_attention_trains_like_sdpa(small_inputs, tmp_path):
     eager = _losses(small_inputs, tmp_path, "eager_attn", "--attn-implementation", "eager")
     for step in sdpa:
         assert eager[step] == pytest.approx(sdpa[step], rel=1e-5)
+
+
+@pytest.mark.parametrize("vocab,expected", [(32000, 2048), (131072, 512), (151936, 384), (262144, 256), (10**7, 64)])
+def test_auto_loss_chunk_keeps_one_chunks_fp32_logits_within_the_budget(vocab, expected):
+    from fsdp_lib.loss import LOSS_CHUNK_BUDGET_BYTES, loss_chunk_tokens
+
+    chunk = loss_chunk_tokens("auto", vocab)
+    assert chunk == expected and chunk % 64 == 0
+    assert chunk * vocab * 4 <= LOSS_CHUNK_BUDGET_BYTES or chunk == 64  # 64 rows at least, whatever the vocabulary
+    assert loss_chunk_tokens("0", vocab) == 0 and loss_chunk_tokens("128", vocab) == 128
+
+
+def test_loss_chunk_tokens_takes_auto_or_a_whole_number():
+    from fsdp_lib.config import TrainConfig, validate_config
+
+    def problems(value: str) -> list[str]:
+        return [p for p in validate_config(TrainConfig(loss_chunk_tokens=value), 1) if "--loss-chunk-tokens" in p]
+
+    assert problems("auto") == problems("0") == problems("512") == []
+    assert problems("1k") == ["--loss-chunk-tokens '1k': expected auto or a whole number of tokens (0 = full logits)"]
+    assert problems("-5")
