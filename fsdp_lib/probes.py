@@ -28,7 +28,9 @@ def probe_ids(vocab_size: int, shape: tuple[int, int], seed: int) -> torch.Tenso
 
 
 @torch.no_grad()
-def probe_logits(train_forward: CausalLMLoss, ids: torch.Tensor, positions: torch.Tensor | None, device: torch.device):
+def probe_logits(
+    train_forward: CausalLMLoss, ids: torch.Tensor, positions: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the model's own logits [rows x T x vocab], the chunked path's or None), in eval mode (no dropout)."""
     was_training = train_forward.training
     train_forward.eval()
@@ -52,6 +54,7 @@ def reshard_all(root: torch.nn.Module) -> None:
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |a|; a host sync, at start-up only."""
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
 
 
