@@ -103,6 +103,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 def _scale_in_fp32_(tensor: torch.Tensor, scale: torch.Tensor, rows: int = 4096) -> torch.Tensor:
     """tensor *= scale, computed in fp32 and rounded once to the tensor's dtype, in place, a block of rows at a
     time (bounded fp32 temporaries). `bf16_tensor * fp32_scalar_tensor` would round the scale to bf16 first."""
+    if tensor.dtype == torch.float32:
+        return tensor.mul_(scale)
     for block in tensor.split(rows):
         block.copy_(block.float().mul_(scale))
     return tensor
@@ -116,11 +118,15 @@ def chunked_loss_sum(
         return ChunkedCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk, softcap)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
-        logits = head(hidden[start : start + chunk]).float()
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = head_logits(hidden[start : start + chunk], head, softcap)
         total += F.cross_entropy(logits, labels[start : start + chunk], ignore_index=-100, reduction="sum")
     return total
+
+
+def head_logits(hidden: torch.Tensor, head: nn.Module, softcap: float | None) -> torch.Tensor:
+    """What the chunked path computes from the decoder's output: the head, in fp32, soft-capped where configured."""
+    logits = head(hidden).float()
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 def _load_balancing_fn(model: nn.Module) -> Any:
@@ -175,7 +181,13 @@ class CausalLMLoss(nn.Module):
         inputs = self.model_inputs(batch)
         if probe:
             own = self.model(**inputs).logits.float()
-            ours = self.head_logits(self.model.base_model(**inputs).last_hidden_state) if self.chunk else None
+            ours = (
+                head_logits(
+                    self.model.base_model(**inputs).last_hidden_state, self.model.get_output_embeddings(), self.softcap
+                )
+                if self.chunk
+                else None
+            )
             return own, ours
         if not self.chunk:
             outputs = self.model(**inputs)
@@ -198,11 +210,6 @@ class CausalLMLoss(nn.Module):
             }
         eager = self.model.config._attn_implementation == "eager"
         return {**inputs, "attention_mask": block_diagonal_mask(batch.position_ids, self.mask_dtype if eager else None)}
-
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the chunked path computes from the decoder's output: head, fp32, soft-capping where configured."""
-        logits = self.model.get_output_embeddings()(hidden).float()
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
 
 def block_diagonal_mask(position_ids: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:
