@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
+from fsdp_lib.adapters import export_adapter, merged_state_dict
 from fsdp_lib.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.config import TrainConfig, load_config, resolve_model_dir, resolve_precision, validate_config
@@ -42,7 +43,7 @@ from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.hf_weights import export_hf_model
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
-from fsdp_lib.model import ModelBundle, build_model, dry_run
+from fsdp_lib.model import ModelBundle, build_model, dry_run, peft_problems
 from fsdp_lib.optim import BadStepGuard, build_optimizer, lr_at
 from fsdp_lib.runtime import (
     ENV_RANK,
@@ -170,7 +171,7 @@ def run(cfg: TrainConfig) -> int:
     bundle = build_model(cfg, precision, d)
     optimizer = build_optimizer(bundle.model, cfg)
 
-    checkpointer = Checkpointer(cfg, d, resume_fingerprint(cfg, bundle.config, data))
+    checkpointer = Checkpointer(cfg, d, resume_fingerprint(cfg, bundle.config, data, bundle.peft))
     latest = latest_intact_checkpoint(checkpointer.root, d)
     state = TrainState()
     if latest is not None:
@@ -201,9 +202,24 @@ def run(cfg: TrainConfig) -> int:
 
 
 def export(bundle: ModelBundle, data: TrainData, cfg: TrainConfig, d: Dist) -> None:
-    """outputs/EXP/final: a standard Hugging Face folder of the trained model, its tokenizer and chat template."""
+    """outputs/EXP/final: a standard Hugging Face folder of the trained model, its tokenizer and chat template;
+    with --peft a PEFT adapter folder instead (and with --export-merged on, outputs/EXP/final-merged)."""
     final = cfg.experiment_dir / "final"
-    export_hf_model(bundle.model, data.tokenizer, final, d, bundle.export_dtype, bundle.model_dir)
+    if bundle.peft is None:
+        export_hf_model(bundle.model, data.tokenizer, final, d, bundle.export_dtype, bundle.model_dir)
+        return
+    export_adapter(bundle.model, bundle.peft.config, data.tokenizer, final, d, bundle.peft.base_identity)
+    if cfg.export_merged == "on":
+        merged = merged_state_dict(bundle.model)
+        export_hf_model(
+            bundle.model,
+            data.tokenizer,
+            final.with_name("final-merged"),
+            d,
+            bundle.export_dtype,
+            bundle.model_dir,
+            merged,
+        )
 
 
 def train_loop(
@@ -272,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         if ENV_RANK == 0:  # the other ranks would see rank 0's own lock; torchrun stops them if rank 0 exits
             lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        problems = problems or peft_problems(cfg)  # the adapter flags against the model, built on meta
         if problems:
             raise ConfigError(problems)
     except ConfigError as exc:

@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lib.hf_files import BIN_INDEX, SAFETENSORS_INDEX, hf_weight_files, shards_from_index
-from fsdp_lib.memory_plan import format_bytes, format_count, format_memory_plan, training_memory_plan
+from fsdp_lib.memory_plan import (
+    format_bytes,
+    format_count,
+    format_memory_plan,
+    format_peft_memory_plan,
+    peft_memory_plan,
+    training_memory_plan,
+)
 
 VERIFICATION_RECORD = "model_download_verified.json"
 """Written into the model folder only after verification passes; removed before any re-download."""
@@ -412,6 +419,8 @@ class VerifiedModel:
     architecture: str
     num_params: int
     largest_unit_params: int
+    linear_params: int  # the decoder layers' Linear weights (NF4 under --peft qlora)
+    lora_params: int  # rank-16 adapters on every decoder-layer Linear (--peft lora/qlora defaults)
     dtype_summary: str
     weight_files: dict[str, int]
     size_on_disk: int
@@ -460,6 +469,7 @@ def verify_model(folder: Path, load_name: str, revision: str | None, require_wei
         architecture=f"{type(model).__name__} ({config.model_type})",
         num_params=sum(param.numel() for param in model.parameters()),
         largest_unit_params=largest_fsdp_unit_params(model),
+        **dict(zip(("linear_params", "lora_params"), decoder_linear_params(model, LORA_RANK))),
         dtype_summary=checkpoint_dtype_summary(found) if files else "no weights (the trainer initialises them)",
         weight_files={name: (folder / name).stat().st_size for name in files},
         size_on_disk=_folder_size(folder),
@@ -553,6 +563,19 @@ def converted_checkpoint_layout(model: Any, found: dict[str, TensorInfo]) -> tup
     return layout, problems
 
 
+LORA_RANK = 16  # fsdp_train.py's --lora-rank default, for the memory table
+
+
+def decoder_linear_params(model: Any, rank: int) -> tuple[int, int]:
+    """(weights of the Linear layers inside the decoder layers, parameters of rank-`rank` adapters on them), the
+    sizes of fsdp_train.py's --peft qlora base and --peft lora adapters (its auto targets, less MoE routers)."""
+    import torch
+
+    layers = next((module for module in model.modules() if isinstance(module, torch.nn.ModuleList)), None)
+    linears = [m for layer in (layers or []) for m in layer.modules() if type(m) is torch.nn.Linear]
+    return sum(m.weight.numel() for m in linears), sum(rank * (m.in_features + m.out_features) for m in linears)
+
+
 def largest_fsdp_unit_params(model: Any) -> int:
     """Parameters of the largest unit FSDP all-gathers at once: one decoder layer, or the root's remainder
     (embeddings, final norm, untied LM head), which is larger for big vocabularies."""
@@ -580,7 +603,12 @@ def report_verified(model: VerifiedModel, source: str) -> None:
     log(f"  tokenizer:    {model.tokenizer_summary}")
     for note in model.notes:
         log(f"  note: {note}")
-    log(format_memory_plan(training_memory_plan(model.num_params, largest_unit_params=model.largest_unit_params)))
+    full_rows = training_memory_plan(model.num_params, largest_unit_params=model.largest_unit_params)
+    log(format_memory_plan(full_rows))
+    peft_rows = peft_memory_plan(
+        model.num_params, model.linear_params, model.lora_params, largest_unit_params=model.largest_unit_params
+    )
+    log(format_peft_memory_plan(full_rows, peft_rows, LORA_RANK))
 
 
 def write_verification_record(model: VerifiedModel, source: dict[str, Any]) -> Path:

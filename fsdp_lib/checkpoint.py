@@ -36,12 +36,27 @@ from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
 
 # Settings that change the math or the data: a resume with a different value is refused.
-RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer", "data_format")
+RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer", "data_format", "peft")
 
 
-def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData) -> dict:
-    """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json."""
+def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData, peft: Any = None) -> dict:
+    """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json.
+    With --peft the checkpoint holds only the adapters, so the base's weights identity is pinned too."""
+    adapters = "none"
+    if peft is not None:
+        adapters = {
+            "mode": cfg.peft,
+            "rank": peft.config.r,
+            "alpha": peft.config.lora_alpha,
+            "dropout": peft.config.lora_dropout,
+            "targets": sorted(peft.config.target_modules)
+            if not isinstance(peft.config.target_modules, str)
+            else peft.config.target_modules,
+            "base_weights": peft.base_identity,
+            "start": peft.start,
+        }
     return {
+        "peft": adapters,
         "model": config_fingerprint(model_config),
         "dataset": data.dataset_fingerprint,
         "seq_length": cfg.seq_length,
@@ -162,7 +177,14 @@ class Checkpointer:
     A run killed at any moment therefore leaves the previous checkpoint as the newest complete one."""
 
     def __init__(self, cfg: TrainConfig, d: Dist, fingerprint: dict):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         self.cfg, self.d, self.fingerprint = cfg, d, fingerprint
+        # --peft: what trains (adapters, their optimizer state), never the frozen base, which the model folder holds
+        peft = cfg.peft != "none"
+        self.options = StateDictOptions(ignore_frozen_params=peft)
+        # loading: the model's frozen keys are absent on purpose; DCP still fails on any requested key it lacks
+        self.load_options = StateDictOptions(ignore_frozen_params=peft, strict=not peft)
         self.root = cfg.experiment_dir / "checkpoint"
         self.pending: tuple[Any, Path, int, dict] | None = None  # (future, tmp dir, step, checksums), async save
         self.checksum_s = 0.0  # seconds this rank spent on checksums in the last save (bench_checkpoint.py)
@@ -213,15 +235,17 @@ class Checkpointer:
         self.check_compatible(payload["fingerprint"], path, model.config)
         try:
             if optimizer is None:
-                model_sd = get_model_state_dict(model)
+                model_sd = get_model_state_dict(model, options=self.options)
                 dcp.load({"model": model_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group)
-                set_model_state_dict(model, model_sd)
+                set_model_state_dict(model, model_sd, options=self.load_options)
             else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
                 dcp.load(
                     {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self.d.cpu_group
                 )
-                set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+                set_state_dict(
+                    model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.load_options
+                )
         except CHECKPOINT_FAILURES as exc:
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}). "
@@ -268,7 +292,7 @@ class Checkpointer:
         # that failed here would wait in a different collective than the others (a hang, not an error).
         checksums: dict = {}  # of the files this rank writes; rank 0 records everyone's in _commit
         self._agree_or_fail(_attempt(self._write_side_files, tmp, state, checksums), tmp)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         state_dict = {"model": model_sd, "optim": optim_sd}
         writer = _CheckpointWriter(str(tmp), self.d, state.step, checksums)
         fault_point("kill_during_write", self.d, state.step)

@@ -104,6 +104,28 @@ class TrainConfig:
         "the architecture supports it, else eager",
         choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
+    peft: str = _opt(
+        "none",
+        "none = train every weight; lora = freeze the base (stored in the compute dtype) and train low-rank "
+        "adapters (peft); qlora = lora over a base whose decoder-layer Linear weights are 4-bit NF4 (torchao)",
+        choices=("none", "lora", "qlora"),
+    )
+    lora_rank: int = _opt(16, "--peft lora/qlora: rank r of each adapter")
+    lora_alpha: float = _opt(32.0, "--peft lora/qlora: adapter scale alpha (the update is alpha/r x B A)")
+    lora_dropout: float = _opt(0.0, "--peft lora/qlora: dropout on the adapters' input")
+    lora_target_modules: str = _opt(
+        "auto",
+        "--peft lora/qlora: comma-separated Linear names to adapt (e.g. q_proj,v_proj), all-linear (every Linear "
+        "but the output head), or auto = every Linear of the decoder layers' attention and MLP (not MoE routers "
+        "or experts)",
+    )
+    adapter: str = _opt("", "--peft lora/qlora: start from this PEFT adapter folder (its rank, alpha and targets)")
+    export_merged: str = _opt(
+        "off",
+        "--peft lora/qlora: also export outputs/EXP/final-merged, the base with the adapters merged in "
+        "(--export-dtype), a standard HF folder",
+        choices=ON_OFF,
+    )
     log_freq: int = _opt(10, "optimizer steps between metric lines")
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
     eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
@@ -294,6 +316,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
                 f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
             )
+    problems += _peft_problems(cfg)
     problems += _batch_problems(cfg, world_size)
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
@@ -328,6 +351,40 @@ def _batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         ]
     cfg.grad_accum_steps = accum
     return []
+
+
+def _peft_problems(cfg: TrainConfig) -> list[str]:
+    """The adapter flags that can be checked without the model (the targets and --adapter: adapters.py)."""
+    lora_flags = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "export_merged")
+    if cfg.peft == "none":
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        changed = [f"--{n.replace('_', '-')}" for n in lora_flags if getattr(cfg, n) != defaults[n]]
+        return [f"{', '.join(changed)} need --peft lora or qlora (got --peft none)"] if changed else []
+    problems = []
+    if cfg.lora_rank < 1:
+        problems.append(f"--lora-rank must be at least 1 (got {cfg.lora_rank}); 8-64 is usual")
+    if not cfg.lora_alpha > 0 or not math.isfinite(cfg.lora_alpha):
+        problems.append(f"--lora-alpha must be a positive number (got {cfg.lora_alpha}); 2 x --lora-rank is usual")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").is_file():
+        problems.append(f"--adapter {cfg.adapter}: not a PEFT adapter folder (no adapter_config.json)")
+    for package in ("peft",) + (("torchao",) if cfg.peft == "qlora" else ()):
+        if not _installed(package):
+            problems.append(
+                f"--peft {cfg.peft} needs the {package} package, which is not installed; pip install -r "
+                f"requirements.txt" + (", or use --peft lora" if package == "torchao" else "")
+            )
+    return problems
+
+
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds None for it (an import that was blocked)
+        return False
 
 
 def _wandb_problems() -> list[str]:

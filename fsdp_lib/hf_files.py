@@ -43,3 +43,24 @@ def hf_weight_files(folder: Path) -> tuple[list[str], list[str]]:
     if not names:
         names = sorted(path.name for path in folder.glob("pytorch_model*.bin") if path.is_file())
     return names, []
+
+
+def weights_identity(folder: Path, samples: int = 16, sample_bytes: int = 65536) -> str:
+    """A short fingerprint of the folder's weights that tells two bases apart without reading them all (an 8B model
+    and its instruct variant share config and shapes): each weight file's name and size, and a hash of `samples`
+    evenly spaced `sample_bytes` reads of it. "none" for a folder without weights. Cheap at any model size."""
+    import hashlib
+
+    names, _ = hf_weight_files(folder)
+    if not names:
+        return "none"
+    digest = hashlib.sha256()
+    for name in names:
+        path = folder / name
+        size = path.stat().st_size
+        digest.update(f"{name}:{size}".encode())
+        with path.open("rb") as fh:
+            for i in range(samples):
+                fh.seek(max(0, size - sample_bytes) * i // max(1, samples - 1))
+                digest.update(fh.read(sample_bytes))
+    return digest.hexdigest()[:16]

@@ -21,11 +21,25 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.hf_files import hf_weight_files
+from fsdp_lib.quantize import fill_nf4_shard, is_nf4
 from fsdp_lib.runtime import Dist, log
 
 
 def clean_fqn(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B")
+
+
+def is_adapter_name(name: str) -> bool:
+    """A peft adapter tensor (--peft lora/qlora): not part of the base model's weight files."""
+    return any(part in ADAPTER_PARTS for part in name.split("."))
+
+
+def base_fqn(name: str) -> str:
+    """The name in the base model of a (possibly peft-wrapped) parameter: `q_proj.base_layer.weight` -> `q_proj.weight`."""
+    return clean_fqn(name).replace(".base_layer.", ".")
 
 
 def weight_keys(model_dir: Path) -> tuple[dict[str, Path], str]:
@@ -78,9 +92,10 @@ def plan_weight_load(model: nn.Module, files: dict[str, Path]) -> WeightLoadPlan
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", "model")
     tied = _tied_parameter_names(model)
-    params = {clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    params = {base_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False) if not is_adapter_name(n)}
     # Persistent buffers load too where stored, as in from_pretrained (e.g. GLM-4.5's router e_score_correction_bias)
-    expected = dict.fromkeys(params | {clean_fqn(n) for n in model.state_dict()}, True)
+    buffers = {base_fqn(n) for n in model.state_dict() if not is_adapter_name(n)}
+    expected = dict.fromkeys(params | buffers, True)
     renamed: dict[str, str] = {}
     converted: dict[str, Any] = {}
     for key in sorted(files, key=dot_natural_key):
@@ -111,14 +126,15 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
     tied = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
-            tied.add(clean_fqn(name))
+            tied.add(base_fqn(name))
         seen.add(id(param))
     return tied
 
 
 def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, Path], fmt: str) -> None:
     """Load the folder's weights into the shards, equal bit for bit to from_pretrained. `files` and `fmt`: what
-    weight_keys found in model_dir.
+    weight_keys found in model_dir. Peft adapters are not in the files (adapters.py fills them); QLoRA's NF4
+    weights are read whole, one at a time, and quantised (quantize.fill_nf4_shard keeps this rank's rows).
 
     Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped).
     Converted tensors: each rank reads the whole source tensors of one converter at a time (e.g. every
@@ -129,12 +145,18 @@ def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     plan = plan_weight_load(model, files)
-    state = get_model_state_dict(model)
-    by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed}
+    state = {base_fqn(k): v for k, v in get_model_state_dict(model).items() if not is_adapter_name(k)}
+    whole = {k for k, v in state.items() if is_nf4(v) and k in plan.renamed}
+    by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed and k not in whole}
     if fmt == "safetensors":
         dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
     else:
         _load_bin_slices(by_file_key, model_dir)
+    params = {base_fqn(n): p for n, p in model.named_parameters()}  # NF4: the parameter itself, not an alias
+    with torch.no_grad(), contextlib.ExitStack() as open_files:
+        handles: dict = {}
+        for name in sorted(whole):  # one tensor at a time
+            fill_nf4_shard(params[name], _read_whole_tensor(plan.files, open_files, handles, plan.renamed[name]))
     _load_converted(model, plan, state)
     model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
 
@@ -148,7 +170,7 @@ def _load_converted(model: nn.Module, plan: WeightLoadPlan, state: dict[str, Any
             for pattern, keys in converter.collected_tensors.items():  # load lazily, one converter at a time
                 converter.collected_tensors[pattern] = [functools.partial(read, key) for key in keys]
             for name, full in converter.convert(first, model=model, config=model.config).items():
-                _copy_into_shard(state[name], full[0] if isinstance(full, list) else full)
+                copy_into_shard(state[name], full[0] if isinstance(full, list) else full)
 
 
 def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack, handles: dict, key: str) -> Any:
@@ -164,11 +186,13 @@ def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack,
     return handle.get_tensor(key) if path.suffix == ".safetensors" else handle[key]
 
 
-def _copy_into_shard(target: Any, full: torch.Tensor) -> None:
+def copy_into_shard(target: Any, full: torch.Tensor) -> None:
     """Copy this rank's slice of a full tensor into a parameter (its DTensor shard, or all of it)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if isinstance(target, DTensor):  # src_data_rank=None: every rank holds `full`, so slice locally, no messages
+    if is_nf4(target):  # QLoRA: quantised whole, so every rank's rows share the tensor's scale mean
+        fill_nf4_shard(target, full)
+    elif isinstance(target, DTensor):  # src_data_rank=None: every rank holds `full`, so slice locally, no messages
         full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(full.to_local())
     else:
@@ -182,7 +206,7 @@ def _load_bin_slices(targets: dict[str, Any], model_dir: Path) -> None:
             stored = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             for key, tensor in stored.items():
                 if key in targets:
-                    _copy_into_shard(targets[key], tensor)
+                    copy_into_shard(targets[key], tensor)
 
 
 def export_dtype(cfg: TrainConfig, model_dir: Path) -> torch.dtype:
@@ -210,7 +234,13 @@ def original_dtype(model_dir: Path) -> torch.dtype:
 
 
 def export_hf_model(
-    model: nn.Module, tokenizer: Any, out_dir: Path, d: Dist, dtype: torch.dtype, source_dir: Path
+    model: nn.Module,
+    tokenizer: Any,
+    out_dir: Path,
+    d: Dist,
+    dtype: torch.dtype,
+    source_dir: Path,
+    state: dict[str, Any] | None = None,
 ) -> None:
     """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model,
     in the layout save_pretrained writes (transformers' conversions reverted, e.g. one tensor per expert).
@@ -219,13 +249,15 @@ def export_hf_model(
     consolidates them file by file, so no process gathers them. Tensors a converter reverts (stacked MoE
     experts): gathered one decoder layer at a time, reverted by transformers and written by rank 0.
     Saved in `dtype` (--export-dtype; auto: the model's own); tied weights stay tied. The generation config of
-    source_dir (the model folder trained from) is copied.
+    source_dir (the model folder trained from) is copied. `state`: the sharded tensors by the model's names
+    (default: the model's state dict; adapters.merged_state_dict for a merged LoRA export).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     tied = _tied_parameter_names(model)
-    state = {k: v.to(dtype) for k, v in get_model_state_dict(model).items() if k not in tied}
+    state = get_model_state_dict(model) if state is None else state
+    state = {k: v.to(dtype) for k, v in state.items() if k not in tied}
     state, converted_by_layer = split_export_layout(model, state)
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
     file_no = 1
@@ -252,14 +284,19 @@ def export_hf_model(
         if (source_dir / "generation_config.json").is_file():
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
         tokenizer.save_pretrained(tmp)
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, out_dir)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
     dist.barrier(group=d.cpu_group)
+
+
+def replace_folder(tmp: Path, out_dir: Path) -> None:
+    """Put the finished folder `tmp` at out_dir, replacing an earlier export only once the new one is complete."""
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def split_export_layout(model: nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -85,3 +85,61 @@ def format_memory_plan(rows: list[dict[str, int | bool]]) -> str:
             f"  {format_bytes(offload['gpu_total_bytes']):>24}  {format_bytes(offload['cpu_bytes_per_gpu']):>18}"
         )
     return "\n".join(lines)
+
+
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes, an 8-bit scale per 64 weights, an fp32 factor per 256 scales
+
+
+def peft_memory_plan(
+    num_params: int,
+    linear_params: int,
+    adapter_params: int,
+    world_sizes: Sequence[int] = (1, 2, 4, 8),
+    largest_unit_params: int = 0,
+    compute_bytes: int = 2,
+) -> list[dict[str, float]]:
+    """Per-GPU memory of --peft lora and qlora (no CPU offload), without activations.
+
+    LoRA: the frozen base in the compute dtype (2 B/param, no gradients, no optimizer state) and the adapters at
+    16 B/param (fp32 weights, gradients, AdamW moments), both sharded; plus the largest FSDP unit unsharded in the
+    compute dtype (its gradients are only the adapters'). QLoRA: the decoder layers' Linear weights
+    (`linear_params`) in NF4 (NF4_BYTES = 0.516 B/param), the rest as LoRA; the unit is all-gathered in NF4 and
+    dequantised one Linear at a time (counted as the unit at NF4 plus a tenth of it in the compute dtype).
+    """
+    rows = []
+    for world_size in world_sizes:
+        for mode in ("lora", "qlora"):
+            quantized = linear_params if mode == "qlora" else 0
+            base = (num_params - quantized) * compute_bytes + quantized * NF4_BYTES
+            sharded = (base + adapter_params * 16) / world_size
+            unit_share = min(1.0, linear_params / max(1, num_params)) if mode == "qlora" else 0.0
+            unit = largest_unit_params * (
+                compute_bytes * (1 - unit_share) + unit_share * (NF4_BYTES + 0.1 * compute_bytes)
+            )
+            rows.append(
+                {"mode": mode, "world_size": world_size, "sharded_bytes": sharded, "gpu_total_bytes": sharded + unit}
+            )
+    return rows
+
+
+def format_peft_memory_plan(
+    full_rows: list[dict[str, int | bool]], peft_rows: list[dict[str, float]], rank: int
+) -> str:
+    """Full fine-tuning next to LoRA and QLoRA, per GPU, with the rule."""
+    lines = [
+        f"memory per GPU by --peft (rank-{rank} adapters on the decoder layers' Linear layers; activations NOT "
+        "included):",
+        "  rule: full 16 B/param sharded; lora: base 2 B/param + adapters 16 B/param sharded; qlora: the decoder "
+        f"Linear weights at {NF4_BYTES:.3f} B/param (NF4), the rest as lora; + the largest unit unsharded",
+        f"  {'GPUs':>4}  {'full':>12}  {'lora':>12}  {'qlora':>12}",
+    ]
+    full = {int(r["world_size"]): r["gpu_total_bytes"] for r in full_rows if not r["cpu_offload"]}
+    by_world: dict[int, dict[str, float]] = {}
+    for row in peft_rows:
+        by_world.setdefault(int(row["world_size"]), {})[str(row["mode"])] = row["gpu_total_bytes"]
+    for world_size, modes in by_world.items():
+        lines.append(
+            f"  {world_size:>4}  {format_bytes(full.get(world_size, 0)):>12}  {format_bytes(modes['lora']):>12}"
+            f"  {format_bytes(modes['qlora']):>12}"
+        )
+    return "\n".join(lines)

@@ -17,12 +17,26 @@ import torch
 import torch.nn as nn
 import yaml
 
+from fsdp_lib.adapters import (
+    PeftSetup,
+    adaptable_modules,
+    adapter_problems,
+    default_targets,
+    init_adapters,
+    inject_adapters,
+    load_adapter,
+    lora_config,
+    prepare_peft,
+    resolve_targets,
+)
 from fsdp_lib.config import TrainConfig, resolve_model_dir
 from fsdp_lib.errors import TrainError
-from fsdp_lib.hf_weights import clean_fqn, export_dtype, load_pretrained_sharded, weight_keys
+from fsdp_lib.hf_files import weights_identity
+from fsdp_lib.hf_weights import clean_fqn, export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
 from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens
-from fsdp_lib.memory_plan import format_memory_plan, training_memory_plan
+from fsdp_lib.memory_plan import format_memory_plan, format_peft_memory_plan, peft_memory_plan, training_memory_plan
 from fsdp_lib.probes import run_start_up_checks
+from fsdp_lib.quantize import resident_bytes
 from fsdp_lib.runtime import Dist, log
 
 
@@ -161,6 +175,8 @@ def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist) ->
     with torch.no_grad():
         for name, param in model.named_parameters():
             name = clean_fqn(name)
+            if is_adapter_name(name):  # adapters.init_adapters
+                continue
             full = torch.empty(param.shape, dtype=torch.float32, device=gen_device)
             if param.ndim >= 2:
                 g = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -192,11 +208,14 @@ class ModelBundle:
     activation_checkpointed_layers: int  # decoder layers recomputed in backward
     flops_per_token: float
     export_dtype: torch.dtype  # --export-dtype; auto = the dtype the model was shipped in
+    peft: PeftSetup | None = None  # --peft lora/qlora
 
 
-def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
+def flops_per_token(model: nn.Module, config: Any, seq_length: int, adapter_params: int | None = None) -> float:
     """6N + 12*L*H*Q*T (PaLM appendix B): N counts matmul parameters, i.e. all but the input embedding,
-    plus the output head even when it is tied to the input embedding (the head matmul still runs)."""
+    plus the output head even when it is tied to the input embedding (the head matmul still runs).
+    With adapters (call before injecting them): the frozen base costs 4N (forward 2N, and 2N for the gradients of
+    the activations flowing back through it; no weight gradients), the adapters 6 x their count."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     n = sum(p.numel() for p in model.parameters()) - embed.numel()
@@ -205,7 +224,10 @@ def flops_per_token(model: nn.Module, config: Any, seq_length: int) -> float:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers, heads = text.num_hidden_layers, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 6 * n + 12 * layers * heads * head_dim * seq_length
+    attention = 12 * layers * heads * head_dim * seq_length
+    if adapter_params is not None:
+        return 4 * n + 6 * adapter_params + attention
+    return 6 * n + attention
 
 
 def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
@@ -215,6 +237,11 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     fpt = flops_per_token(model, model.config, cfg.seq_length)
     layers = find_decoder_layers(model)
     arch, layer_class = type(model).__name__, type(layers[0]).__name__  # before fully_shard renames the classes
+    peft = None
+    if cfg.peft != "none":
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+        peft = prepare_peft(cfg, model, layers, model_dir, compute, d.world_size)
+        fpt = flops_per_token(model, model.config, cfg.seq_length, adapter_params=peft.trainable)
     recomputed = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
         if cfg.activation_checkpointing == "on"
@@ -232,9 +259,14 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         start = time.perf_counter()
         load_pretrained_sharded(model, model_dir, files, fmt)
         log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")
+    elif cfg.peft == "qlora":
+        raise TrainError(f"--peft qlora: {model_dir} has no weight files to quantise; QLoRA adapts a pretrained base")
     else:
         init_weights_on_shards(model, model.config, cfg.seed, d)
         log(f"no weight files in {model_dir}: initialised {num_params:,} parameters from scratch on the shards")
+    if peft is not None:
+        load_adapter(model, Path(cfg.adapter)) if cfg.adapter else init_adapters(model, cfg.seed)
+        log_peft(peft, model, cfg)
     check_still_tied(model)
     model.train()
     train_forward.mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
@@ -248,8 +280,60 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         + (f", packed documents kept apart by {train_forward.document_masking}" if cfg.document_masking == "on" else "")
     )
     return ModelBundle(
-        model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir)
+        model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir), peft
     )
+
+
+def log_peft(peft: PeftSetup, model: nn.Module, cfg: TrainConfig) -> None:
+    """What trains and what the frozen base costs on this rank."""
+    from fsdp_lib.memory_plan import format_bytes
+
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    dtypes = sorted(
+        {
+            "nf4"
+            if type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor"
+            else str(p.dtype).removeprefix("torch.")
+            for p in frozen
+        }
+    )
+    base_bytes = sum(resident_bytes(p) for p in frozen)
+    source = f"from {cfg.adapter}" if cfg.adapter else f"initialised (seed {cfg.seed})"
+    log(
+        f"--peft {cfg.peft}: {peft.trainable:,} trainable of {peft.total:,} parameters "
+        f"({100 * peft.trainable / peft.total:.2f}%), rank {peft.config.r}, alpha {peft.config.lora_alpha}, targets "
+        f"{peft.config.target_modules}, adapters {source}; frozen base stored as {'+'.join(dtypes)}, "
+        f"{format_bytes(base_bytes)} on this rank"
+        + (f"; NF4 per layer: {', '.join(peft.quantized)}" if peft.quantized else "")
+    )
+
+
+def peft_sizes(model: nn.Module, layers: list[nn.Module], rank: int) -> tuple[int, int]:
+    """(weights of the decoder layers' Linear modules: what QLoRA stores as NF4, parameters of rank-`rank`
+    adapters on --lora-target-modules auto), counted on the meta model."""
+    linear = sum(m.weight.numel() for layer in layers for m in layer.modules() if type(m) is nn.Linear)
+    modules = adaptable_modules(model)
+    adapters = sum(rank * sum(modules[n].weight.shape) for n in default_targets(model, layers, model.config))
+    return linear, adapters
+
+
+def peft_problems(cfg: TrainConfig) -> list[str]:
+    """--lora-target-modules and --adapter checked against the model, built on meta (before any process group)."""
+    if cfg.peft == "none":
+        return []
+    model_dir = resolve_model_dir(cfg.model_name)
+    model = build_model_skeleton(model_dir, "eager")
+    layers = find_decoder_layers(model)
+    targets, problem = resolve_targets(cfg.lora_target_modules, model, layers)
+    if problem:
+        return [problem]
+    if not cfg.adapter:
+        return []
+    try:
+        inject_adapters(model, lora_config(cfg, targets, cfg.model_name))
+    except Exception as exc:  # noqa: BLE001 - peft raises many types for a config it cannot use
+        return [f"--adapter {cfg.adapter}: not a LoRA adapter this model can take ({type(exc).__name__}: {exc})"]
+    return adapter_problems(cfg, model, weights_identity(model_dir))
 
 
 def dry_run(cfg: TrainConfig, world_size: int) -> int:
@@ -271,5 +355,10 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         num_params, world_sizes=sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
     )
     log(f"per-rank memory estimate (this run: {world_size} processes):\n" + format_memory_plan(rows))
+    linear, adapters = peft_sizes(model, layers, cfg.lora_rank)
+    peft_rows = peft_memory_plan(
+        num_params, linear, adapters, sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
+    )
+    log(f"this run: --peft {cfg.peft}\n" + format_peft_memory_plan(rows, peft_rows, cfg.lora_rank))
     log("dry run: nothing was trained")
     return 0

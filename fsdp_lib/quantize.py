@@ -1,0 +1,102 @@
+"""The 4-bit base of QLoRA (--peft qlora): torchao's NF4 tensor (4-bit NormalFloat in blocks of 64 weights, the
+blocks' scales quantised again to 8 bits in blocks of 256: double quantisation). It is FSDP2-aware: fully_shard
+splits it by rows and all-gathers its 4-bit data, and F.linear on it dequantises to the compute dtype.
+
+The weights are made NF4 on the meta device before sharding, and filled while loading one tensor at a time: each
+rank quantises the whole tensor and keeps its rows, so every rank's rows share the tensor's one scale mean and the
+all-gathered weight is the same on every rank and at any process count."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from fsdp_lib.errors import TrainError
+
+# torchao warns at import about its optional CUDA kernels (mxfp8, cutlass) that fail to load on this torch build;
+# NF4 is plain torch and never uses them. (peft imports torchao too, whenever it is installed.)
+logging.getLogger("torchao").setLevel(logging.ERROR)
+
+BLOCK = 64  # weights per NF4 block (one absmax scale each), QLoRA's choice
+SCALER_BLOCK = 256  # scales per double-quantisation block
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return type(local).__name__ == "NF4Tensor"
+
+
+def quantizable(weight: torch.Tensor, world_size: int) -> str | None:
+    """Why a Linear weight cannot be NF4 when sharded over world_size processes, or None when it can: its rows must
+    split evenly and each rank's part must hold whole double-quantisation blocks."""
+    rows, cols = weight.shape
+    if rows % world_size:
+        return f"{rows} rows do not split evenly over {world_size} processes"
+    if (rows // world_size) * cols % (BLOCK * SCALER_BLOCK):
+        return f"{rows // world_size} x {cols} weights per process are not a multiple of {BLOCK * SCALER_BLOCK}"
+    return None
+
+
+def quantize_linears_on_meta(layers: list[nn.Module], dtype: torch.dtype, world_size: int) -> list[str]:
+    """Make the weight of every nn.Linear inside the decoder layers an NF4 meta tensor (frozen) that dequantises to
+    `dtype`. Returns the FQNs within each layer, e.g. `self_attn.q_proj.base_layer.weight` (logged).
+    Raises TrainError naming the first weight that cannot be split (see quantizable)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    done = []
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if type(module) is not nn.Linear or any(part.startswith("lora_") for part in name.split(".")):
+                continue  # peft's adapters are Linear modules too: they train, in fp32
+            problem = quantizable(module.weight, world_size)
+            if problem:
+                raise TrainError(
+                    f"--peft qlora: decoder layer {index}'s {name}.weight {tuple(module.weight.shape)} cannot be "
+                    f"sharded as NF4: {problem}. Use a number of processes that divides it, or --peft lora"
+                )
+            meta = torch.empty(module.weight.shape, dtype=dtype, device="meta")
+            module.weight = nn.Parameter(to_nf4(meta, BLOCK, SCALER_BLOCK), requires_grad=False)
+            if index == 0:
+                done.append(f"{name}.weight")
+    return done
+
+
+def fill_nf4_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Quantise the whole tensor `full` and copy this rank's rows into the NF4 shard `target` (a DTensor sharded
+    on dim 0, or a plain NF4 tensor without sharding)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    local = target._local_tensor if isinstance(target, DTensor) else target  # the object FSDP all-gathers from
+    quantized = to_nf4(full.to(device=local.quantized_data.device, dtype=local.dtype).contiguous(), BLOCK, SCALER_BLOCK)
+    if isinstance(target, DTensor):
+        mesh = target.device_mesh
+        quantized = torch.chunk(quantized, mesh.size(), dim=0)[mesh.get_local_rank()]
+    with torch.no_grad():
+        local.copy_(quantized)
+    # copy_ fills the sharded data; the tensor-wide scale mean and the NF4 code table were left on meta by to_empty
+    local.scaler_mean = quantized.scaler_mean.clone()
+    local.nf4 = quantized.nf4.clone()
+
+
+def dequantized_local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of an NF4 weight in its dequantised dtype."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.get_original_weight()
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds for a parameter: its shard's storage, NF4's data, scales and factors included."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if type(local).__name__ == "NF4Tensor":
+        inner = (local.quantized_data, local.quantized_scalers, local.quantization_factor, local.scaler_mean)
+        return sum(t.numel() * t.element_size() for t in inner)
+    return local.numel() * local.element_size()

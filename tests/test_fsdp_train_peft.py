@@ -1,0 +1,273 @@
+"""--peft lora/qlora: LoRA under FSDP2 equals peft on the unsharded model, the base never changes, checkpoints hold
+only what trains and resume exactly (kill -9, another process count), the adapter export loads with
+PeftModel.from_pretrained and the merged one equals merge_and_unload, --adapter continues from it, QLoRA's base is
+4-bit in memory, and the other paths (chat SFT, MoE, CPU offload, compile) train. Bad flags exit 2, writing nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_lib.testing import llama_sizes, save_model, tiny_config
+from tests.fsdp_helpers import (
+    REPO_ROOT,
+    kill_tree,
+    launch_env,
+    losses_by_step,
+    make_chat_dataset,
+    make_chat_model,
+    make_dataset,
+    make_model,
+    output_of,
+    read_metrics,
+    run_trainer,
+    trainer_args,
+    wait_for_step,
+)
+
+pytestmark = pytest.mark.slow
+
+WORKERS = REPO_ROOT / "tests" / "workers"
+STEPS = 8
+TARGETS = "q_proj,v_proj,down_proj"
+# constant learning rate: a run stopped at step 4 and resumed to step 8 has the schedule of one run to step 8
+LORA = ["--peft", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", TARGETS]
+COMMON = ["--max-steps", str(STEPS), "--ckpt-freq", "4", "--lr-schedule", "constant", "--warmup-steps", "0"]
+
+
+@pytest.fixture(scope="module")
+def peft_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """A corpus and a Llama wide enough for NF4 (each rank's part of every Linear holds whole 64 x 256 blocks)."""
+    root = tmp_path_factory.mktemp("peft_inputs")
+    model = make_model(root / "model", with_weights=True, tied=False, dtype="bfloat16", sizes=llama_sizes(256, 2))
+    return make_dataset(root / "corpus"), model
+
+
+def lora_args(peft_inputs, save: Path, exp: str = "run", *extra: str) -> list[str]:
+    dataset, model = peft_inputs
+    return [*trainer_args(exp, dataset, model, save), *LORA, *COMMON, *extra]
+
+
+@pytest.fixture(scope="module")
+def lora_run(peft_inputs, tmp_path_factory) -> Path:
+    """The uninterrupted 2-process LoRA run (with the merged export) the other tests compare with."""
+    save = tmp_path_factory.mktemp("lora_run")
+    proc = run_trainer(lora_args(peft_inputs, save, "run", "--export-merged", "on"), script=WORKERS / "peft_check.py")
+    assert proc.returncode == 0, output_of(proc)
+    return save / "run"
+
+
+def test_lora_on_two_processes_equals_peft_on_the_unsharded_model(peft_inputs, lora_run, tmp_path):
+    args = lora_args(peft_inputs, tmp_path, "ref", "--grad-accum-steps", "2")  # the global batch of 2 processes
+    reference = run_trainer(args, nproc=1, script=WORKERS / "lora_reference.py")
+    assert reference.returncode == 0, output_of(reference)
+    expected = json.loads((tmp_path / "ref" / "reference.json").read_text())
+    losses = losses_by_step(lora_run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in expected["losses"].items():
+        assert losses[int(step)] == pytest.approx(loss, rel=1e-5), step
+    assert losses[STEPS] < losses[1]
+    from safetensors.torch import load_file
+
+    exported = load_file(str(lora_run / "final" / "adapter_model.safetensors"))
+    assert len(exported) == len(expected["adapters"]) == 2 * 2 * 3  # A and B of 3 targets in 2 layers
+    for key, value in expected["adapters"].items():
+        want, got = torch.tensor(value), exported[f"base_model.model.{key}"]
+        # per tensor, relative to its norm: AdamW's first steps move each weight by about lr x sign(gradient), so
+        # a gradient within rounding of 0 (summed in another order over 2 ranks) can move one element differently
+        assert (got - want).norm() / want.norm() < 2e-5, (key, ((got - want).norm() / want.norm()).item())
+
+
+def test_only_adapters_train_and_the_checkpoint_holds_only_them(lora_run):
+    report = json.loads((lora_run / "peft_check.json").read_text())
+    assert report["base_unchanged"] and report["frozen_count"] > 0
+    assert report["optimizer_params"] and all(".lora_A." in n or ".lora_B." in n for n in report["optimizer_params"])
+    assert len(report["optimizer_params"]) == 12
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(lora_run / "checkpoint" / f"step_{STEPS:08d}")).read_metadata()
+    model_keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
+    state = json.loads((lora_run / "checkpoint" / f"step_{STEPS:08d}" / "train_state.json").read_text())
+    assert state["fingerprint"]["peft"]["mode"] == "lora" and state["fingerprint"]["peft"]["base_weights"] != "none"
+
+
+def test_kill9_then_rerun_is_bit_identical(peft_inputs, lora_run, tmp_path):
+    args = lora_args(peft_inputs, tmp_path)
+    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.3"})
+    wait_for_step(tmp_path / "run", 5, proc)
+    kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = run_trainer(args)
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "at step 4" in output_of(rerun)
+    expected, resumed = losses_by_step(lora_run), losses_by_step(tmp_path / "run")
+    assert all(resumed[s] == expected[s] for s in range(5, STEPS + 1)), (resumed, expected)
+
+
+def test_two_to_one_process_resume_continues_the_run(peft_inputs, lora_run, tmp_path):
+    first = lora_args(peft_inputs, tmp_path)
+    first[first.index("--max-steps") + 1] = "4"
+    assert run_trainer(first).returncode == 0
+    resumed = run_trainer(lora_args(peft_inputs, tmp_path, "run", "--grad-accum-steps", "2"), nproc=1)
+    assert resumed.returncode == 0, output_of(resumed)
+    assert "world size changed (2 -> 1)" in output_of(resumed)
+    expected, got = losses_by_step(lora_run), losses_by_step(tmp_path / "run")
+    for step in range(5, STEPS + 1):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_exported_adapter_loads_with_peft_and_merged_equals_merge_and_unload(peft_inputs, lora_run):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir = peft_inputs
+    config = json.loads((lora_run / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(model_dir.resolve()) and config["r"] == 4
+    assert (lora_run / "final" / "tokenizer.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, lora_run / "final")
+    report = json.loads((lora_run / "peft_check.json").read_text())
+    with torch.no_grad():
+        logits = peft_model(input_ids=torch.tensor(report["inputs"])).logits
+    torch.testing.assert_close(logits, torch.tensor(report["logits"]), rtol=1e-5, atol=1e-5)
+    merged = peft_model.merge_and_unload().state_dict()
+    exported = {}
+    for path in sorted((lora_run / "final-merged").glob("*.safetensors")):
+        exported.update(load_file(str(path)))
+    assert set(exported) == set(merged) - {"lm_head.weight"} | ({"lm_head.weight"} & set(exported))
+    for key, value in exported.items():  # --export-dtype auto: the model's own bf16
+        torch.testing.assert_close(value.float(), merged[key].to(value.dtype).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_flag_continues_from_an_exported_adapter(peft_inputs, lora_run, tmp_path):
+    args = lora_args(peft_inputs, tmp_path, "more", "--adapter", str(lora_run / "final"))
+    args[args.index("--max-steps") + 1] = "2"
+    proc = run_trainer(args)
+    assert proc.returncode == 0, output_of(proc)
+    assert f"adapters from {lora_run / 'final'}" in output_of(proc)
+    rows = [json.loads(line) for line in (tmp_path / "more" / "metrics.jsonl").read_text().splitlines()]
+    start = next(r["val_loss"] for r in rows if r["step"] == 0)
+    trained = [json.loads(line) for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
+    end = [r["val_loss"] for r in trained if "val_loss" in r][-1]
+    assert start == pytest.approx(end, rel=1e-5)  # the continued run starts where the first one ended
+
+
+def test_qlora_base_is_4bit_in_memory_trains_and_exports(peft_inputs, tmp_path):
+    dataset, model_dir = peft_inputs
+    args = [*trainer_args("q", dataset, model_dir, tmp_path), "--peft", "qlora", "--lora-rank", "4", "--max-steps", "8"]
+    proc = run_trainer([*args, "--export-merged", "on"], script=WORKERS / "peft_check.py")
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert "frozen base stored as float32+nf4" in out
+    report = json.loads((tmp_path / "q" / "peft_check.json").read_text())
+    assert report["base_unchanged"]
+    rows = read_metrics(tmp_path / "q")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    # rank 0's base: NF4 decoder Linears (~0.52 B/param) + fp32 embeddings, head and norms
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    linear = sum(m.weight.numel() for layer in base.model.layers for m in layer.modules() if type(m) is torch.nn.Linear)
+    other = sum(p.numel() for p in base.parameters()) - linear
+    nf4_bytes = report["frozen_bytes"] - other * 4 / 2  # this rank holds half of every tensor
+    assert nf4_bytes / (linear / 2) < 0.55, nf4_bytes / (linear / 2)
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(base, tmp_path / "q" / "final")
+    assert loaded(input_ids=torch.tensor([[3, 4, 5]])).logits.isfinite().all()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "q" / "final-merged")
+    assert merged(input_ids=torch.tensor([[3, 4, 5]])).logits.isfinite().all()
+
+
+@pytest.fixture(scope="module")
+def moe_chat_model(tmp_path_factory) -> Path:
+    """A tiny Mixtral whose tokenizer carries the llama3 chat template."""
+    from transformers import AutoTokenizer
+
+    folder = make_chat_model(tmp_path_factory.mktemp("moe") / "model", "llama3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return save_model(folder, tiny_config("mixtral", len(tokenizer), tokenizer.eos_token_id), with_weights=True)
+
+
+def test_lora_chat_sft_on_a_moe_model_with_cpu_offload_and_compile(moe_chat_model, tmp_path):
+    dataset = make_chat_dataset(tmp_path / "chat")
+    args = [*trainer_args("moe", dataset, moe_chat_model, tmp_path), "--peft", "lora", "--lora-rank", "4"]
+    proc = run_trainer([*args, "--max-steps", "6", "-b", "2", "--cpu-offload", "on", "--compile", "on"])
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert "loss on assistant tokens" in out and "cpu offload on" in out
+    targets = json.loads((tmp_path / "moe" / "final" / "adapter_config.json").read_text())["target_modules"]
+    assert set(targets) == {"q_proj", "k_proj", "v_proj", "o_proj"}  # the experts and the router stay frozen
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "moe"))
+    from safetensors.torch import load_file
+
+    lora_b = [
+        v for k, v in load_file(str(tmp_path / "moe" / "final" / "adapter_model.safetensors")).items() if "lora_B" in k
+    ]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # every adapter trained (B starts at 0)
+
+
+# --- bad input: exit 2, nothing written ---------------------------------------------------------------------------
+
+
+def config_problems(args: list[str]) -> list[str]:
+    from fsdp_lib.config import load_config, validate_config
+    from fsdp_lib.model import peft_problems
+
+    cfg = load_config(args)
+    return validate_config(cfg, 2) or peft_problems(cfg)
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--peft", "lora", "--lora-rank", "0"], "--lora-rank must be at least 1"),
+        (["--peft", "lora", "--lora-target-modules", "q_proj,qkv"], "no Linear layer named qkv"),
+        (["--lora-rank", "8"], "--lora-rank need --peft lora or qlora"),
+    ],
+)
+def test_bad_peft_flags_are_named(peft_inputs, tmp_path, extra, expected):
+    dataset, model = peft_inputs
+    problems = config_problems([*trainer_args("bad", dataset, model, tmp_path), *extra])
+    assert any(expected in p for p in problems), problems
+    if "qkv" in expected:
+        assert "gate_proj" in problems[0] and "o_proj" in problems[0]  # the model's Linear names are listed
+
+
+def test_qlora_without_torchao_is_refused(peft_inputs, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    dataset, model = peft_inputs
+    problems = config_problems([*trainer_args("bad", dataset, model, tmp_path), "--peft", "qlora"])
+    assert any("--peft qlora needs the torchao package" in p for p in problems), problems
+
+
+def test_adapter_of_another_base_exits_2_and_writes_nothing(peft_inputs, lora_run, tmp_path):
+    dataset, _ = peft_inputs
+    other = make_model(tmp_path / "other", with_weights=True, tied=False, sizes=llama_sizes(128, 2))
+    args = [
+        *trainer_args("bad", dataset, other, tmp_path / "out"),
+        "--peft",
+        "lora",
+        "--adapter",
+        str(lora_run / "final"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "fsdp_train.py"), *args],
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2, output_of(proc)
+    assert "--adapter" in output_of(proc) and "another base" in output_of(proc)
+    assert not (tmp_path / "out").exists()
