@@ -126,6 +126,7 @@ class PeftSetup:
     total: int  # all parameters, adapters included
     base_identity: str  # hf_files.weights_identity of the base folder (resume fingerprint, training_base.json)
     quantized: list[str]  # QLoRA: the NF4 weights of each decoder layer
+    kept: list[str]  # QLoRA: decoder Linear weights left in the compute dtype (not whole NF4 blocks)
     start: str  # "init", or a hash of the --adapter weights training started from
 
 
@@ -151,10 +152,10 @@ def prepare_peft(
         raise TrainError(problem)
     config = lora_config(cfg, targets, base_model_name(cfg, model_dir))
     trainable, total = inject_adapters(model, config)
-    quantized = quantize_linears_on_meta(layers, dtype, world_size) if cfg.peft == "qlora" else []
+    quantized, kept = quantize_linears_on_meta(layers, dtype, world_size) if cfg.peft == "qlora" else ([], [])
     store_frozen_in(model, dtype)
     start = adapter_identity(Path(cfg.adapter)) if cfg.adapter else "init"
-    return PeftSetup(config, trainable, total, weights_identity(model_dir), quantized, start)
+    return PeftSetup(config, trainable, total, weights_identity(model_dir), quantized, kept, start)
 
 
 def adapter_key(name: str) -> str:

@@ -305,6 +305,7 @@ def log_peft(peft: PeftSetup, model: nn.Module, cfg: TrainConfig) -> None:
         f"{peft.config.target_modules}, adapters {source}; frozen base stored as {'+'.join(dtypes)}, "
         f"{format_bytes(base_bytes)} on this rank"
         + (f"; NF4 per layer: {', '.join(peft.quantized)}" if peft.quantized else "")
+        + (f"; kept in the compute dtype (not whole NF4 blocks): {', '.join(peft.kept)}" if peft.kept else "")
     )
 
 

@@ -41,28 +41,37 @@ def quantizable(weight: torch.Tensor, world_size: int) -> str | None:
     return None
 
 
-def quantize_linears_on_meta(layers: list[nn.Module], dtype: torch.dtype, world_size: int) -> list[str]:
+def quantize_linears_on_meta(
+    layers: list[nn.Module], dtype: torch.dtype, world_size: int
+) -> tuple[list[str], list[str]]:
     """Make the weight of every nn.Linear inside the decoder layers an NF4 meta tensor (frozen) that dequantises to
-    `dtype`. Returns the FQNs within each layer, e.g. `self_attn.q_proj.base_layer.weight` (logged).
-    Raises TrainError naming the first weight that cannot be split (see quantizable)."""
+    `dtype`. A weight that is not whole NF4 blocks even unsharded stays in `dtype` at any process count (logged);
+    one that is but does not split into whole blocks over this run's processes is refused by name, never silently
+    kept, so the set of NF4 weights is the same at every process count a run can resume on.
+    Returns (NF4 weights, weights kept) as FQNs within each layer, e.g. `self_attn.q_proj.base_layer.weight`."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-    done = []
+    done, kept = [], []
     for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if type(module) is not nn.Linear or any(part.startswith("lora_") for part in name.split(".")):
                 continue  # peft's adapters are Linear modules too: they train, in fp32
+            if quantizable(module.weight, 1):
+                if index == 0:
+                    kept.append(f"{name}.weight {tuple(module.weight.shape)}")
+                continue
             problem = quantizable(module.weight, world_size)
             if problem:
                 raise TrainError(
                     f"--peft qlora: decoder layer {index}'s {name}.weight {tuple(module.weight.shape)} cannot be "
-                    f"sharded as NF4: {problem}. Use a number of processes that divides it, or --peft lora"
+                    f"sharded as NF4 over {world_size} processes: {problem}. Use fewer processes per model "
+                    f"replica (one that divides it), or --peft lora"
                 )
             meta = torch.empty(module.weight.shape, dtype=dtype, device="meta")
             module.weight = nn.Parameter(to_nf4(meta, BLOCK, SCALER_BLOCK), requires_grad=False)
             if index == 0:
                 done.append(f"{name}.weight")
-    return done
+    return done, kept
 
 
 def fill_nf4_shard(target: torch.Tensor, full: torch.Tensor) -> None:

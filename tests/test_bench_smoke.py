@@ -188,3 +188,30 @@ def test_compare_strategies_hybrid_only_with_nodes(repo_root, monkeypatch):
     assert len(one) == 8 and "hybrid" not in {s.sharding for s in one} and skipped
     two, skipped = cs.strategy_settings(2)
     assert {s.key for s in two} - {s.key for s in one} == {"hybrid ac=on", "hybrid ac=off"} and not skipped
+
+
+@pytest.mark.slow
+def test_peft_bench_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_peft.py", tmp_path)
+    assert result["gpu"] == "not measured (--quick)"
+    runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
+    p = result["params"]["cpu"]
+    for mode in ("none", "lora", "qlora"):
+        (run,) = runs[mode]
+        assert run["status"] == "ok", (mode, run)
+        assert len(run["windows_tokens_per_s"]) == p["steps"] // p["log_freq"], "one window per metric line"
+        assert run["tokens_per_s"] > 0 and 0 < run["idle_rss_gib"] < run["peak_gib"] <= run["run_peak_rss_gib"]
+        assert 0 < run["last_loss"] < 2 * math.log(p["vocab"]), "every mode trains the same small model"
+    figures = summary["figures"]
+    assert figures["none"]["trainable"] == figures["none"]["total"], "full fine-tuning trains every weight"
+    assert 0 < figures["lora"]["trainable"] == figures["qlora"]["trainable"] < figures["lora"]["total"] / 10
+    assert figures["lora"]["base_dtypes"] == "bfloat16" and figures["qlora"]["base_dtypes"] == "bfloat16+nf4"
+    # NF4 is ~0.52 bytes per weight against bf16's 2: a QLoRA run whose base silently stayed bf16 would read ~1.0
+    assert summary["decoder_linear"]["qlora_over_lora"] == pytest.approx(0.258, abs=0.01)
+    assert set(result["cpu"]["goal_met"]) == {
+        "lora_over_full_peak",
+        "qlora_over_lora_base",
+        "lora_over_full_tokens_per_s",
+    }
+    for ratio in summary["ratios"].values():
+        assert 0.1 < ratio < 10, summary["ratios"]

@@ -172,14 +172,12 @@ def test_qlora_base_is_4bit_in_memory_trains_and_exports(peft_inputs, tmp_path):
     assert report["base_unchanged"]
     rows = read_metrics(tmp_path / "q")
     assert rows[-1]["loss"] < rows[0]["loss"]
-    # rank 0's base: NF4 decoder Linears (~0.52 B/param) + fp32 embeddings, head and norms
+    # rank 0's NF4 weights: 4-bit codes + an 8-bit scale per 64 + an fp32 factor per 256 scales = 0.516 B/weight
+    assert report["nf4_numel"] > 0 and report["nf4_bytes"] / report["nf4_numel"] < 0.55
+    assert "kept in the compute dtype" not in out  # 256 and 640 wide: every decoder Linear is whole NF4 blocks
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    linear = sum(m.weight.numel() for layer in base.model.layers for m in layer.modules() if type(m) is torch.nn.Linear)
-    other = sum(p.numel() for p in base.parameters()) - linear
-    nf4_bytes = report["frozen_bytes"] - other * 4 / 2  # this rank holds half of every tensor
-    assert nf4_bytes / (linear / 2) < 0.55, nf4_bytes / (linear / 2)
     from peft import PeftModel
 
     loaded = PeftModel.from_pretrained(base, tmp_path / "q" / "final")
@@ -214,6 +212,28 @@ def test_lora_chat_sft_on_a_moe_model_with_cpu_offload_and_compile(moe_chat_mode
         v for k, v in load_file(str(tmp_path / "moe" / "final" / "adapter_model.safetensors")).items() if "lora_B" in k
     ]
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # every adapter trained (B starts at 0)
+
+
+def test_qlora_keeps_weights_that_are_not_whole_blocks_and_refuses_uneven_splits():
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.model import find_decoder_layers, parameters_on_meta
+    from fsdp_lib.quantize import quantize_linears_on_meta
+
+    def layers():
+        config = tiny_config("llama", 256, 0, sizes=llama_sizes(128, 1))  # q_proj 128 x 128 = 1 block; MLP 320 wide
+        with parameters_on_meta():
+            return find_decoder_layers(AutoModelForCausalLM.from_config(config))
+
+    nf4, kept = quantize_linears_on_meta(layers(), torch.float32, 1)
+    assert "self_attn.q_proj.weight" in nf4 and [k.split()[0] for k in kept] == [
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    with pytest.raises(TrainError, match=r"q_proj.weight \(128, 128\) cannot be sharded as NF4 over 2 processes"):
+        quantize_linears_on_meta(layers(), torch.float32, 2)  # half a block per rank: refused, never kept
 
 
 # --- bad input: exit 2, nothing written ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # fsdp_train.py, a script at the repository root
 import fsdp_train  # noqa: E402
 from fsdp_lib.data import Batch  # noqa: E402
-from fsdp_lib.quantize import resident_bytes  # noqa: E402
+from fsdp_lib.quantize import is_nf4, resident_bytes  # noqa: E402
 
 FIXED_INPUTS = [[3, 17, 25, 9, 40, 11, 5, 60], [7, 8, 9, 10, 11, 12, 13, 14]]
 
@@ -52,6 +52,8 @@ def checked_loop(cfg, d, bundle, data, optimizer, *rest):
             "frozen_count": len(frozen),
             "optimizer_params": in_optimizer,
             "frozen_bytes": sum(resident_bytes(p) for p in frozen.values()),
+            "nf4_bytes": sum(resident_bytes(p) for p in frozen.values() if is_nf4(p)),
+            "nf4_numel": sum(p.numel() for p in frozen.values() if is_nf4(p)) // d.world_size,
             "frozen_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in frozen.values()),
             "inputs": FIXED_INPUTS,
             "logits": logits.tolist(),

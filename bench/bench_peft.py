@@ -1,0 +1,496 @@
+"""Full fine-tuning against LoRA and QLoRA (`fsdp_train.py --peft none|lora|qlora`): peak memory per rank, tokens/s
+and the frozen base's resident bytes, on CPU with 2 processes and, when a GPU is lent, on one GPU.
+
+    python bench/bench_peft.py                   # CPU: a 125M Llama, bf16, seq 512, 2 processes, 3 repetitions
+    python bench/bench_peft.py --precision fp32  # the CPU default precision instead of bf16
+    python bench/bench_peft.py --quick           # hidden 256, 2 layers, 4 steps: proves the benchmark still runs
+
+The default run takes ~8 minutes on a quiet 2-core machine (~12 with another job on it), of which each of the 9
+launches spends ~35 s starting, loading and saving; --quick ~1.5 minutes (3 launches, ~25 s each, nearly all
+start-up). With a GPU the 1B rows add 6 launches.
+
+Inputs are made here, nothing is downloaded: a generated pseudo-prose corpus saved as a `datasets.Dataset`, and a
+model folder from `model_download.py --init 125M --hidden-size 768 --num-layers 16 --num-heads 12 --num-kv-heads 4
+--intermediate-size 2048 --with-weights --dtype bfloat16 --tokenizer-from <corpus>`: 125,264,640 parameters with
+the 32000-token BPE tokenizer trained on the corpus, random weights written as safetensors (QLoRA quantises a
+pretrained base, so it refuses a folder without weight files). The 125M preset's own shape (SmolLM-135M's: 576
+wide, 30 layers) cannot hold QLoRA's NF4 at any process count: a 576 x 576 q_proj has 331,776 weights, not a
+multiple of one 64 x 256-weight double-quantisation block, and every rank's part of every decoder Linear weight
+must hold whole blocks. So the preset is widened to 768 (BERT/GPT-2-small width, 64-wide heads, GQA 12/4) and cut
+to 16 layers, which keeps its 125M parameters and lets each of 2 ranks hold whole blocks. With --quick: a Llama
+of hidden 256, 2 layers, vocab 1024 (fsdp_lib.testing.make_model, bf16 weights), also wide enough for NF4.
+
+Every run is one `torchrun --nproc_per_node 2 fsdp_train.py` launch (gloo, one OpenMP thread per process) of
+--steps optimizer steps at the same per-process batch, sequence length, precision, data and seed; the LoRA and
+QLoRA runs add `--peft lora|qlora --lora-rank 16` (adapters on every attention and MLP Linear of the decoder
+layers: --lora-target-modules auto). The three modes alternate in ABBA order (full lora qlora, qlora lora full,
+...), --reps repetitions each, medians reported. fsdp_train.py runs unchanged through `main()` from a worker in
+this file that only notes its process's resident set size (RSS) before and after. Measures per run:
+
+- tokens/s: fsdp_train.py's own `tokens_per_s` from metrics.jsonl, median of the logging windows of --log-freq
+  steps after the first (warm-up) window.
+- peak per rank: the highest `mem_peak_alloc_gb` of those windows. On CPU that is the process's VmHWM (peak RSS),
+  reset at the start of every window (/proc/self/clear_refs), taken as the maximum over the ranks: a real per-rank
+  peak of the steady training steps (forward, backward, optimizer step). On CUDA it is the allocator's peak
+  (torch.cuda.max_memory_allocated), reset the same way.
+- peak above runtime (CPU): that peak less the highest of the ranks' RSS right after `import fsdp_train` (torch,
+  transformers, datasets: ~0.27 GiB that any of the three modes pays before it builds anything).
+- whole-run peak RSS (CPU): the process's highest VmHWM over the whole run, maximum over the ranks: loading,
+  start-up checks, the final checkpoint and the export included. fsdp_train.py resets VmHWM at every window, so
+  the worker reads it just before each reset and at exit (`ru_maxrss` alone would miss a peak before the last
+  reset: on Linux it follows the same counter).
+- frozen base, rank 0: the bytes rank 0 holds for the frozen base weights, from the trainer's log line
+  `--peft ...: frozen base stored as <dtypes>, <size> on this rank` (its shard's storage; NF4's codes, scales and
+  factors included). The embedding and the norms are not NF4 under QLoRA (only decoder-layer Linear weights are),
+  so the table also derives the decoder Linear weights' own share: the measured base less the non-Linear
+  parameters' bytes (counted on the meta model, in the compute dtype, divided by the processes).
+
+Precision: bf16 by default, on CPU too. LoRA stores its frozen base in the compute dtype, so at fp32 (the CPU
+default) it holds 4 bytes per frozen weight where on a GPU it holds 2: a comparison no GPU run would see. This CPU
+has AVX512-BF16 and AMX, so bf16 runs and is faster here than fp32 (full fine-tuning of this model: ~140-200 vs
+~80-100 tokens/s). Full fine-tuning keeps fp32 weights, gradients and AdamW moments either way (bf16 is its compute
+dtype). --precision fp32 measures the CPU default instead. Activation checkpointing is off: at seq 512 a 125M
+model's activations are a small part of the peak (checking it on moved the peaks by < 5%) and it would cost every
+mode a recomputed forward.
+
+GPU rows (when torch.cuda is available and not --quick): the 1B preset (`model_download.py --init 1B
+--with-weights`, Llama-3.2-1B shapes) in bf16 on one GPU, seq 2048, micro-batch 4, activation checkpointing on,
+the same three modes, measures and order. Without a GPU they read "not measured (no GPU lent)".
+
+Goals (issue): LoRA's peak <= 0.40x full fine-tuning's at the same batch (CPU); QLoRA's resident base weights
+<= 0.35x LoRA's; LoRA's tokens/s >= 0.95x full fine-tuning's. Ratios are of the medians; the per-repetition
+ratios (repetition i of each mode ran next to each other) are printed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from common import (
+    REPO_ROOT,
+    LaunchError,
+    bench_arg_parser,
+    failed_launch,
+    interleaved,
+    machine_info,
+    make_corpus,
+    make_llama_folder,
+    median,
+    print_table,
+    report_failures,
+    save_text_dataset,
+    take_metric_windows,
+    torchrun,
+    work_folder,
+    write_results,
+)
+
+# 125M preset widened to 768 so that NF4 blocks split over 2 ranks (see the docstring): 125,264,640 parameters
+WIDE_125M = ["--hidden-size", "768", "--num-layers", "16", "--num-heads", "12", "--num-kv-heads", "4"]
+WIDE_125M += ["--intermediate-size", "2048"]
+CPU_FULL = {
+    "label": "CPU, 2 processes",
+    "preset": "125M",
+    "overrides": WIDE_125M,
+    "nproc": 2,
+    "seq": 512,
+    "batch": 1,
+    "steps": 6,
+    "log_freq": 2,
+    "precision": "bf16",
+    "activation_checkpointing": "off",
+    "lora_rank": 16,
+    "reps": 3,
+}
+CPU_QUICK = {
+    "label": "CPU, 2 processes (quick)",
+    "hidden": 256,
+    "layers": 2,
+    "vocab": 1024,
+    "nproc": 2,
+    "seq": 64,
+    "batch": 2,
+    "steps": 4,
+    "log_freq": 2,
+    "precision": "bf16",
+    "activation_checkpointing": "off",
+    "lora_rank": 8,
+    "reps": 1,
+}
+GPU_FULL = {
+    "label": "1 GPU",
+    "preset": "1B",
+    "overrides": [],
+    "nproc": 1,
+    "seq": 2048,
+    "batch": 4,
+    "steps": 20,
+    "log_freq": 5,
+    "precision": "bf16",
+    "activation_checkpointing": "on",
+    "lora_rank": 16,
+    "reps": 2,
+}
+CORPUS_CHARS = {"full": 3_000_000, "quick": 300_000}
+MODES = ("none", "lora", "qlora")
+NAMES = {"none": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
+GOALS = {  # ratio key -> (comparison, bound, description)
+    "lora_over_full_peak": ("<=", 0.40, "LoRA / full fine-tuning, peak memory per rank"),
+    "qlora_over_lora_base": ("<=", 0.35, "QLoRA / LoRA, resident frozen base weights"),
+    "lora_over_full_tokens_per_s": (">=", 0.95, "LoRA / full fine-tuning, tokens/s"),
+}
+GIB = 2**30
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}  # fsdp_lib.memory_plan.format_bytes: powers of 1000
+BASE_LINE = re.compile(r"frozen base stored as (\S+), ([\d.]+) (B|KB|MB|GB|TB) on this rank")
+PEFT_LINE = re.compile(r"--peft \w+: ([\d,]+) trainable of ([\d,]+) parameters")
+MODEL_LINE = re.compile(r"model \S+: ([\d,]+) parameters")
+
+
+# --- The worker: fsdp_train.main under torchrun, noting its resident set ------------------------------------------
+
+
+def status_bytes(key: str) -> int:
+    """A /proc/self/status figure (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def trainer_worker(out_prefix: str, argv: list[str]) -> int:
+    """fsdp_train.main(argv); writes <out_prefix>.rank<R>.json: this rank's RSS after importing fsdp_train (the
+    runtime every mode pays) and its peak RSS over the whole run. fsdp_train resets the peak (VmHWM) at every
+    metric window, so the peak is read just before each reset and at exit (ru_maxrss alone would miss a peak
+    before the last reset)."""
+    import fsdp_train as ft
+    from fsdp_lib import metrics
+
+    idle = status_bytes("VmRSS")
+    peaks = [idle]
+    reset = metrics.reset_peak_memory
+
+    def noting_reset(device: Any) -> None:
+        peaks.append(status_bytes("VmHWM"))
+        reset(device)
+
+    metrics.reset_peak_memory = noting_reset
+    code = 1
+    try:
+        code = ft.main(argv)
+    finally:
+        peaks += [status_bytes("VmHWM"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]
+        figures = {"idle_rss_bytes": idle, "run_peak_rss_bytes": max(peaks), "code": code}
+        Path(f"{out_prefix}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(figures))
+    return code
+
+
+# --- Inputs ------------------------------------------------------------------------------------------------------
+
+
+def init_model(work: Path, dataset: Path, p: dict[str, Any], name: str) -> Path:
+    """model_download.py --init <preset> [overrides] --with-weights (bf16 safetensors), tokenizer trained on the corpus."""
+    model_dir = work / name
+    cmd = [sys.executable, str(REPO_ROOT / "model_download.py"), "--init", p["preset"], *p["overrides"]]
+    cmd += ["--tokenizer-from", str(dataset), "--with-weights", "--dtype", "bfloat16"]
+    cmd += ["--local-dir", str(model_dir), "--overwrite"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"model_download.py --init failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return model_dir
+
+
+def prepare(work: Path, quick: bool, gpu: bool) -> tuple[Path, Path, Path | None]:
+    """The saved corpus, the CPU model folder and, with `gpu`, the 1B one."""
+    docs = make_corpus(CORPUS_CHARS["quick" if quick else "full"])
+    dataset = save_text_dataset(docs, work / "dataset")
+    if quick:
+        q = CPU_QUICK
+        cpu_model = make_llama_folder(
+            work / "model_cpu", docs[:200], q["hidden"], q["layers"], q["vocab"], 512, "bfloat16"
+        )
+    else:
+        cpu_model = init_model(work, dataset, CPU_FULL, "model_cpu")
+    return dataset, cpu_model, init_model(work, dataset, GPU_FULL, "model_gpu") if gpu else None
+
+
+def non_linear_params(model_dir: Path) -> tuple[int, int]:
+    """(all parameters, those outside the decoder layers' Linear weights: embedding, norms, an untied head), counted
+    on the meta model. QLoRA stores only the decoder Linear weights as NF4."""
+    import torch.nn as nn
+
+    from fsdp_lib.model import build_model_skeleton, find_decoder_layers
+
+    model = build_model_skeleton(model_dir)
+    total = sum(p.numel() for p in model.parameters())
+    linear = sum(
+        m.weight.numel() for layer in find_decoder_layers(model) for m in layer.modules() if type(m) is nn.Linear
+    )
+    return total, total - linear
+
+
+# --- One run ------------------------------------------------------------------------------------------------------
+
+
+def parse_log(text: str) -> dict[str, Any]:
+    """Rank 0's frozen base (dtypes, bytes) and the trainable / total parameter counts from the trainer's log."""
+    found: dict[str, Any] = {}
+    if m := BASE_LINE.search(text):
+        found["base_dtypes"], found["base_bytes"] = m.group(1), float(m.group(2)) * UNITS[m.group(3)]
+    if m := PEFT_LINE.search(text):
+        found["trainable"], found["total"] = (int(g.replace(",", "")) for g in m.groups())
+    elif m := MODEL_LINE.search(text):
+        found["trainable"] = found["total"] = int(m.group(1).replace(",", ""))
+    return found
+
+
+def run_mode(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode: str, rep: int) -> dict[str, Any]:
+    """One fsdp_train.py launch of `mode`; its figures, or status "OOM"/"failed"."""
+    exp = f"{'gpu' if p is GPU_FULL else 'cpu'}_{mode}_{rep}"
+    args = ["-e", exp, "-d", str(dataset), "-m", str(model_dir), "--save-dir", str(work / "outputs")]
+    args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
+    args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
+    args += ["--activation-checkpointing", p["activation_checkpointing"], "--ckpt-freq", "0", "--lr", "1e-4"]
+    args += ["--peft", mode]
+    if mode != "none":
+        args += ["--lora-rank", str(p["lora_rank"])]
+    prefix = work / f"{exp}.rss"
+    try:
+        proc = torchrun(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], timeout=1800)
+    except LaunchError as exc:
+        take_metric_windows(work / "outputs" / exp)
+        return failed_launch(exc)
+    records = take_metric_windows(work / "outputs" / exp)
+    steady = [r for r in records[1:] if r["step"] % p["log_freq"] == 0]
+    if not steady:
+        raise RuntimeError(f"{exp}: {len(records)} metric windows; need --steps >= 2 x --log-freq")
+    ranks = [json.loads(f.read_text()) for f in sorted(work.glob(f"{prefix.name}.rank*.json"))]
+    if len(ranks) != p["nproc"]:
+        raise RuntimeError(f"{exp}: {len(ranks)} of {p['nproc']} ranks wrote their RSS")
+    peak = max(r["mem_peak_alloc_gb"] for r in steady)
+    idle = max(r["idle_rss_bytes"] for r in ranks) / GIB
+    on_cpu = p is not GPU_FULL
+    return {
+        "status": "ok",
+        "tokens_per_s": median([r["tokens_per_s"] for r in steady]),
+        "windows_tokens_per_s": [r["tokens_per_s"] for r in records],
+        "peak_gib": peak,
+        "windows_peak_gib": [r["mem_peak_alloc_gb"] for r in records],
+        "idle_rss_gib": idle,
+        "peak_above_runtime_gib": peak - idle if on_cpu else None,
+        "run_peak_rss_gib": max(r["run_peak_rss_bytes"] for r in ranks) / GIB,
+        "last_loss": records[-1]["loss"],
+        **parse_log(proc.stdout + proc.stderr),
+    }
+
+
+def summary(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return r["status"] + (f": {r['error']}" if "error" in r else "")
+    base = f", base {r['base_bytes'] / 1e6:.1f} MB" if "base_bytes" in r else ""
+    return (
+        f"{r['tokens_per_s']:.1f} tokens/s (windows {', '.join(f'{t:.0f}' for t in r['windows_tokens_per_s'])}), "
+        f"peak {r['peak_gib']:.3f} GiB/rank{base}, loss {r['last_loss']:.4g}"
+    )
+
+
+# --- The comparison -------------------------------------------------------------------------------------------
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]], p: dict[str, Any], params: tuple[int, int]) -> dict[str, Any]:
+    """Medians per mode, the goal ratios (of medians, and per repetition), and the decoder Linear weights' share."""
+    keys = ("tokens_per_s", "peak_gib", "peak_above_runtime_gib", "run_peak_rss_gib", "base_bytes", "last_loss")
+    fig: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        ok = [r for r in runs[mode] if r["status"] == "ok"]
+        fig[mode] = {k: median([r[k] for r in ok]) for k in keys if ok and all(r.get(k) is not None for r in ok)}
+        if ok:
+            fig[mode] |= {k: ok[-1][k] for k in ("trainable", "total", "base_dtypes") if k in ok[-1]}
+    pairs = {
+        "lora_over_full_peak": ("lora", "none", "peak_gib"),
+        "qlora_over_lora_base": ("qlora", "lora", "base_bytes"),
+        "lora_over_full_tokens_per_s": ("lora", "none", "tokens_per_s"),
+        "qlora_over_full_peak": ("qlora", "none", "peak_gib"),
+        "qlora_over_full_tokens_per_s": ("qlora", "none", "tokens_per_s"),
+        "lora_over_full_peak_above_runtime": ("lora", "none", "peak_above_runtime_gib"),
+        "qlora_over_full_peak_above_runtime": ("qlora", "none", "peak_above_runtime_gib"),
+    }
+    ratios, per_rep = {}, {}
+    for key, (a, b, k) in pairs.items():
+        if k in fig[a] and k in fig[b]:
+            ratios[key] = fig[a][k] / fig[b][k]
+            per_rep[key] = [ra[k] / rb[k] for ra, rb in zip(runs[a], runs[b]) if ra.get(k) and rb.get(k)]
+    out = {"figures": fig, "ratios": ratios, "ratios_per_rep": per_rep}
+    total, non_linear = params
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[p["precision"]]
+    non_linear_bytes = non_linear * dtype_bytes / p["nproc"]
+    if "base_bytes" in fig["lora"] and "base_bytes" in fig["qlora"]:
+        lora_linear = fig["lora"]["base_bytes"] - non_linear_bytes
+        qlora_linear = fig["qlora"]["base_bytes"] - non_linear_bytes
+        out["decoder_linear"] = {
+            "params": total - non_linear,
+            "non_linear_params": non_linear,
+            "non_linear_bytes_per_rank": non_linear_bytes,
+            "lora_bytes_per_rank": lora_linear,
+            "qlora_bytes_per_rank": qlora_linear,
+            "qlora_bytes_per_weight": qlora_linear * p["nproc"] / (total - non_linear),
+            "qlora_over_lora": qlora_linear / lora_linear,
+        }
+    return out
+
+
+def goal_verdicts(ratios: dict[str, float]) -> dict[str, bool | None]:
+    verdicts: dict[str, bool | None] = {}
+    for key, (op, bound, _) in GOALS.items():
+        verdicts[key] = None if key not in ratios else (ratios[key] <= bound if op == "<=" else ratios[key] >= bound)
+    return verdicts
+
+
+def table_rows(label: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any]]], p: dict[str, Any]) -> list[list]:
+    rows = []
+    for mode in MODES:
+        f = s["figures"][mode]
+        if "tokens_per_s" not in f:
+            statuses = ", ".join(r["status"] for r in runs[mode])
+            rows.append([label, NAMES[mode], statuses, *["-"] * 7])
+            continue
+        above = f.get("peak_above_runtime_gib")
+        rows.append(
+            [
+                label,
+                NAMES[mode],
+                f["tokens_per_s"],
+                ", ".join(f"{r['tokens_per_s']:.1f}" for r in runs[mode] if r["status"] == "ok"),
+                f["peak_gib"],
+                "-" if above is None else above,
+                f["run_peak_rss_gib"],
+                f"{f['base_bytes'] / 1e6:.2f} ({f['base_dtypes']})" if "base_bytes" in f else "- (all trains)",
+                f"{f['trainable']:,} of {f['total']:,}" if "trainable" in f else "-",
+                f["last_loss"],
+            ]
+        )
+    return rows
+
+
+def print_ratios(label: str, s: dict[str, Any]) -> None:
+    ratios, per_rep, verdicts = s["ratios"], s["ratios_per_rep"], goal_verdicts(s["ratios"])
+    for key, (op, bound, what) in GOALS.items():
+        if key not in ratios:
+            print(f"{label}: {what}: not measured")
+            continue
+        reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
+        print(
+            f"{label}: {what}: {ratios[key]:.3f} (per rep {reps}; goal {op} {bound}: "
+            f"{'met' if verdicts[key] else 'NOT met'})"
+        )
+    for key in sorted(set(ratios) - set(GOALS)):
+        print(f"{label}: {key.replace('_', ' ')}: {ratios[key]:.3f} (reported)")
+    if "decoder_linear" in s:
+        d = s["decoder_linear"]
+        print(
+            f"{label}: decoder Linear weights alone (derived: base less {d['non_linear_params']:,} embedding/norm "
+            f"parameters = {d['non_linear_bytes_per_rank'] / 1e6:.2f} MB per rank, not NF4 in either): QLoRA "
+            f"{d['qlora_bytes_per_rank'] / 1e6:.2f} MB / LoRA {d['lora_bytes_per_rank'] / 1e6:.2f} MB = "
+            f"{d['qlora_over_lora']:.3f} ({d['qlora_bytes_per_weight']:.3f} bytes per NF4 weight)"
+        )
+
+
+@contextlib.contextmanager
+def gpus_hidden(hide: bool) -> Iterator[None]:
+    """With `hide`, the launches below see no GPU (CUDA_VISIBLE_DEVICES=""), so the CPU rows run on the CPU on a
+    machine that has one too."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if hide and saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif hide:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def measure(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], reps: int) -> tuple[dict, dict]:
+    print(f"{p['label']}: {model_dir.name}, seq {p['seq']}, micro-batch {p['batch']}, {p['precision']}:", flush=True)
+    counters = {mode: iter(range(reps)) for mode in MODES}
+    sides = {mode: (lambda m=mode: run_mode(work, dataset, model_dir, p, m, next(counters[m]))) for mode in MODES}
+    with gpus_hidden(p is not GPU_FULL):
+        runs = interleaved(reps, sides, summary=summary)
+    return runs, summarise(runs, p, non_linear_params(model_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_arg_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="", help="CPU compute dtype (default: bf16)")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps per CPU run (default: 6; quick: 4)")
+    args = parser.parse_args(argv)
+    import torch
+
+    p = dict(CPU_QUICK if args.quick else CPU_FULL)
+    p["precision"] = args.precision or p["precision"]
+    p["steps"] = args.steps or p["steps"]
+    reps = args.reps or p["reps"]
+    gpu = torch.cuda.is_available() and not args.quick
+    gpu_note = "not measured (--quick)" if args.quick else "not measured (no GPU lent)"
+    info = machine_info()
+    results: dict[str, Any] = {"machine": info, "params": {"cpu": {**p, "reps": reps}}}
+    with work_folder(args, "bench_peft_") as work:
+        dataset, cpu_model, gpu_model = prepare(work, args.quick, gpu)
+        cpu_runs, cpu_summary = measure(work, dataset, cpu_model, p, reps)
+        results["cpu"] = {"summary": cpu_summary, "runs": cpu_runs, "goal_met": goal_verdicts(cpu_summary["ratios"])}
+        if gpu_model is not None:
+            g = {**GPU_FULL, "reps": args.reps or GPU_FULL["reps"]}
+            results["params"]["gpu"] = g
+            gpu_runs, gpu_summary = measure(work, dataset, gpu_model, GPU_FULL, g["reps"])
+            results["gpu"] = {
+                "summary": gpu_summary,
+                "runs": gpu_runs,
+                "goal_met": goal_verdicts(gpu_summary["ratios"]),
+            }
+        else:
+            results["gpu"] = gpu_note
+    rows = table_rows(p["label"], cpu_summary, cpu_runs, p)
+    if gpu_model is not None:
+        rows += table_rows("1 GPU, 1B, bf16", gpu_summary, gpu_runs, GPU_FULL)
+    else:
+        rows += [["1 GPU, 1B, bf16", NAMES[mode], gpu_note, *["-"] * 7] for mode in MODES]
+    print_table(
+        [
+            "device",
+            "mode",
+            "tokens/s",
+            "tokens/s per rep",
+            "peak per rank (GiB)",
+            "peak above runtime (GiB)",
+            "whole-run peak RSS (GiB)",
+            "frozen base, rank 0 (MB)",
+            "trainable params",
+            "last loss",
+        ],
+        rows,
+    )
+    print_ratios(p["label"], cpu_summary)
+    if gpu_model is not None:
+        print_ratios("1 GPU", gpu_summary)
+    else:
+        print(f"1 GPU, 1B, bf16: {gpu_note}")
+    write_results(args.results_dir, "peft", results)
+    all_runs = {f"cpu {m} {i}": r for m, rs in cpu_runs.items() for i, r in enumerate(rs)}
+    if gpu_model is not None:
+        all_runs |= {f"gpu {m} {i}": r for m, rs in gpu_runs.items() for i, r in enumerate(rs)}
+    return report_failures(all_runs)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:  # launched by torchrun from run_mode
+        sys.exit(trainer_worker(sys.argv[2], sys.argv[3:]))
+    sys.exit(main())
