@@ -567,13 +567,16 @@ LORA_RANK = 16  # fsdp_train.py's --lora-rank default, for the memory table
 
 
 def decoder_linear_params(model: Any, rank: int) -> tuple[int, int]:
-    """(weights of the Linear layers inside the decoder layers, parameters of rank-`rank` adapters on them), the
-    sizes of fsdp_train.py's --peft qlora base and --peft lora adapters (its auto targets, less MoE routers)."""
-    import torch
+    """(weights of the Linear layers inside the decoder layers, parameters of rank-`rank` adapters on them): the
+    sizes of fsdp_train.py's --peft qlora base and --peft lora adapters, counted by the trainer's own rules;
+    (0, 0) when the trainer would not find the decoder layers (the --peft table is then left out)."""
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.model import find_decoder_layers, peft_sizes
 
-    layers = next((module for module in model.modules() if isinstance(module, torch.nn.ModuleList)), None)
-    linears = [m for layer in (layers or []) for m in layer.modules() if type(m) is torch.nn.Linear]
-    return sum(m.weight.numel() for m in linears), sum(rank * (m.in_features + m.out_features) for m in linears)
+    try:
+        return peft_sizes(model, find_decoder_layers(model), rank)
+    except TrainError:
+        return 0, 0
 
 
 def largest_fsdp_unit_params(model: Any) -> int:
@@ -605,6 +608,8 @@ def report_verified(model: VerifiedModel, source: str) -> None:
         log(f"  note: {note}")
     full_rows = training_memory_plan(model.num_params, largest_unit_params=model.largest_unit_params)
     log(format_memory_plan(full_rows))
+    if not model.linear_params:
+        return
     peft_rows = peft_memory_plan(
         model.num_params, model.linear_params, model.lora_params, largest_unit_params=model.largest_unit_params
     )

@@ -130,6 +130,12 @@ class PeftSetup:
     start: str  # "init", or a hash of the --adapter weights training started from
 
 
+def target_names(config: Any) -> list[str] | str:
+    """peft's target_modules as written and compared: a sorted list (peft keeps a set), or its string form."""
+    targets = config.target_modules
+    return targets if isinstance(targets, str) else sorted(targets)
+
+
 def adapter_identity(folder: Path) -> str:
     """A hash of an adapter folder's weight file (small: read whole)."""
     import hashlib
@@ -265,8 +271,7 @@ def export_adapter(model: nn.Module, config: Any, tokenizer: Any, out_dir: Path,
         save_file(named, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         saved = config.to_dict()
         saved["inference_mode"] = True
-        if isinstance(saved["target_modules"], (set, list)):
-            saved["target_modules"] = sorted(saved["target_modules"])
+        saved["target_modules"] = target_names(config)
         (tmp / "adapter_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
         (tmp / BASE_FILE).write_text(
             json.dumps({"base_model_name_or_path": config.base_model_name_or_path, "base_identity": base_identity})

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from fsdp_lib.adapters import target_names
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data import TrainData
 from fsdp_lib.errors import CheckpointError
@@ -49,9 +50,7 @@ def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData, pef
             "rank": peft.config.r,
             "alpha": peft.config.lora_alpha,
             "dropout": peft.config.lora_dropout,
-            "targets": sorted(peft.config.target_modules)
-            if not isinstance(peft.config.target_modules, str)
-            else peft.config.target_modules,
+            "targets": target_names(peft.config),
             "base_weights": peft.base_identity,
             "start": peft.start,
         }

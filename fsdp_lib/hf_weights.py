@@ -145,18 +145,23 @@ def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     plan = plan_weight_load(model, files)
-    state = {base_fqn(k): v for k, v in get_model_state_dict(model).items() if not is_adapter_name(k)}
+    params = {base_fqn(n): p for n, p in model.named_parameters()}
+    state = {}
+    for key, value in get_model_state_dict(model).items():
+        if not is_adapter_name(key):
+            key = base_fqn(key)
+            # NF4: the parameter itself; fill_nf4_shard sets attributes on it, which an alias would not carry over
+            state[key] = params[key] if is_nf4(value) else value
     whole = {k for k, v in state.items() if is_nf4(v) and k in plan.renamed}
     by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed and k not in whole}
     if fmt == "safetensors":
         dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
     else:
         _load_bin_slices(by_file_key, model_dir)
-    params = {base_fqn(n): p for n, p in model.named_parameters()}  # NF4: the parameter itself, not an alias
     with torch.no_grad(), contextlib.ExitStack() as open_files:
         handles: dict = {}
         for name in sorted(whole):  # one tensor at a time
-            fill_nf4_shard(params[name], _read_whole_tensor(plan.files, open_files, handles, plan.renamed[name]))
+            copy_into_shard(state[name], _read_whole_tensor(plan.files, open_files, handles, plan.renamed[name]))
     _load_converted(model, plan, state)
     model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
 

@@ -28,6 +28,7 @@ from fsdp_lib.adapters import (
     lora_config,
     prepare_peft,
     resolve_targets,
+    target_names,
 )
 from fsdp_lib.config import TrainConfig, resolve_model_dir
 from fsdp_lib.errors import TrainError
@@ -36,7 +37,7 @@ from fsdp_lib.hf_weights import clean_fqn, export_dtype, is_adapter_name, load_p
 from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens
 from fsdp_lib.memory_plan import format_memory_plan, format_peft_memory_plan, peft_memory_plan, training_memory_plan
 from fsdp_lib.probes import run_start_up_checks
-from fsdp_lib.quantize import resident_bytes
+from fsdp_lib.quantize import is_nf4, resident_bytes
 from fsdp_lib.runtime import Dist, log
 
 
@@ -214,11 +215,11 @@ class ModelBundle:
 def flops_per_token(model: nn.Module, config: Any, seq_length: int, adapter_params: int | None = None) -> float:
     """6N + 12*L*H*Q*T (PaLM appendix B): N counts matmul parameters, i.e. all but the input embedding,
     plus the output head even when it is tied to the input embedding (the head matmul still runs).
-    With adapters (call before injecting them): the frozen base costs 4N (forward 2N, and 2N for the gradients of
-    the activations flowing back through it; no weight gradients), the adapters 6 x their count."""
+    With adapters (`adapter_params`, not counted in N): the frozen base costs 4N (forward 2N, and 2N for the
+    gradients of the activations flowing back through it; no weight gradients), the adapters 6 x their count."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    n = sum(p.numel() for p in model.parameters()) - embed.numel()
+    n = sum(p.numel() for name, p in model.named_parameters() if not is_adapter_name(name)) - embed.numel()
     if head is not None and head.weight is embed:
         n += embed.numel()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -234,14 +235,11 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     model_dir = resolve_model_dir(cfg.model_name)
     model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
     num_params = sum(p.numel() for p in model.parameters())
-    fpt = flops_per_token(model, model.config, cfg.seq_length)
     layers = find_decoder_layers(model)
     arch, layer_class = type(model).__name__, type(layers[0]).__name__  # before fully_shard renames the classes
-    peft = None
-    if cfg.peft != "none":
-        compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-        peft = prepare_peft(cfg, model, layers, model_dir, compute, d.world_size)
-        fpt = flops_per_token(model, model.config, cfg.seq_length, adapter_params=peft.trainable)
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    peft = prepare_peft(cfg, model, layers, model_dir, compute_dtype, d.world_size) if cfg.peft != "none" else None
+    fpt = flops_per_token(model, model.config, cfg.seq_length, peft.trainable if peft else None)
     recomputed = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
         if cfg.activation_checkpointing == "on"
@@ -269,7 +267,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         log_peft(peft, model, cfg)
     check_still_tied(model)
     model.train()
-    train_forward.mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    train_forward.mask_dtype = compute_dtype
     run_start_up_checks(train_forward, vocab_size, precision, cfg.document_masking == "on", d)
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
@@ -289,20 +287,13 @@ def log_peft(peft: PeftSetup, model: nn.Module, cfg: TrainConfig) -> None:
     from fsdp_lib.memory_plan import format_bytes
 
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    dtypes = sorted(
-        {
-            "nf4"
-            if type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor"
-            else str(p.dtype).removeprefix("torch.")
-            for p in frozen
-        }
-    )
+    dtypes = sorted({"nf4" if is_nf4(p) else str(p.dtype).removeprefix("torch.") for p in frozen})
     base_bytes = sum(resident_bytes(p) for p in frozen)
     source = f"from {cfg.adapter}" if cfg.adapter else f"initialised (seed {cfg.seed})"
     log(
         f"--peft {cfg.peft}: {peft.trainable:,} trainable of {peft.total:,} parameters "
         f"({100 * peft.trainable / peft.total:.2f}%), rank {peft.config.r}, alpha {peft.config.lora_alpha}, targets "
-        f"{peft.config.target_modules}, adapters {source}; frozen base stored as {'+'.join(dtypes)}, "
+        f"{target_names(peft.config)}, adapters {source}; frozen base stored as {'+'.join(dtypes)}, "
         f"{format_bytes(base_bytes)} on this rank"
         + (f"; NF4 per layer: {', '.join(peft.quantized)}" if peft.quantized else "")
         + (f"; kept in the compute dtype (not whole NF4 blocks): {', '.join(peft.kept)}" if peft.kept else "")
