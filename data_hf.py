@@ -3,12 +3,17 @@
     python data_hf.py --data_folder splits --save_dir hf_datasets/my_corpus
     python data_hf.py --data-folder raw_text --save-dir hf_datasets/my_corpus --val-fraction 0.01 --overwrite
     python data_hf.py --data-folder chat_data --save-dir hf_datasets/my_chat --format chat --val-fraction 0.01
+    python data_hf.py --data-folder dpo_data --save-dir hf_datasets/my_pairs --format preference --val-fraction 0.01
 
 The result is a `datasets.Dataset` (or, with --val-fraction, a `DatasetDict` with `train` and `validation`),
 written with the layout of `save_to_disk` so `datasets.load_from_disk` and fsdp_train.py read it directly. It has
 one column: `text` (a string), or with --format chat `messages` (a list of {"role", "content"} turns, Arrow type
 list<struct<role: string, content: string>>, one conversation per record; see parse_conversation for the record
-shapes). --format auto (the default) writes `messages` when every record read is a conversation, else `text`.
+shapes), or with --format preference three: `prompt`, `chosen` and `rejected`, each a list of turns typed like
+`messages`, one preference pair per record (the prompt ends with a user turn, each response starts with an
+assistant turn; see parse_preference for the record shapes: TRL standard and conversational, UltraFeedback,
+implicit prompt, Anthropic HH, ShareGPT, Alpaca). --format auto (the default) writes `messages` when every record
+read is a conversation, the preference columns when every record read is a pair (chosen + rejected), else `text`.
 Text rows, one per extracted string (--json-mode records: one per record):
 
 - .txt / .md (and any extension not listed below): the file's text, split at blank lines when longer than
@@ -113,6 +118,23 @@ REASONS = {
     "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
     "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
     "text_file_in_chat_run": "a text file (not .json/.jsonl/.yaml) in a --format chat run: not read",
+    # Preference records (--format preference, or auto): the conversation reasons above apply to their turns too.
+    "not_a_preference_pair": "a record without both chosen and rejected keys (--format preference)",
+    "ambiguous_keys": "a preference record with two keys that differ only in case (e.g. chosen and Chosen)",
+    "bad_preference_value": "prompt, chosen or rejected that is not a string or a list of turns (or one turn "
+    "object), or, without a prompt, chosen and rejected that are not both lists of turns or both HH strings",
+    "malformed_hh_string": "chosen/rejected strings without a prompt that are not Anthropic HH dialogues "
+    "('\\n\\nHuman: ...\\n\\nAssistant: ...')",
+    "no_shared_prompt": "chosen and rejected as whole conversations that share no leading turns ending with a user "
+    "turn: there is no common prompt",
+    "prompt_not_ending_with_user": "a prompt without turns, or whose last turn is not a user turn (e.g. it ends "
+    "with an assistant turn)",
+    "no_assistant_response": "a chosen or rejected response that does not start and end with an assistant turn, or "
+    "has no assistant turn with text",
+    "identical_responses": "chosen and rejected responses that are the same (ignoring surrounding whitespace): "
+    "nothing to prefer",
+    "pair_too_long": "a pair (prompt + chosen + rejected) longer than --max-chars characters (a pair is never split)",
+    "text_file_in_preference_run": "a text file (not .json/.jsonl/.yaml) in a --format preference run: not read",
 }
 
 # Rows travel from workers as the two buffers of an Arrow string array: UTF-8 bytes and int32 offsets (Arrow's
@@ -136,7 +158,9 @@ _NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
 
 # One chat row: (role, content) turns with the standard roles; written as a list of {"role", "content"} structs.
 Conversation = tuple[tuple[str, str], ...]
-DATA_FORMATS = ("auto", "text", "chat")
+DATA_FORMATS = ("auto", "text", "chat", "preference")
+# The formats whose every record is parsed as one row (no text is extracted), and the kind of dataset each writes.
+RECORD_FORMATS = {"chat": "messages", "preference": "preference"}
 JSON_MODES = ("strings", "records")
 # Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
 # Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool and function turns are not accepted.
@@ -157,6 +181,10 @@ CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("prompt", (("prompt",), ("completion", "response"))),
     ("question", (("question",), ("answer",))),
 )
+# The columns of a preference dataset, each a list of messages like `messages`; the trainer reads these names.
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+# The columns of each kind of dataset ("column" in the summary names the kind).
+DATASET_COLUMNS = {"text": ("text",), "messages": ("messages",), "preference": PREFERENCE_COLUMNS}
 # Per piece of a file, the bad records listed with their detail; past this they are only counted.
 RECORD_PROBLEMS_LISTED = MAX_LISTED
 
@@ -183,16 +211,18 @@ class FileResult:
     """What reading one file (or one piece of a large file) gave."""
 
     path: str
-    rows: list[str | Conversation] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     bytes_read: int = 0
     strings_found: int = 0  # extracted strings (--json-mode records: records) before splitting and filtering
     conversations_found: int = 0  # conversation rows (--format chat or auto)
+    pairs_found: int = 0  # preference pairs (--format preference or auto)
     records_seen: int = 0  # JSON/YAML records looked at, to number the bad ones
     conversation_shaped_as_text: int = 0  # records that look like conversations, extracted as text
-    rows_from_conversations: int = 0  # of the text rows kept, those from conversation-shaped records (auto)
+    preference_shaped_as_text: int = 0  # records with chosen + rejected, extracted as text
+    rows_from_conversations: int = 0  # of the text rows kept, those from conversation or preference records (auto)
     unlisted_problems: Counter[str] = field(default_factory=Counter)  # bad records past RECORD_PROBLEMS_LISTED
-    # auto: bad conversation records, which count as problems only if the run writes conversations
+    # auto: bad conversation or preference records, problems only if the run writes conversations or pairs
     pending_chat_problems: list[Problem] = field(default_factory=list)
     unlisted_chat_problems: Counter[str] = field(default_factory=Counter)
     rows_kept: int = 0  # len(rows), kept when rows are sent separately as Arrow data
@@ -207,14 +237,14 @@ class FileResult:
     @property
     def skipped_reason(self) -> str | None:
         """The reason nothing was kept from this file, or None if rows were kept or nothing went wrong."""
-        if self.strings_found or self.conversations_found or not self.problems:
+        if self.strings_found or self.conversations_found or self.pairs_found or not self.problems:
             return None
         return self.problems[0].reason
 
     def skip_record(self, problem: Problem, pending: bool = False) -> None:
         """Count a bad record; the first RECORD_PROBLEMS_LISTED are kept with their detail, so that a file of a
         million records that are not conversations does not hold a million problems in memory. `pending`: an
-        auto run's bad conversation, a problem only if the run writes conversations."""
+        auto run's bad conversation or pair, a problem only if the run writes rows of its kind."""
         listed, unlisted = (
             (self.pending_chat_problems, self.unlisted_chat_problems) if pending
             else (self.problems, self.unlisted_problems)
@@ -473,16 +503,21 @@ def _content_text(content: object, where: str) -> str:
     return "\n".join(texts)
 
 
+def _alpaca_instruction(record: dict) -> str:
+    """The user turn of an Alpaca record: `instruction`, then a blank line and `input` if it is not empty."""
+    user = _text_field(record, "instruction")
+    extra = record.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise BadRecord("non_string_content", f"'input' is {type(extra).__name__}, not a string")
+    if extra and extra.strip():
+        user = f"{user}\n\n{extra}"
+    return user
+
+
 def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
     """The user and assistant turns of the single-exchange shapes (Alpaca, prompt/completion, question/answer)."""
     if shape == "alpaca":
-        user = _text_field(record, "instruction")
-        extra = record.get("input")
-        if extra is not None and not isinstance(extra, str):
-            raise BadRecord("non_string_content", f"'input' is {type(extra).__name__}, not a string")
-        if extra and extra.strip():
-            user = f"{user}\n\n{extra}"
-        return [("user", user), ("assistant", _text_field(record, "output"))]
+        return [("user", _alpaca_instruction(record)), ("assistant", _text_field(record, "output"))]
     if shape == "prompt":
         answer_key = "completion" if "completion" in record else "response"
         return [("user", _text_field(record, "prompt")), ("assistant", _text_field(record, answer_key))]
@@ -501,22 +536,208 @@ def parse_conversation(record: object) -> Conversation:
         turns = _turns_of_list(record[shape], shape)
     else:
         turns = _turns_of_pair(record, shape)
-    if "system" in record and record["system"] is not None:
-        system = _text_field(record, "system")
-        if system.strip():
-            turns.insert(0, ("system", system))
-    for number, (role, _) in enumerate(turns[1:], 2):
-        if role == "system":
-            raise BadRecord("misplaced_system_turn", f"turn {number} is a system turn; only the first turn may be")
+    turns = _with_system(record, turns)
+    _check_system_turns(turns)
     if not any(role == "assistant" and content.strip() for role, content in turns):
         raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text")
     return tuple(turns)
+
+
+def _with_system(record: dict, turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`turns` after the record's top-level `system` string as a system turn (an empty one is ignored)."""
+    if record.get("system") is None:
+        return turns
+    system = _text_field(record, "system")
+    return [("system", system), *turns] if system.strip() else turns
+
+
+def _check_system_turns(turns: list[tuple[str, str]], where: str = "") -> None:
+    """Only the first turn may be a system turn: chat templates put the system prompt first, or refuse it."""
+    for number, (role, _) in enumerate(turns[1:], 2):
+        if role == "system":
+            raise BadRecord(
+                "misplaced_system_turn", f"turn {number}{where} is a system turn; only the first turn may be"
+            )
 
 
 def conversation_json(conversation: Conversation) -> str:
     """The canonical JSON of a conversation, as HF writes messages: what --val-fraction hashes."""
     messages = [{"role": role, "content": content} for role, content in conversation]
     return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+
+
+# --- Preference pairs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One row of a preference dataset (--format preference): the prompt turns, ending with a user turn, and the
+    two responses to it, each starting with an assistant turn. The trainer renders prompt + chosen and prompt +
+    rejected with the chat template, so the prompt is stored once and never repeated in the responses."""
+
+    prompt: Conversation
+    chosen: Conversation
+    rejected: Conversation
+
+    @property
+    def chars(self) -> int:
+        return sum(len(content) for turns in (self.prompt, self.chosen, self.rejected) for _, content in turns)
+
+
+# What a task yields: a text row, a conversation (--format chat) or a preference pair (--format preference).
+Row = str | Conversation | PreferencePair
+# Anthropic HH dialogues: "\n\nHuman: ...\n\nAssistant: ..."; a turn marker starts the text or follows a blank line,
+# so "Human:" inside a line of a turn is text.
+_HH_TURN = re.compile(r"(?:\A\s*|\n\n)(Human|Assistant):")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def is_preference_record(record: object) -> bool:
+    """Whether `record` is a preference record: an object with `chosen` and `rejected` keys, in any case. Checked
+    before the conversation shapes, which a ShareGPT preference record (conversations) also has."""
+    if not isinstance(record, dict):
+        return False
+    # len first: this runs on every record of an auto or text run, most of which have neither key
+    names = {key.lower() for key in record if isinstance(key, str) and len(key) in (6, 8)}
+    return "chosen" in names and "rejected" in names
+
+
+def _lower_keys(value: dict, where: str) -> dict:
+    """`value` with its string keys lower-cased, since preference dumps write Prompt/Chosen/Rejected too. Two keys
+    that differ only in case make the record ambiguous: which one is meant cannot be told."""
+    lowered: dict = {}
+    for key, item in value.items():
+        name = key.lower() if isinstance(key, str) else key
+        if name in lowered:
+            raise BadRecord("ambiguous_keys", f"{where} has two keys {name!r} that differ only in case")
+        lowered[name] = item
+    return lowered
+
+
+def _preference_turns(value: object, key: str, string_role: str) -> list[tuple[str, str]]:
+    """The turns of a prompt or response value: a string is one turn of `string_role`; a list holds turns
+    (role/content or from/value, keys in any case); an object is one turn (ShareGPT preference dumps write it)."""
+    if isinstance(value, str):
+        return [(string_role, value)]
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise BadRecord(
+            "bad_preference_value", f"{key!r} is {type(value).__name__}, not a string, a list of turns or a turn"
+        )
+    turns = [_lower_keys(turn, f"turn {number} of {key!r}") if isinstance(turn, dict) else turn
+             for number, turn in enumerate(value, 1)]  # fmt: skip
+    return _turns_of_list(turns, key)
+
+
+def _hh_turns(text: str, key: str) -> list[tuple[str, str]]:
+    """The turns of an Anthropic HH dialogue string ("\\n\\nHuman: ...\\n\\nAssistant: ..."), contents stripped."""
+    markers = list(_HH_TURN.finditer(text))
+    if not markers or markers[0].start() != 0:
+        found = "no '\\n\\nHuman:' or '\\n\\nAssistant:' turn" if not markers else "text before the first turn"
+        raise BadRecord("malformed_hh_string", f"{key!r} has {found}")
+    ends = [marker.start() for marker in markers[1:]] + [len(text)]
+    return [(HH_ROLES[marker[1]], text[marker.end() : end].strip()) for marker, end in zip(markers, ends)]
+
+
+def _split_shared_prompt(
+    chosen: list[tuple[str, str]], rejected: list[tuple[str, str]]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """(prompt, chosen response, rejected response) of two whole conversations: the prompt is their longest common
+    prefix of whole turns, cut back to its last user turn so that it ends where a response can start."""
+    common = 0
+    for chosen_turn, rejected_turn in zip(chosen, rejected):
+        if chosen_turn != rejected_turn:
+            break
+        common += 1
+    end = max((number for number in range(1, common + 1) if chosen[number - 1][0] == "user"), default=0)
+    if end == 0:
+        shared = f"share {common} leading turn(s), none a user turn" if common else "share no leading turn"
+        raise BadRecord("no_shared_prompt", f"chosen and rejected {shared}: no common prompt")
+    return chosen[:end], chosen[end:], rejected[end:]
+
+
+def _strip_prompt(response: list[tuple[str, str]], prompts: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """A response without the prompt turns it repeats: UltraFeedback-style `chosen`/`rejected` are whole
+    conversations that start with the prompt (with or without the top-level system turn)."""
+    for prompt in prompts:
+        if prompt and response[: len(prompt)] == prompt:
+            return response[len(prompt) :]
+    return response
+
+
+def _check_pair(prompt: list[tuple[str, str]], chosen: list[tuple[str, str]], rejected: list[tuple[str, str]]) -> None:
+    """The rules a pair must meet to be trained on: one leading system turn at most, a prompt that ends with a user
+    turn, responses that start and end with an assistant turn and have assistant text, and responses that differ."""
+    _check_system_turns(prompt, " of the prompt")
+    for key, response in (("chosen", chosen), ("rejected", rejected)):
+        for number, (role, _) in enumerate(response, 1):
+            if role == "system":
+                raise BadRecord("misplaced_system_turn", f"turn {number} of the {key} response is a system turn")
+    if not prompt or prompt[-1][0] != "user":
+        ends = f"ends with a {prompt[-1][0]} turn" if prompt else "has no turns"
+        raise BadRecord("prompt_not_ending_with_user", f"the prompt {ends}; it must end with a user turn")
+    for key, response in (("chosen", chosen), ("rejected", rejected)):
+        if not response:
+            problem = "has no turns"
+        elif response[0][0] != "assistant":
+            problem = f"starts with a {response[0][0]} turn, not an assistant turn"
+        elif response[-1][0] != "assistant":  # a trailing user turn is never trained on: it tells nothing apart
+            problem = f"ends with a {response[-1][0]} turn, not an assistant turn"
+        elif not any(role == "assistant" and content.strip() for role, content in response):
+            problem = "has no assistant turn with text"
+        else:
+            continue
+        raise BadRecord("no_assistant_response", f"the {key} response {problem}")
+    if [(role, content.strip()) for role, content in chosen] == [(role, content.strip()) for role, content in rejected]:
+        raise BadRecord("identical_responses", f"chosen and rejected are the same {len(chosen)} turn(s)")
+
+
+def parse_preference(record: object) -> PreferencePair:
+    """The prompt and responses of one preference record, keys in any case. Shapes, by the keys beside chosen and
+    rejected: `prompt` (TRL standard: strings; conversational: lists of turns, where chosen/rejected may repeat the
+    prompt turns first), `conversations` (ShareGPT: the prompt turns; each response one turn object or a string),
+    `instruction` (+ `input`: Alpaca), or none: chosen and rejected are whole conversations, lists of turns or
+    Anthropic HH strings, whose shared leading turns are the prompt. A top-level `system` string becomes the first
+    prompt turn. Raises BadRecord with the reason when the pair cannot be trained on."""
+    if not is_preference_record(record) or not isinstance(record, dict):
+        keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
+        raise BadRecord("not_a_preference_pair", f"{keys}; expected chosen and rejected")
+    fields = _lower_keys(record, "the record")
+    if "prompt" in fields or "conversations" in fields or "instruction" in fields:
+        if "prompt" in fields:
+            given = _preference_turns(fields["prompt"], "prompt", "user")
+        elif "conversations" in fields:
+            given = _preference_turns(fields["conversations"], "conversations", "user")
+        else:
+            given = [("user", _alpaca_instruction(fields))]
+        prompt = _with_system(fields, given)
+        chosen, rejected = (
+            _strip_prompt(_preference_turns(fields[key], key, "assistant"), [prompt, given])
+            for key in ("chosen", "rejected")
+        )
+    else:
+        both = (fields["chosen"], fields["rejected"])
+        if all(isinstance(value, list) for value in both):
+            whole = [_preference_turns(value, key, "assistant") for key, value in zip(("chosen", "rejected"), both)]
+        elif all(isinstance(value, str) for value in both):
+            whole = [_hh_turns(value, key) for key, value in zip(("chosen", "rejected"), both)]
+        else:
+            kinds = " and ".join(type(value).__name__ for value in both)
+            raise BadRecord("bad_preference_value", f"chosen and rejected are {kinds} and there is no prompt: "
+                            "expected two lists of turns or two Anthropic HH strings")  # fmt: skip
+        shared, chosen, rejected = _split_shared_prompt(*whole)
+        prompt = _with_system(fields, shared)
+    _check_pair(prompt, chosen, rejected)
+    return PreferencePair(tuple(prompt), tuple(chosen), tuple(rejected))
+
+
+def preference_json(pair: PreferencePair) -> str:
+    """The canonical JSON of a pair, its three columns as HF writes messages: what --val-fraction hashes, so a pair
+    (and every copy of it) lands in one split, whatever the file order."""
+    columns = {name: [{"role": role, "content": content} for role, content in getattr(pair, name)]
+               for name in PREFERENCE_COLUMNS}  # fmt: skip
+    return json.dumps(columns, ensure_ascii=False, separators=(",", ":"))
 
 
 # --- Reading one file ---------------------------------------------------------------------------------------
@@ -620,9 +841,10 @@ def _scan_large_file(path: str) -> tuple[bool, str, YamlDepthBound]:
 @dataclass(frozen=True)
 class Extraction:
     """What a value parsed from JSON, JSON Lines or YAML gives: text rows (--json-mode strings: one per string;
-    records: one per record, its strings joined by newlines) or conversations (--format chat, or auto for
-    conversation-shaped records). A record is an element of a top-level JSON array, a top-level JSON object, a
-    JSON Lines line, a YAML document, or an element of a YAML document that is a list."""
+    records: one per record, its strings joined by newlines), conversations (--format chat, or auto for
+    conversation-shaped records) or preference pairs (--format preference, or auto for records with chosen and
+    rejected). A record is an element of a top-level JSON array, a top-level JSON object, a JSON Lines line, a YAML
+    document, or an element of a YAML document that is a list."""
 
     data_format: str = "text"  # one of DATA_FORMATS
     json_mode: str = "strings"  # one of JSON_MODES
@@ -636,7 +858,7 @@ class Extraction:
     def items(
         self, value: object, result: FileResult, *, split_lists: bool, yaml_document: bool = False,
         line: int | None = None,
-    ) -> Iterator[str | Conversation]:  # fmt: skip
+    ) -> Iterator[Row]:  # fmt: skip
         """Rows of one parsed value. `split_lists`: a list value holds records (a whole JSON document, a YAML
         document). `yaml_document`: the value is a YAML document, whose aliases are followed once."""
         if self.data_format == "text" and self.json_mode == "strings" and not isinstance(value, (dict, list)):
@@ -649,20 +871,26 @@ class Extraction:
             strings_seen, records_seen = {id(value)} if records is value else set(), set()
         for record in records:
             result.records_seen += 1
-            if isinstance(record, str) and self.data_format != "chat":
+            if self.data_format in RECORD_FORMATS:
+                row = self._row(record, self.data_format, result, records_seen, line)
+                if row is not None:
+                    yield row
+                continue
+            if isinstance(record, str):
                 yield record  # the text of a bare string record in either --json-mode: no bookkeeping needed
                 continue
-            shaped = conversation_shape(record) is not None
-            if self.data_format == "chat" or (self.data_format == "auto" and shaped):
-                conversation = self._conversation(record, result, records_seen, line)
-                if conversation is not None:
-                    yield conversation
-                if self.data_format == "chat":
-                    continue
-            result.conversation_shaped_as_text += shaped
+            kind = record_kind(record)
+            if kind == "preference":
+                result.preference_shaped_as_text += 1
+            elif kind == "chat":
+                result.conversation_shaped_as_text += 1
+            if kind is not None and self.data_format == "auto":
+                row = self._row(record, kind, result, records_seen, line)
+                if row is not None:
+                    yield row
             texts = self._texts(record, strings_seen)
-            # auto: the text of a conversation is kept only if the run turns out to be a text run (see Tally)
-            yield from (map(ConversationText, texts) if shaped and self.data_format == "auto" else texts)
+            # auto: the text of a conversation or pair is kept only if the run turns out to be a text run (see Tally)
+            yield from (map(ConversationText, texts) if kind is not None and self.data_format == "auto" else texts)
 
     def _texts(self, record: object, strings_seen: set[int] | None) -> Iterator[str]:
         strings = extract_strings(record, track_shared=strings_seen is not None, seen=strings_seen)
@@ -673,33 +901,53 @@ class Extraction:
         if held:  # a record without strings gives no row; one of blank strings an empty row, counted as dropped
             yield "\n".join(string for string in held if string.strip())
 
-    def _conversation(
-        self, record: object, result: FileResult, records_seen: set[int] | None, line: int | None
-    ) -> Conversation | None:
+    def _row(
+        self, record: object, kind: str, result: FileResult, records_seen: set[int] | None, line: int | None
+    ) -> Conversation | PreferencePair | None:
+        """The conversation ("chat") or preference pair ("preference") of a record; None, with the bad record
+        counted, if it cannot be one."""
         try:
             if records_seen is not None and isinstance(record, dict):
                 if id(record) in records_seen:
                     raise BadRecord("repeated_yaml_alias", "an alias to a record already read")
                 records_seen.add(id(record))
-            conversation = parse_conversation(record)
-            chars = sum(len(content) for _, content in conversation)
+            row = parse_preference(record) if kind == "preference" else parse_conversation(record)
+            chars = row_chars(row)
             if chars > self.max_chars:
-                raise BadRecord("conversation_too_long", f"{chars} characters > --max-chars {self.max_chars}")
+                too_long = "pair_too_long" if kind == "preference" else "conversation_too_long"
+                raise BadRecord(too_long, f"{chars} characters > --max-chars {self.max_chars}")
         except BadRecord as err:
             where = "" if line is not None else f"record {result.records_seen}: "
             result.skip_record(Problem(result.path, err.reason, where + err.detail, line), self.data_format == "auto")
             return None
-        return conversation
+        return row
+
+
+def record_kind(record: object) -> str | None:
+    """What an auto run may write a record as: "preference" (chosen and rejected keys, tried first: a ShareGPT
+    preference record has a conversation shape too), "chat" (a conversation shape), or None (text only)."""
+    if is_preference_record(record):
+        return "preference"
+    return "chat" if conversation_shape(record) is not None else None
+
+
+def row_chars(row: Row) -> int:
+    """Characters of a row: of a text, of a conversation's contents, or of a pair's three columns."""
+    if isinstance(row, str):
+        return len(row)
+    if isinstance(row, PreferencePair):
+        return row.chars
+    return sum(len(content) for _, content in row)
 
 
 class ConversationText(str):
-    """A string of a conversation-shaped record in an auto run: counted apart, because it is kept only if the run
-    writes text; if every record is a conversation the run writes conversations instead."""
+    """A string of a conversation or preference record in an auto run: counted apart, because it is kept only if
+    the run writes text; if every record is a conversation (or a pair) the run writes those instead."""
 
 
 def _json_items(
     read: Callable[[int], str], result: FileResult, extraction: Extraction, whole_objects: bool
-) -> Iterator[str | Conversation]:
+) -> Iterator[Row]:
     count = 0
     try:
         for item in iter_json_values(read, whole_objects=whole_objects):
@@ -710,9 +958,7 @@ def _json_items(
         result.problems.append(Problem(result.path, err.reason, err.detail + kept))
 
 
-def _yaml_items(
-    stream: str | io.TextIOBase, loader: type, result: FileResult, extraction: Extraction
-) -> Iterator[str | Conversation]:
+def _yaml_items(stream: str | io.TextIOBase, loader: type, result: FileResult, extraction: Extraction) -> Iterator[Row]:
     documents = yaml.load_all(stream, Loader=loader)
     count = 0
     while True:
@@ -735,7 +981,7 @@ def _yaml_items(
         return
 
 
-def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction) -> Iterator[str | Conversation]:
+def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction) -> Iterator[Row]:
     """Rows of every line of JSON Lines bytes. Lines are parsed from bytes (json.loads decodes UTF-8 and drops a
     BOM itself), so the piece is never held a second time as text; a line that is not UTF-8 is decoded like a
     legacy text file."""
@@ -764,7 +1010,7 @@ def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction) -> Ite
 
 def _items_in_memory(
     kind: str, text: str, yaml_loader: type, result: FileResult, extraction: Extraction
-) -> Iterator[str | Conversation]:
+) -> Iterator[Row]:
     if kind == "text":
         yield text
     elif kind == "yaml":
@@ -774,9 +1020,9 @@ def _items_in_memory(
             value = json.loads(text)
         except (ValueError, RecursionError):
             # Several values one after another (JSON Lines saved as .json), or a malformed file. Top-level objects
-            # are records only if they all parse (or with --format chat): a truncated object is read member by
-            # member, as --format text always does, so that its values before the error are kept.
-            whole = extraction.data_format == "chat" or (extraction.whole_records and _parses(text))
+            # are records only if they all parse (or with --format chat or preference): a truncated object is read
+            # member by member, as --format text always does, so that its values before the error are kept.
+            whole = extraction.data_format in RECORD_FORMATS or (extraction.whole_records and _parses(text))
             yield from _json_items(io.StringIO(text).read, result, extraction, whole)
         else:
             yield from extraction.items(value, result, split_lists=True)
@@ -792,7 +1038,7 @@ def _parses(text: str) -> bool:
     return True
 
 
-def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[str | Conversation]:
+def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[Row]:
     """Rows of a large JSON or YAML file, parsed from the open file one element or document at a time. A top-level
     JSON object is read member by member here, whatever the mode, so that memory stays flat."""
     has_nul, encoding, depth = _scan_large_file(path)
@@ -811,7 +1057,7 @@ def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extrac
 
 def _raw_items(
     path: str, kind: str, start: int, end: int | None, extraction: Extraction, result: FileResult
-) -> Iterator[str | Conversation]:
+) -> Iterator[Row]:
     whole = start == 0 and end is None
     if kind in ("json", "yaml") and whole and os.path.getsize(path) > piece_bytes_for(extraction.max_chars):
         yield from _items_streamed(kind, path, result, extraction)
@@ -846,12 +1092,17 @@ def iter_rows(
     *,
     data_format: str = "text",
     json_mode: str = "strings",
-) -> Iterator[str | Conversation]:
+) -> Iterator[Row]:
     """Rows of one file (or of the piece [start, end) of a large one), recording problems and counts in `result`:
-    text rows (str) and conversations. A generator, so a large JSON or YAML file is never held whole."""
+    text rows (str), conversations and preference pairs. A generator, so a large JSON or YAML file is never held
+    whole."""
     extraction = Extraction(data_format, json_mode, max_chars)
     try:
         for item in _raw_items(str(path), file_kind(path), start, end, extraction, result):
+            if isinstance(item, PreferencePair):
+                result.pairs_found += 1
+                yield item
+                continue
             if not isinstance(item, str):
                 result.conversations_found += 1
                 yield item
@@ -894,7 +1145,7 @@ def read_file(
 
 def _note_no_text(result: FileResult) -> None:
     """A whole file that parsed fine but held no string at all gets a problem, so it does not vanish silently."""
-    if not result.strings_found and not result.conversations_found and not result.problems:
+    if not (result.strings_found or result.conversations_found or result.pairs_found or result.problems):
         result.problems.append(Problem(result.path, "no_text", REASONS["no_text"]))
 
 
@@ -1034,20 +1285,22 @@ class EncodedRows:
     """Rows as the buffers of an Arrow array, built without pyarrow (which is also ~7x faster than pa.array for
     non-ASCII text) and wrapped into an array by the parent without a copy. A `text` chunk is one string array; a
     `messages` chunk is a list array whose `offsets` index the messages, with the roles and contents of all its
-    messages as two string arrays (and `values` empty)."""
+    messages as two string arrays (and `values` empty); a `preference` chunk is three `messages` chunks of the
+    same rows, one per column in PREFERENCE_COLUMNS (and `offsets` and `values` empty)."""
 
     count: int
     offsets: bytes  # count + 1 int32 offsets into values (text) or into the messages (messages)
     values: bytes  # the rows' UTF-8 bytes, back to back
     digest: bytes  # blake2b of every buffer, for the dataset fingerprint
-    column: str = "text"  # "text" or "messages"
+    column: str = "text"  # a key of DATASET_COLUMNS
     roles: EncodedRows | None = None
     contents: EncodedRows | None = None
+    fields: tuple[EncodedRows, ...] = ()  # preference: the prompt, chosen and rejected chunks
 
     @property
     def text_bytes(self) -> int:
-        parts = (self, self.roles, self.contents)
-        return sum(len(part.values) for part in parts if part is not None)
+        parts = (self.roles, self.contents, *self.fields)
+        return len(self.values) + sum(part.text_bytes for part in parts if part is not None)
 
 
 @dataclass
@@ -1098,29 +1351,64 @@ def encode_rows(rows: list[str]) -> tuple[list[EncodedRows], int]:
     return [_string_chunk(encoded[first:last]) for first, last in zip(bounds, bounds[1:], strict=False)], replaced
 
 
+def _messages_chunk(conversations: list[Conversation], contents: list[bytes]) -> EncodedRows:
+    """One `messages` chunk of `conversations`, whose contents are already UTF-8 (`contents`, in order)."""
+    roles = _string_chunk([role.encode() for conversation in conversations for role, _ in conversation])
+    texts = _string_chunk(contents)
+    offsets = array(_INT32, accumulate(map(len, conversations), initial=0)).tobytes()
+    digest = hashlib.blake2b(offsets + roles.digest + texts.digest, digest_size=16).digest()
+    return EncodedRows(len(conversations), offsets, b"", digest, "messages", roles, texts)
+
+
+def _encoded_contents(conversations: list[Conversation]) -> tuple[list[bytes], list[int], int]:
+    """(UTF-8 of every content, index of each conversation's first content and one past the end, number of
+    contents whose lone surrogates were replaced)."""
+    contents, replaced = _utf8([content for conversation in conversations for _, content in conversation])
+    return contents, list(accumulate(map(len, conversations), initial=0)), replaced
+
+
 def encode_conversations(conversations: list[Conversation]) -> tuple[list[EncodedRows], int]:
     """(Arrow-layout chunks of a `messages` column, number of messages whose lone surrogates were replaced)."""
-    contents, replaced = _utf8([content for conversation in conversations for _, content in conversation])
-    turns = [len(conversation) for conversation in conversations]
-    ends = list(accumulate(turns, initial=0))
+    contents, ends, replaced = _encoded_contents(conversations)
     bounds = _chunk_bounds([sum(map(len, contents[ends[i] : ends[i + 1]])) for i in range(len(conversations))])
-    chunks = []
-    for first, last in zip(bounds, bounds[1:], strict=False):
-        roles = _string_chunk([role.encode() for conversation in conversations[first:last] for role, _ in conversation])
-        texts = _string_chunk(contents[ends[first] : ends[last]])
-        offsets = array(_INT32, accumulate(turns[first:last], initial=0)).tobytes()
-        digest = hashlib.blake2b(offsets + roles.digest + texts.digest, digest_size=16).digest()
-        chunks.append(EncodedRows(last - first, offsets, b"", digest, "messages", roles, texts))
+    chunks = [
+        _messages_chunk(conversations[first:last], contents[ends[first] : ends[last]])
+        for first, last in zip(bounds, bounds[1:], strict=False)
+    ]
     return chunks, replaced
 
 
-def row_split(row: str | Conversation, val_fraction: float) -> str:
-    """The split of a text row, or of a conversation by the hash of its canonical JSON."""
-    return assign_split(row if isinstance(row, str) else conversation_json(row), val_fraction)
+def encode_pairs(pairs: list[PreferencePair]) -> tuple[list[EncodedRows], int]:
+    """(Arrow-layout chunks of the prompt, chosen and rejected columns, number of messages whose lone surrogates
+    were replaced). The three columns of a chunk hold the same rows, so a chunk is one record batch."""
+    columns = [[getattr(pair, name) for pair in pairs] for name in PREFERENCE_COLUMNS]
+    encoded = [_encoded_contents(conversations) for conversations in columns]
+    sizes = [
+        sum(sum(map(len, contents[ends[i] : ends[i + 1]])) for contents, ends, _ in encoded) for i in range(len(pairs))
+    ]
+    bounds = _chunk_bounds(sizes)
+    chunks = []
+    for first, last in zip(bounds, bounds[1:], strict=False):
+        fields = tuple(
+            _messages_chunk(conversations[first:last], contents[ends[first] : ends[last]])
+            for conversations, (contents, ends, _) in zip(columns, encoded, strict=True)
+        )
+        digest = hashlib.blake2b(b"".join(part.digest for part in fields), digest_size=16).digest()
+        chunks.append(EncodedRows(last - first, b"", b"", digest, "preference", fields=fields))
+    return chunks, sum(replaced for _, _, replaced in encoded)
 
 
-def _rows_to_output(rows: list[str | Conversation], files: list[FileResult], val_fraction: float) -> TaskOutput:
-    by_split: dict[str, list[str | Conversation]] = {"train": rows}
+def row_split(row: Row, val_fraction: float) -> str:
+    """The split of a text row, or of a conversation or preference pair by the hash of its canonical JSON."""
+    if isinstance(row, str):
+        return assign_split(row, val_fraction)
+    if isinstance(row, PreferencePair):
+        return assign_split(preference_json(row), val_fraction)
+    return assign_split(conversation_json(row), val_fraction)
+
+
+def _rows_to_output(rows: list[Row], files: list[FileResult], val_fraction: float) -> TaskOutput:
+    by_split: dict[str, list[Row]] = {"train": rows}
     if val_fraction > 0:
         by_split = {"train": [], "validation": []}
         for row in rows:
@@ -1128,19 +1416,21 @@ def _rows_to_output(rows: list[str | Conversation], files: list[FileResult], val
     output = TaskOutput(splits={}, files=files)
     for split, split_rows in by_split.items():
         texts = [row for row in split_rows if isinstance(row, str)]
-        conversations = [row for row in split_rows if not isinstance(row, str)]
+        conversations = [row for row in split_rows if isinstance(row, tuple)]
+        pairs = [row for row in split_rows if isinstance(row, PreferencePair)]
         output.splits[split], replaced = encode_rows(texts)
-        if conversations:
-            chunks, replaced_in_messages = encode_conversations(conversations)
-            output.splits[split] += chunks
-            replaced += replaced_in_messages
+        for encode, kept in ((encode_conversations, conversations), (encode_pairs, pairs)):
+            if kept:
+                chunks, replaced_in_messages = encode(kept)
+                output.splits[split] += chunks
+                replaced += replaced_in_messages
         output.rows_with_surrogates += replaced
     return output
 
 
 def process_task(task: Task, options: Options) -> TaskOutput:
     """Read every piece of a task (runs in a worker process)."""
-    rows: list[str | Conversation] = []
+    rows: list[Row] = []
     files = []
     for piece in task.pieces:
         modes = {"data_format": options.data_format, "json_mode": options.json_mode}
@@ -1156,13 +1446,13 @@ def _stream_task(task: Task, options: Options) -> Iterator[TaskOutput]:
     """Rows of a large JSON or YAML file in outputs of about MIN_PIECE_BYTES characters (runs in the parent)."""
     piece = task.pieces[0]
     result = FileResult(path=piece.path)
-    rows: list[str | Conversation] = []
+    rows: list[Row] = []
     size = 0
     modes = {"data_format": options.data_format, "json_mode": options.json_mode}
     for row in iter_rows(piece.path, result, options.max_chars, options.min_chars, **modes):
         rows.append(row)
         result.rows_kept += 1
-        size += len(row) if isinstance(row, str) else sum(len(content) for _, content in row)
+        size += row_chars(row)
         if size >= MIN_PIECE_BYTES:
             yield _rows_to_output(rows, [], options.val_fraction)
             rows, size = [], 0
@@ -1225,8 +1515,8 @@ class SplitWriter:
         self._pa = pa
         # A plain Arrow schema: datasets takes the features from dataset_info.json (written from its own template)
         # and infers them from the Arrow type, so nothing version-specific is written by hand.
-        self.column = column
-        self.schema = pa.schema([pa.field(column, arrow_type(column))])
+        self.column = column  # the kind of dataset, a key of DATASET_COLUMNS
+        self.schema = pa.schema([pa.field(name, arrow_type(name)) for name in DATASET_COLUMNS[column]])
         self.folder = folder  # where the shards are written; finish() moves them to the split's folder
         self.shard_bytes = shard_bytes
         self.rows = 0
@@ -1250,7 +1540,7 @@ class SplitWriter:
             self._sink = pa.OSFile(str(part), "wb")
             self._writer = pa.ipc.new_stream(self._sink, self.schema)
             self._shard_size = 0
-        self._writer.write_batch(pa.record_batch([self._array(chunk)], schema=self.schema))
+        self._writer.write_batch(pa.record_batch(self._arrays(chunk), schema=self.schema))
         self.rows += chunk.count
         self.text_bytes += chunk.text_bytes
         self.digest.update(chunk.digest)
@@ -1258,7 +1548,12 @@ class SplitWriter:
         if self._shard_size >= self.shard_bytes:
             self._close_shard()
 
-    def _array(self, chunk: EncodedRows) -> pa.Array:
+    def _arrays(self, chunk: EncodedRows) -> list[pa.Array]:
+        """The chunk's columns, in schema order: one array, or a preference chunk's three."""
+        parts = chunk.fields or (chunk,)
+        return [self._array(part, schema_field.type) for part, schema_field in zip(parts, self.schema, strict=True)]
+
+    def _array(self, chunk: EncodedRows, list_type: pa.DataType) -> pa.Array:
         """The chunk's buffers wrapped as an Arrow array, without a copy."""
         pa = self._pa
         if chunk.roles is None or chunk.contents is None:
@@ -1267,7 +1562,6 @@ class SplitWriter:
             pa.StringArray.from_buffers(part.count, pa.py_buffer(part.offsets), pa.py_buffer(part.values))
             for part in (chunk.roles, chunk.contents)
         ]
-        list_type = self.schema.field(0).type
         messages = pa.StructArray.from_arrays(turns, fields=list(list_type.value_type))
         offsets = pa.Array.from_buffers(pa.int32(), chunk.count + 1, [None, pa.py_buffer(chunk.offsets)])
         return pa.ListArray.from_arrays(offsets, messages, type=list_type)
@@ -1307,8 +1601,9 @@ class SplitWriter:
 
 
 def arrow_type(column: str) -> pa.DataType:
-    """The Arrow type of a column: `text` a string; `messages` list<struct<role: string, content: string>>, the
-    type datasets gives Features({"messages": [{"role": Value("string"), "content": Value("string")}]})."""
+    """The Arrow type of a column: `text` a string; `messages` (and a preference dataset's `prompt`, `chosen`,
+    `rejected`) list<struct<role: string, content: string>>, the type datasets gives
+    Features({"messages": [{"role": Value("string"), "content": Value("string")}]})."""
     import pyarrow as pa
 
     if column == "text":
@@ -1317,13 +1612,14 @@ def arrow_type(column: str) -> pa.DataType:
 
 
 def column_features(column: str) -> datasets.Features:
-    """The datasets features of a dataset with the one column `column` ("text" or "messages")."""
+    """The datasets features of a dataset of the kind `column` ("text", "messages" or "preference": the columns
+    prompt, chosen and rejected, each typed like messages)."""
     import datasets
 
     if column == "text":
         return datasets.Features({"text": datasets.Value("string")})
     turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-    return datasets.Features({"messages": datasets.List(turn)})
+    return datasets.Features({name: datasets.List(turn) for name in DATASET_COLUMNS[column]})
 
 
 def _metadata_templates(scratch: Path, splits: list[str], column: str = "text") -> dict[str, dict[str, Any]]:
@@ -1336,12 +1632,11 @@ def _metadata_templates(scratch: Path, splits: list[str], column: str = "text") 
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
+        columns: dict[str, list] = {name: [] for name in features}
         if splits == ["train"]:
-            datasets.Dataset.from_dict({column: []}, features=features).save_to_disk(str(scratch))
+            datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(scratch))
         else:
-            empty = {
-                split: datasets.Dataset.from_dict({column: []}, features=features, split=split) for split in splits
-            }
+            empty = {split: datasets.Dataset.from_dict(columns, features=features, split=split) for split in splits}
             datasets.DatasetDict(empty).save_to_disk(str(scratch))
     finally:
         if progress_was_on:
@@ -1362,12 +1657,17 @@ class Tally:
     files_read: int = 0
     files_with_text: int = 0
     files_with_conversations: int = 0
+    files_with_pairs: int = 0
     files_skipped: int = 0
     conversations_found: int = 0
+    pairs_found: int = 0
     conversation_shaped_as_text: int = 0
+    preference_shaped_as_text: int = 0
     rows_from_conversations: int = 0
-    # files with conversation-shaped records extracted as text, and how many (the first MAX_LISTED files)
+    plain_text_rows: int = 0  # text rows not from conversation or preference records; set by convert()
+    # files with conversation-shaped (preference) records extracted as text, and how many (the first MAX_LISTED)
     conversation_text_files: dict[str, int] = field(default_factory=dict)
+    preference_text_files: dict[str, int] = field(default_factory=dict)
     pending_chat_problems: list[Problem] = field(default_factory=list)
     unlisted_chat_problems: Counter[str] = field(default_factory=Counter)
     bytes_read: int = 0
@@ -1408,7 +1708,9 @@ class Tally:
         self._rows_in_file += result.rows_kept
         file.strings_found += result.strings_found
         file.conversations_found += result.conversations_found
+        file.pairs_found += result.pairs_found
         file.conversation_shaped_as_text += result.conversation_shaped_as_text
+        file.preference_shaped_as_text += result.preference_shaped_as_text
         self.rows_from_conversations += result.rows_from_conversations
         self.counts_by_reason.update(result.unlisted_problems)
         for problem in result.pending_chat_problems:
@@ -1430,7 +1732,9 @@ class Tally:
             self._finish_file(file)
 
     def adopt_chat_problems(self) -> None:
-        """An auto run that writes conversations: its bad conversation records become problems."""
+        """An auto run that writes conversations (or pairs): its bad conversation (or preference) records become
+        problems. Only one kind is pending then: choose_column writes either kind only when no record of the
+        other kind was read."""
         for problem in self.pending_chat_problems:
             self.add_problem(problem)
         self.counts_by_reason.update(self.unlisted_chat_problems)
@@ -1438,11 +1742,16 @@ class Tally:
     def _finish_file(self, file: FileResult) -> None:
         self.strings_found += file.strings_found
         self.conversations_found += file.conversations_found
+        self.pairs_found += file.pairs_found
         self.conversation_shaped_as_text += file.conversation_shaped_as_text
-        self.files_with_text += self._rows_in_file > file.conversations_found
+        self.preference_shaped_as_text += file.preference_shaped_as_text
+        self.files_with_text += self._rows_in_file > file.conversations_found + file.pairs_found
         self.files_with_conversations += file.conversations_found > 0
+        self.files_with_pairs += file.pairs_found > 0
         if file.conversation_shaped_as_text and len(self.conversation_text_files) < MAX_LISTED:
             self.conversation_text_files[file.path] = file.conversation_shaped_as_text
+        if file.preference_shaped_as_text and len(self.preference_text_files) < MAX_LISTED:
+            self.preference_text_files[file.path] = file.preference_shaped_as_text
         skipped = file.skipped_reason is not None
         self.files_skipped += skipped
         for index, problem in enumerate(file.problems):
@@ -1454,10 +1763,12 @@ def _summary(
 ) -> dict[str, Any]:
     rows = {split: writer.rows for split, writer in writers.items()}
     text = column == "text"  # the text counters describe rows that a conversation dataset does not hold
+    files_with_rows = {"messages": tally.files_with_conversations, "preference": tally.files_with_pairs}
     return {
         "data_folder": str(args.data_folder),
         "save_dir": str(args.save_dir),
-        "column": column,
+        "column": column,  # the kind of dataset: text, messages or preference
+        "columns": list(DATASET_COLUMNS[column]),
         "notes": _format_notes(tally, args.data_format, column),
         "options": {
             "format": args.data_format,
@@ -1470,7 +1781,7 @@ def _summary(
         },
         "files_found": tally.files_found,
         "files_read": tally.files_read,
-        "files_with_rows": tally.files_with_conversations if column == "messages" else tally.files_with_text,
+        "files_with_rows": files_with_rows.get(column, tally.files_with_text),
         "files_skipped": tally.files_skipped,
         "bytes_read": tally.bytes_read,
         "rows": rows,
@@ -1478,8 +1789,11 @@ def _summary(
         "text_bytes": sum(writer.text_bytes for writer in writers.values()),
         "strings_found": tally.strings_found if text else 0,
         "conversations_found": tally.conversations_found,
+        "pairs_found": tally.pairs_found,
         "conversation_records_as_text": tally.conversation_shaped_as_text if text else 0,
         "conversation_text_files": tally.conversation_text_files if text else {},
+        "preference_records_as_text": tally.preference_shaped_as_text if text else 0,
+        "preference_text_files": tally.preference_text_files if text else {},
         "dropped_empty_strings": tally.dropped_empty if text else 0,
         "dropped_below_min_chars": tally.dropped_short if text else 0,
         "extra_rows_from_splitting": tally.extra_rows_from_splitting if text else 0,
@@ -1496,23 +1810,44 @@ def _summary(
 
 
 def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:
-    """What the user should know about conversations in this run (printed, and saved in the summary)."""
+    """What the user should know about conversations and preference pairs in this run (printed, and saved in the
+    summary)."""
     if column == "messages" and data_format == "auto":
         return [
             f"--format auto: every record read is a conversation, so the dataset has a 'messages' column "
             f"({tally.conversations_found} conversations), as --format chat writes; pass --format text to extract "
             "their strings as text instead"
         ]
-    shaped = tally.conversation_shaped_as_text
-    if column != "text" or not shaped:
+    if column == "preference" and data_format == "auto":
+        return [
+            f"--format auto: every record read is a preference pair (chosen + rejected), so the dataset has the "
+            f"columns {', '.join(PREFERENCE_COLUMNS)} ({tally.pairs_found} pairs), as --format preference writes; pass "
+            "--format text to extract their strings as text instead"
+        ]
+    if column != "text":
         return []
-    files = ", ".join(list(tally.conversation_text_files)[:3])
-    why = " because the folder also holds other text" if data_format == "auto" else ""
-    return [
-        f"{shaped} record(s) look like conversations (messages, conversations, instruction/output, prompt/completion, "
-        f"question/answer; e.g. in {files}) and were extracted as text{why}. To fine-tune on them as chat, convert "
-        "them on their own: python data_hf.py --format chat --data_folder <their folder> --save_dir <new dataset>"
-    ]
+    why = ""
+    if data_format == "auto" and tally.plain_text_rows:
+        why = " because the folder also holds other text"
+    elif data_format == "auto" and tally.conversation_shaped_as_text and tally.preference_shaped_as_text:
+        why = " because the folder mixes conversations and preference pairs"
+    notes = []
+    if tally.conversation_shaped_as_text:
+        files = ", ".join(list(tally.conversation_text_files)[:3])
+        notes.append(
+            f"{tally.conversation_shaped_as_text} record(s) look like conversations (messages, conversations, "
+            f"instruction/output, prompt/completion, question/answer; e.g. in {files}) and were extracted as text{why}. "
+            "To fine-tune on them as chat, convert them on their own: python data_hf.py --format chat --data_folder "
+            "<their folder> --save_dir <new dataset>"
+        )
+    if tally.preference_shaped_as_text:
+        files = ", ".join(list(tally.preference_text_files)[:3])
+        notes.append(
+            f"{tally.preference_shaped_as_text} record(s) look like preference pairs (chosen + rejected; e.g. in "
+            f"{files}) and were extracted as text{why}. To train on them with DPO, convert them on their own: python "
+            "data_hf.py --format preference --data_folder <their folder> --save_dir <new dataset>"
+        )
+    return notes
 
 
 def _print_summary(summary: dict[str, Any], shown: int = 20) -> None:
@@ -1540,7 +1875,7 @@ def _one_line(summary: dict[str, Any]) -> str:
     split_text = f" (train {rows['train']}, validation {rows['validation']})" if "validation" in rows else ""
     counts = summary["counts_by_reason"]
     reasons = f" ({', '.join(f'{reason} {count}' for reason, count in counts.items())})" if counts else ""
-    unit = "conversations" if summary["column"] == "messages" else "rows"
+    unit = {"messages": "conversations", "preference": "preference pairs"}.get(summary["column"], "rows")
     return (
         f"data_hf: {summary['files_found']} files, {megabytes:.1f} MB -> {summary['rows_total']} {unit}{split_text} "
         f"in {summary['seconds']:.1f} s ({speed:.1f} MB/s); {summary['files_skipped']} files skipped, "
@@ -1645,7 +1980,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="data_hf.py",
         description="Convert text/Markdown/JSON/JSONL/YAML files into a Hugging Face dataset with one 'text' column "
-        "(plain text) or one 'messages' column (conversations).",
+        "(plain text), one 'messages' column (conversations) or 'prompt', 'chosen' and 'rejected' columns "
+        "(preference pairs, for DPO).",
     )
     parser.add_argument(
         "--data_folder", "--data-folder", dest="data_folder", type=Path, required=True,
@@ -1664,8 +2000,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--format", dest="data_format", choices=DATA_FORMATS, default="auto",
         help="text: a 'text' column; chat: a 'messages' column, one conversation per record (messages, ShareGPT "
-        "conversations, instruction/input/output, prompt/completion, question/answer; .txt/.md are skipped); auto: "
-        "chat if every record read is a conversation, else text, with a note counting the conversations "
+        "conversations, instruction/input/output, prompt/completion, question/answer; .txt/.md are skipped); "
+        "preference: 'prompt', 'chosen' and 'rejected' columns (lists of messages), one pair per record with chosen "
+        "and rejected (beside prompt, ShareGPT conversations, or instruction; or alone as whole conversations or "
+        "Anthropic HH strings whose shared start is the prompt; .txt/.md are skipped); auto: chat if every record "
+        "read is a conversation, preference if every one is a pair, else text, with a note counting them "
         "(default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
@@ -1676,7 +2015,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-chars", "--max_chars", dest="max_chars", type=int, default=DEFAULT_MAX_CHARS,
         help="longest row in characters; longer text is split at blank lines, else at newlines; a longer "
-        "conversation is skipped (default: %(default)s)",
+        "conversation or preference pair is skipped (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--min-chars", "--min_chars", dest="min_chars", type=int, default=0,
@@ -1685,8 +2024,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--val-fraction", "--val_fraction", dest="val_fraction", type=float, default=0.0,
-        help="share of rows for a 'validation' split, chosen by a hash of the text (of a conversation: of its "
-        "JSON) so reruns agree; writes a "
+        help="share of rows for a 'validation' split, chosen by a hash of the text (of a conversation or a "
+        "preference pair: of its JSON) so reruns agree; writes a "
         "DatasetDict with 'train' and 'validation' (default: 0, a single Dataset)",
     )  # fmt: skip
     parser.add_argument(
@@ -1742,39 +2081,52 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def _chat_inputs(files: list[tuple[Path, int]], data_format: str) -> tuple[list[tuple[Path, int]], list[Problem]]:
-    """With --format chat, text files are not read (they cannot hold conversations): each is a skipped file."""
-    if data_format != "chat":
+def _record_inputs(files: list[tuple[Path, int]], data_format: str) -> tuple[list[tuple[Path, int]], list[Problem]]:
+    """With --format chat or preference, text files are not read (they cannot hold conversations or pairs): each is
+    a skipped file."""
+    if data_format not in RECORD_FORMATS:
         return files, []
+    what = "conversations" if data_format == "chat" else "preference pairs"
     skipped = [
-        Problem(str(path), "text_file_in_chat_run", "conversations are read from .json/.jsonl/.ndjson/.yaml/.yml "
+        Problem(str(path), f"text_file_in_{data_format}_run", f"{what} are read from .json/.jsonl/.ndjson/.yaml/.yml "
                 "files only; convert text files with --format text")
         for path, _ in files if file_kind(path) == "text"
     ]  # fmt: skip
     return [(path, size) for path, size in files if file_kind(path) != "text"], skipped
 
 
-def choose_column(data_format: str, plain_text_rows: int, conversations: int) -> str:
-    """The column a run writes: "text" for --format text, "messages" for --format chat; --format auto writes
-    "messages" when it found conversations and no other text (rows from text files or from records that are not
-    conversations), else "text", exactly as --format text would."""
-    if data_format == "auto":
-        return "messages" if conversations and not plain_text_rows else "text"
-    return "messages" if data_format == "chat" else "text"
+def choose_column(
+    data_format: str, plain_text_rows: int, conversations: int, pairs: int = 0, conversation_records: int = 0,
+    preference_records: int = 0,
+) -> str:  # fmt: skip
+    """The kind of dataset a run writes (a key of DATASET_COLUMNS): "text" for --format text, "messages" for
+    --format chat, "preference" for --format preference. --format auto writes "messages" when it found conversations
+    and nothing else, "preference" when it found preference pairs and nothing else, else "text", exactly as --format
+    text would. Nothing else: no other text (rows from text files or from other records) and no record of the other
+    kind (`conversation_records`, `preference_records`: records of each kind read, usable or not)."""
+    if data_format != "auto":
+        return RECORD_FORMATS.get(data_format, "text")
+    if plain_text_rows:
+        return "text"
+    if pairs and not conversation_records:
+        return "preference"
+    return "messages" if conversations and not preference_records else "text"
 
 
 def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[str, SplitWriter]]:
     """Read the input and write the dataset into the empty folder `tmp`. Returns the summary and the writers."""
     started = time.monotonic()
     files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
-    files, text_files_skipped = _chat_inputs(files, args.data_format)
+    files, text_files_skipped = _record_inputs(files, args.data_format)
     skipped = walk_problems + text_files_skipped
     tally = Tally(files_found=len(files) + len(skipped), files_read=len(files), files_skipped=len(skipped))
     for problem in skipped:
         tally.add_problem(problem, skipped_file=True)
     if not files:
-        kinds = "conversation files (.json .jsonl .ndjson .yaml .yml; --format chat)" if text_files_skipped else (
-            f"files with the extensions {' '.join(args.extensions)}")  # fmt: skip
+        kinds = f"files with the extensions {' '.join(args.extensions)}"
+        if text_files_skipped:
+            what = "conversation" if args.data_format == "chat" else "preference"
+            kinds = f"{what} files (.json .jsonl .ndjson .yaml .yml; --format {args.data_format})"
         raise DataHfError(
             f"no {kinds} under --data_folder {args.data_folder} (hidden files and folders are skipped); check the path "
             "or pass --extensions"
@@ -1782,8 +2134,10 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     options = Options(args.max_chars, args.min_chars, args.val_fraction, args.data_format, args.json_mode)
     tasks = plan_tasks(files, piece_bytes_for(args.max_chars))
     splits = ["train", "validation"] if args.val_fraction > 0 else ["train"]
-    columns = {"text": ["text"], "chat": ["messages"], "auto": ["text", "messages"]}[args.data_format]
-    # Shards go to a folder per column: an auto run learns only at the end which of the two it keeps.
+    columns = {"text": ["text"], "chat": ["messages"], "preference": ["preference"]}.get(
+        args.data_format, ["text", "messages", "preference"]
+    )
+    # Shards go to a folder per kind: an auto run learns only at the end which of the three it keeps.
     writers = {(c, split): SplitWriter(tmp / f"parts-{c}" / split, c) for c in columns for split in splits}
     with tqdm(total=len(files), unit="file", desc="data_hf", disable=None, file=sys.stderr) as progress:
         small = sum(size for _, size in files) < PARALLEL_MIN_BYTES
@@ -1799,8 +2153,12 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     rows: Counter[str] = Counter()
     for (column, _), writer in writers.items():
         rows[column] += writer.rows
-    column = choose_column(args.data_format, rows["text"] - tally.rows_from_conversations, rows["messages"])
-    if args.data_format == "auto" and column == "messages":
+    tally.plain_text_rows = rows["text"] - tally.rows_from_conversations
+    column = choose_column(
+        args.data_format, tally.plain_text_rows, rows["messages"], rows["preference"],
+        tally.conversation_shaped_as_text, tally.preference_shaped_as_text,
+    )  # fmt: skip
+    if args.data_format == "auto" and column != "text":
         tally.adopt_chat_problems()
     chosen = _finish_writers(writers, column, splits, tmp)
     return _summary(tally, args, chosen, column, time.monotonic() - started), chosen
@@ -1833,8 +2191,8 @@ def _refusals(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if args.strict and problems:
         refusals.append(f"--strict: {problems} problem(s) found (listed above); fix them or drop --strict")
     if summary["rows_total"] == 0:
-        what = "conversations were found (see the counts by reason above)" if summary["column"] == "messages" else (
-            "rows were extracted")  # fmt: skip
+        found = {"messages": "conversations", "preference": "preference pairs"}.get(summary["column"])
+        what = f"{found} were found (see the counts by reason above)" if found else "rows were extracted"
         refusals.append(f"no {what} from --data_folder {args.data_folder}; nothing to save")
     return refusals
 

@@ -22,7 +22,8 @@ def load_text_dataset(
     beforehand into the HF_HOME cache (`model_download.py --dataset ORG/NAME`), loaded offline.
 
     A data_hf.py folder is a Dataset, or a DatasetDict with a `train` and an optional `validation` split. Each split
-    has a `text` column (plain text) or a `messages` column (conversations: lists of {"role", "content"}); with
+    has a `text` column (plain text), a `messages` column (conversations: lists of {"role", "content"}) or
+    `prompt`, `chosen` and `rejected` columns (preference pairs, each a list of messages); with
     `text_column` that column is used as the text instead. Memory-mapped, never copied."""
     import datasets
     import pyarrow as pa
@@ -53,10 +54,12 @@ def load_text_dataset(
         train = use_as_text(train, text_column, "train", source)
         validation = use_as_text(validation, text_column, "validation", source)
     for name, split in (("train", train), ("validation", validation)):
-        if split is not None and not {"text", "messages"} & set(split.column_names):
+        preference = {"prompt", "chosen", "rejected"} <= set(split.column_names) if split is not None else False
+        if split is not None and not {"text", "messages"} & set(split.column_names) and not preference:
             raise ValueError(
                 f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
-                f"column; pass --text-column NAME to use another column as the text, or {how_to_make}"
+                f"column, nor 'prompt', 'chosen' and 'rejected' (preference pairs); pass --text-column NAME to use "
+                f"another column as the text, or {how_to_make}"
             )
     return train, validation
 

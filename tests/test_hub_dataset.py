@@ -144,7 +144,7 @@ def test_load_text_dataset_reads_a_cached_hub_dataset(offline_cache: Path):
 def test_load_text_dataset_errors(offline_cache: Path):
     with pytest.raises(ValueError, match="--text-column title2: hub dataset org/bodies has no column 'title2'"):
         load_text_dataset("org/bodies", "title2")
-    with pytest.raises(ValueError, match="no 'text' or 'messages' column; pass --text-column NAME"):
+    with pytest.raises(ValueError, match="no 'text' or 'messages' column, nor 'prompt', 'chosen' and 'rejected'"):
         load_text_dataset("org/bodies")
     with pytest.raises(ValueError, match=r"not in the local cache .*`python model_download.py --dataset org/nope`"):
         load_text_dataset("org/nope")
