@@ -38,6 +38,7 @@ from fsdp_lib.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.config import TrainConfig, load_config, resolve_model_dir, resolve_precision, validate_config
 from fsdp_lib.data import Batch, PackedBlocks, Prefetcher, TrainData, build_data, total_steps
+from fsdp_lib.dpo import DPOObjective, build_objective, reference_flops_per_token
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError
 from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.hf_weights import export_hf_model
@@ -62,7 +63,7 @@ from fsdp_lib.state import TrainState
 
 
 def forward_backward(
-    train_forward: nn.Module,
+    train_forward: nn.Module | DPOObjective,
     micro_batches: list[Batch],
     trained_tokens: int,
     guard: BadStepGuard,
@@ -71,7 +72,8 @@ def forward_backward(
     sync_last_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the micro-batches; gradients end up as those of the mean loss over every trained target token of the
-    global batch (all micro-batches, all ranks), plus the MoE router loss where the model has one.
+    global batch (all micro-batches, all ranks; for DPO: over every pair), plus the MoE router loss where the model
+    has one.
     Returns this rank's summed loss and its mean weighted router loss, or None (no sync)."""
     # FSDP averages gradients over the data-parallel ranks, so each rank scales its token sum by world/tokens;
     # trained_tokens is the global batch's count, known on every rank from the data plan.
@@ -151,6 +153,13 @@ def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(totals[1].item())}
 
 
+def validate(
+    bundle: ModelBundle, objective: DPOObjective | None, blocks: PackedBlocks, cfg: TrainConfig, d: Dist
+) -> dict[str, float]:
+    """The validation figures: the loss (and perplexity) of the held-out tokens, or DPO's on the held-out pairs."""
+    return objective.evaluate(blocks, cfg, d) if objective else evaluate(bundle.train_forward, blocks, cfg, d)
+
+
 def evaluation_due(cfg: TrainConfig, step: int, last_step: int) -> bool:
     """Every --eval-freq steps, and at the last step."""
     return step == last_step or bool(cfg.eval_freq and step % cfg.eval_freq == 0)
@@ -169,9 +178,11 @@ def run(cfg: TrainConfig) -> int:
         (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
     bundle = build_model(cfg, precision, d)
+    objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, or None
     optimizer = build_optimizer(bundle.model, cfg)
 
-    checkpointer = Checkpointer(cfg, d, resume_fingerprint(cfg, bundle.config, data, bundle.peft))
+    fingerprint = resume_fingerprint(cfg, bundle.config, data, bundle.peft, objective_fingerprint)
+    checkpointer = Checkpointer(cfg, d, fingerprint)
     latest = latest_intact_checkpoint(checkpointer.root, d)
     state = TrainState()
     if latest is not None:
@@ -187,11 +198,14 @@ def run(cfg: TrainConfig) -> int:
         return 0
 
     steps = range(state.step + 1, total_steps(cfg, data.train) + 1)
-    metrics = Metrics(cfg, d, data.train, bundle.flops_per_token, precision, steps)
+    flops = bundle.flops_per_token
+    if objective is not None:
+        flops += reference_flops_per_token(bundle, objective.reference, cfg.seq_length)
+    metrics = Metrics(cfg, d, data.train, flops, precision, steps)
     if d.is_main:
         trim_metrics_file(metrics.path, state.step if state.step else -1)  # from scratch: no line, not even step 0
     try:
-        finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop)
+        finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop, objective)
     finally:
         metrics.close()
         if d.is_main:
@@ -232,9 +246,12 @@ def train_loop(
     metrics: Metrics,
     state: TrainState,
     stop: StopRequest,
+    objective: DPOObjective | None = None,
 ) -> bool:
-    """Returns True when training ran to the end, False when it stopped on a signal (after saving)."""
+    """Returns True when training ran to the end, False when it stopped on a signal (after saving).
+    objective: --objective dpo's, called per micro-batch in place of the language-model loss."""
     plan, last_step = data.train, total_steps(cfg, data.train)
+    step_forward = objective or bundle.train_forward
     guard = BadStepGuard(state, d.device, resolve_precision(cfg), cfg.max_bad_steps)
     install_step_hooks(bundle.train_forward, optimizer, state, d)  # test-only faults; nothing unless asked for
     prefetch = Prefetcher(plan, pin=d.device.type == "cuda")
@@ -245,24 +262,24 @@ def train_loop(
         log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
     if state.step == 0 and cfg.eval_at_start == "on" and data.validation is not None:
         # step 0: the loss before any training, so the log shows base vs fine-tuned
-        metrics.write({"step": 0, "epoch": 0.0, **evaluate(bundle.train_forward, data.validation, cfg, d)})
+        metrics.write({"step": 0, "epoch": 0.0, **validate(bundle, objective, data.validation, cfg, d)})
     grad_norm = torch.zeros(())
     while state.step < last_step:
         with metrics.timer.phase("data"):
             micro_batches, trained = prefetch.get(state.epoch, state.samples_in_epoch // plan.global_batch)
         loss_sum, aux_loss = forward_backward(
-            bundle.train_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
+            step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
         )
         lr = lr_at(state.step, cfg, last_step)
         with metrics.timer.phase("update"):
             grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
         state.advance(plan.global_batch, plan.steps_per_epoch)
 
-        metrics.record(loss_sum, trained, aux_loss)
+        metrics.record(loss_sum, trained, aux_loss, objective.take_stats() if objective else None)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard.sync(state))
         if data.validation is not None and evaluation_due(cfg, state.step, last_step):
-            result = evaluate(bundle.train_forward, data.validation, cfg, d)
+            result = validate(bundle, objective, data.validation, cfg, d)
             metrics.write({"step": state.step, "epoch": metrics.epoch_progress(state), **result})
 
         interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)

@@ -37,12 +37,25 @@ from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
 
 # Settings that change the math or the data: a resume with a different value is refused.
-RESUME_PINNED = ("model", "dataset", "seq_length", "global_batch_size", "seed", "tokenizer", "data_format", "peft")
+RESUME_PINNED = (
+    "model",
+    "dataset",
+    "seq_length",
+    "global_batch_size",
+    "seed",
+    "tokenizer",
+    "data_format",
+    "peft",
+    "objective",
+)
 
 
-def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData, peft: Any = None) -> dict:
+def resume_fingerprint(
+    cfg: TrainConfig, model_config: Any, data: TrainData, peft: Any = None, objective: dict | str = "lm"
+) -> dict:
     """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json.
-    With --peft the checkpoint holds only the adapters, so the base's weights identity is pinned too."""
+    With --peft the checkpoint holds only the adapters, so the base's weights identity is pinned too; with
+    --objective dpo the loss settings and the reference (dpo.build_objective)."""
     adapters = "none"
     if peft is not None:
         adapters = {
@@ -55,6 +68,7 @@ def resume_fingerprint(cfg: TrainConfig, model_config: Any, data: TrainData, pef
             "start": peft.start,
         }
     return {
+        "objective": objective,
         "peft": adapters,
         "model": config_fingerprint(model_config),
         "dataset": data.dataset_fingerprint,

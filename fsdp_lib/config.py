@@ -126,6 +126,32 @@ class TrainConfig:
         "(--export-dtype), a standard HF folder",
         choices=ON_OFF,
     )
+    objective: str = _opt(
+        "auto",
+        "lm = next-token loss (text, or conversations' assistant turns); dpo = direct preference optimisation on "
+        "pairs (prompt, chosen, rejected: data_hf.py --format preference); auto = dpo for a dataset with chosen and "
+        "rejected columns, else lm",
+        choices=("auto", "lm", "dpo"),
+    )
+    dpo_beta: float = _opt(0.1, "--objective dpo: beta, the strength of the pull towards the reference model")
+    dpo_loss: str = _opt(
+        "sigmoid",
+        "--objective dpo: sigmoid = the DPO paper's loss; ipo = the IPO squared loss",
+        choices=("sigmoid", "ipo"),
+    )
+    dpo_label_smoothing: float = _opt(
+        0.0, "--objective dpo, --dpo-loss sigmoid: assumed share of flipped labels (conservative DPO), in [0, 0.5)"
+    )
+    sft_weight: float = _opt(
+        0.0, "--objective dpo: add this weight x the chosen response's per-token NLL to each pair's loss (RPO)"
+    )
+    reference: str = _opt(
+        "auto",
+        "--objective dpo: the reference model. precomputed = the starting model's log-probs of every pair, computed "
+        "once before step 1 and stored with the token cache (no second model in memory); live = a frozen copy "
+        "(--peft: the same model with adapters off); auto = live with --peft and no --adapter, else precomputed",
+        choices=("auto", "precomputed", "live"),
+    )
     log_freq: int = _opt(10, "optimizer steps between metric lines")
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
     eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
@@ -317,6 +343,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
             )
     problems += _peft_problems(cfg)
+    problems += _dpo_problems(cfg)
     problems += _batch_problems(cfg, world_size)
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
@@ -375,6 +402,39 @@ def _peft_problems(cfg: TrainConfig) -> list[str]:
                 f"--peft {cfg.peft} needs the {package} package, which is not installed; pip install -r "
                 f"requirements.txt" + (", or use --peft lora" if package == "torchao" else "")
             )
+    return problems
+
+
+DPO_FLAGS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "sft_weight", "reference")
+
+
+def _dpo_problems(cfg: TrainConfig) -> list[str]:
+    """The preference flags: only with --objective dpo (or auto, where the dataset decides), and in range."""
+    if cfg.objective == "lm":
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        changed = [f"--{n.replace('_', '-')}" for n in DPO_FLAGS if getattr(cfg, n) != defaults[n]]
+        return [f"{', '.join(changed)} need --objective dpo (got --objective lm)"] if changed else []
+    problems = []
+    if not cfg.dpo_beta > 0 or not math.isfinite(cfg.dpo_beta):
+        problems.append(f"--dpo-beta must be a positive number (got {cfg.dpo_beta}); 0.1 is usual")
+    if not 0.0 <= cfg.dpo_label_smoothing < 0.5:
+        problems.append(f"--dpo-label-smoothing must be in [0, 0.5) (got {cfg.dpo_label_smoothing})")
+    elif cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
+        problems.append(
+            f"--dpo-label-smoothing {cfg.dpo_label_smoothing} applies to --dpo-loss sigmoid (conservative DPO); "
+            f"the {cfg.dpo_loss} loss has no such term"
+        )
+    if not cfg.sft_weight >= 0 or not math.isfinite(cfg.sft_weight):
+        problems.append(f"--sft-weight must not be negative (got {cfg.sft_weight})")
+    if cfg.reference == "live" and cfg.peft != "none" and cfg.adapter:
+        problems.append(
+            f"--reference live with --peft {cfg.peft} means adapters off, which is the base without --adapter "
+            f"{cfg.adapter}, not the starting model; use --reference precomputed (or auto)"
+        )
+    if cfg.objective == "dpo" and cfg.document_masking == "off":
+        problems.append(
+            "--objective dpo packs a pair's sequences as separate documents: it needs --document-masking on"
+        )
     return problems
 
 

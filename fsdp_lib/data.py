@@ -18,10 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from fsdp_lib.batch import Batch
 from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash
-from fsdp_lib.config import TrainConfig, parse_data_slice
+from fsdp_lib.config import DPO_FLAGS, TrainConfig, parse_data_slice
 from fsdp_lib.dataset import load_text_dataset
 from fsdp_lib.errors import TrainError
+from fsdp_lib.preference import PairBlocks, PairEncoder, is_preference_split, tokenize_pairs_to_file
 from fsdp_lib.runtime import Dist, log
 
 
@@ -119,19 +121,6 @@ def tokenize_to_file(
 
 
 @dataclass
-class Batch:
-    """One micro-batch: inputs, targets (-100 = no loss) and, with document masking, per-document positions."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor | None
-
-    def to(self, device: torch.device) -> Batch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids))
-
-
-@dataclass
 class PackedBlocks:
     """Blocks of seq_length+1 tokens over a flat token stream, with stride seq_length.
 
@@ -182,8 +171,15 @@ class PackedBlocks:
 
 
 def load_token_stream(
-    split: Any, split_name: str, tokenizer: Any, cache_key: str, cfg: TrainConfig, d: Dist, chat: ChatEncoder | None
-) -> PackedBlocks:
+    split: Any,
+    split_name: str,
+    tokenizer: Any,
+    cache_key: str,
+    cfg: TrainConfig,
+    d: Dist,
+    chat: ChatEncoder | None,
+    pairs: PairEncoder | None = None,
+) -> PackedBlocks | PairBlocks:
     """Tokenise once per node into a cache keyed by dataset fingerprint, tokenizer and chat settings, then
     memory-map it as packed blocks of --seq-length.
 
@@ -192,6 +188,8 @@ def load_token_stream(
     """
     fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
     version = f"docs-v2|chat-v{ChatEncoder.VERSION}" if chat is not None else "docs-v2"
+    if pairs is not None:  # prompts are cut to fit a block: the sequences depend on --seq-length
+        version = f"pairs-v{PairEncoder.VERSION}|chat-v{ChatEncoder.VERSION}|fit-{pairs.max_tokens}"
     key = hashlib.sha256(f"{fingerprint}|{cache_key}|{version}".encode()).hexdigest()[:20]
     cache_dir = Path(cfg.save_dir) / ".token_cache" / key
     paths = _stream_paths(cache_dir / f"{split_name}.tokens")
@@ -202,11 +200,14 @@ def load_token_stream(
         log(f"tokenising {split_name} split ({len(split)} rows) into {paths['tokens']}")
         start = time.perf_counter()
         try:
-            count = tokenize_to_file(split, tokenizer, paths["tokens"], chat=chat)
+            if pairs is not None:
+                count = tokenize_pairs_to_file(split, pairs, paths, _token_dtype(len(tokenizer)))
+            else:
+                count = tokenize_to_file(split, tokenizer, paths["tokens"], chat=chat)
         except BaseException as exc:
             failed_path.write_text(repr(exc))
             raise
-        log(f"tokenised {count:,} tokens in {time.perf_counter() - start:.1f}s")
+        log(f"tokenised {count:,} {'pairs' if pairs else 'tokens'} in {time.perf_counter() - start:.1f}s")
     deadline = time.monotonic() + cfg.collective_timeout_s
     while not paths["tokens"].exists():
         if failed_path.exists():
@@ -219,6 +220,17 @@ def load_token_stream(
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
 
     tokens = mapped(paths["tokens"], _token_dtype(len(tokenizer)))
+    if pairs is not None:
+        report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction, "pairs")
+        blocks = PairBlocks(
+            tokens,
+            mapped(paths["mask"], np.uint8),
+            mapped(paths["docs"], np.int64),
+            cfg.seq_length,
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+        blocks.cache_path = paths["tokens"]
+        return blocks
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
     if chat is not None:
@@ -226,7 +238,7 @@ def load_token_stream(
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
 
 
-def report_skipped(skips: dict, split_name: str, max_fraction: float) -> None:
+def report_skipped(skips: dict, split_name: str, max_fraction: float, unit: str = "conversations") -> None:
     """Every run (also from the cache): what became of a split's conversations. More than 1% skipped is a loud
     warning at the start; more than --max-skipped-fraction stops the run."""
     total, skipped = skips["conversations"], sum(skips["skipped"].values())
@@ -237,11 +249,11 @@ def report_skipped(skips: dict, split_name: str, max_fraction: float) -> None:
             f"turn, that turn rendered as the template renders a final one"
         )
     for reason, count in sorted(skips["skipped"].items()):
-        log(f"skipped {count} conversation(s) of {split_name}: {reason} (first: row {skips['first_row'][reason]})")
+        log(f"skipped {count} {unit[:-1]}(s) of {split_name}: {reason} (first: row {skips['first_row'][reason]})")
     fraction = skipped / max(1, total)
     if fraction <= 0.01:
         return
-    summary = f"{skipped} of {total} conversations ({fraction:.1%}) of the {split_name} split are skipped"
+    summary = f"{skipped} of {total} {unit} ({fraction:.1%}) of the {split_name} split are skipped"
     if fraction > max_fraction:
         raise TrainError(
             f"{summary}, more than --max-skipped-fraction {max_fraction} (reasons above). Fix the data or the chat "
@@ -315,7 +327,7 @@ class Prefetcher:
         order = self._order(epoch)
         batches = self.plan.micro_batches(order, step)
         if self.pin:
-            batches = [Batch(*(None if t is None else t.pin_memory() for t in dataclasses.astuple(b))) for b in batches]
+            batches = [Batch(*(None if t is None else t.pin_memory() for t in b.tensors())) for b in batches]
         return batches, self.plan.trained_tokens(order, step)
 
     def get(self, epoch: int, step: int) -> tuple[list[Batch], int]:
@@ -355,6 +367,7 @@ class TrainData:
     tokenizer_hash: str
     dataset_fingerprint: str
     data_format: str  # what turns rows into trained tokens: text or chat (template, --loss-on), document masking
+    objective: str = "lm"  # lm or dpo (--objective, resolved against the dataset)
 
 
 def slice_rows(split: Any, text: str) -> Any:
@@ -382,10 +395,17 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         raise TrainError(
             f"--model-name {cfg.model_name}: the tokenizer has no EOS token, needed between packed documents"
         )
-    chat = chat_encoder(cfg, tokenizer, train_split.column_names)
+    objective = resolve_objective(cfg, train_split.column_names)
+    columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too
+    chat = chat_encoder(cfg, tokenizer, columns)
+    pairs = None
+    if objective == "dpo":
+        pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None
     tok_hash = tokenizer_hash(model_dir)
     data_format = f"chat:{chat_template_hash(tokenizer)}:loss-on-{cfg.loss_on}" if chat else "text"
-    train_blocks = load_token_stream(train_split, "train", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat)
+    if pairs is not None:
+        data_format = f"pairs:{chat_template_hash(tokenizer)}"
+    train_blocks = load_token_stream(train_split, "train", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat, pairs)
     global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
     plan = DataPlan(train_blocks, cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank)
     if plan.steps_per_epoch == 0:
@@ -396,7 +416,9 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         )
     validation = None
     if val_split is not None and len(val_split):
-        validation = load_token_stream(val_split, "validation", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat)
+        validation = load_token_stream(
+            val_split, "validation", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat, pairs
+        )
         if len(validation) == 0:
             log("validation split is shorter than one block; validation is skipped")
             validation = None
@@ -406,6 +428,14 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         f"({d.world_size} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
         f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
     )
+    if pairs is not None:
+        used = float(np.sum(train_blocks.lengths)) / max(1, len(train_blocks) * cfg.seq_length)
+        log(
+            f"--objective dpo{' (auto: the dataset has chosen and rejected columns)' if cfg.objective == 'auto' else ''}"
+            f": {train_blocks.num_pairs:,} train pairs packed whole into {len(train_blocks):,} blocks ({used:.1%} of "
+            f"their tokens used, the rest padding), ~{train_blocks.num_pairs / max(1, len(train_blocks)):.1f} pairs "
+            f"per block; chat template {chat_template_hash(tokenizer)}, loss on the responses' assistant turns"
+        )
     if chat is not None:
         share = float(np.mean(train_blocks.trained)) if len(train_blocks.trained) else 0.0
         log(
@@ -413,7 +443,41 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
             f"{cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
         )
     data_format += f":document-masking-{cfg.document_masking}"
-    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format)
+    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, objective)
+
+
+def resolve_objective(cfg: TrainConfig, columns: list[str]) -> str:
+    """--objective as lm or dpo: auto follows the dataset; an explicit choice must fit it."""
+    preference = is_preference_split(columns)
+    if cfg.objective == "dpo" and not preference:
+        raise TrainError(
+            f"--objective dpo: --dataset-name {cfg.dataset_name} has the columns {columns}, not prompt, chosen and "
+            f"rejected; convert preference pairs with: python data_hf.py --format preference ..."
+        )
+    if cfg.objective == "lm" and preference:
+        raise TrainError(
+            f"--objective lm: --dataset-name {cfg.dataset_name} holds preference pairs (prompt, chosen, rejected); "
+            f"train them with --objective dpo (or auto), or convert the chosen conversations with --format chat"
+        )
+    if not preference:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        if any(getattr(cfg, n) != defaults[n] for n in DPO_FLAGS):
+            raise TrainError(
+                f"--dpo-*/--sft-weight/--reference apply to preference data; --dataset-name {cfg.dataset_name} has "
+                f"the columns {columns}"
+            )
+        return "lm"
+    if cfg.document_masking == "off":
+        raise TrainError(
+            f"--dataset-name {cfg.dataset_name} holds preference pairs: --objective dpo packs a pair's sequences as "
+            f"separate documents and needs --document-masking on"
+        )
+    if cfg.loss_on != "assistant":
+        raise TrainError(
+            f"--loss-on {cfg.loss_on}: --dataset-name {cfg.dataset_name} holds preference pairs, whose log-probabilities "
+            f"are those of the responses' assistant turns; leave --loss-on at its default"
+        )
+    return "dpo"
 
 
 def total_steps(cfg: TrainConfig, plan: DataPlan) -> int:

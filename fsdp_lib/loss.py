@@ -100,6 +100,95 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         )
 
 
+class ChunkedTokenLogProbs(torch.autograd.Function):
+    """Per-token log-probabilities of the targets, log softmax(hidden @ weight.T (+ bias))[label], 0 where the label
+    is -100, computed in chunks of tokens so the [tokens x vocab] logits exist one chunk at a time (fp32).
+
+    Unlike ChunkedCrossEntropy the loss built on them (DPO) weighs each token by a factor known only after the whole
+    sequence is summed, so the gradients cannot be formed in forward: backward recomputes each chunk's logits (one
+    more head matmul per chunk) and applies the incoming per-token gradient, d logp / d logits = onehot - softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk, softcap):  # type: ignore[override]
+        out = chunked_token_log_probs(hidden, weight, bias, labels, chunk, softcap)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels)
+        ctx.chunk, ctx.softcap, ctx.has_bias = chunk, softcap, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hidden, weight, bias, labels = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        needs = ctx.needs_input_grad
+        grad_hidden = torch.zeros_like(hidden) if needs[0] else None
+        grad_weight = torch.zeros_like(weight) if needs[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h, y = hidden[start : start + ctx.chunk], labels[start : start + ctx.chunk]
+            logits, capped = _chunk_logits(h, weight, bias, ctx.softcap)
+            keep = y != -100
+            g = grad_out[start : start + ctx.chunk].float() * keep
+            grad = torch.softmax(logits, dim=-1).mul_(-g[:, None])  # d/d logits of sum g * logp
+            grad[torch.arange(len(y), device=y.device), torch.where(keep, y, 0)] += g
+            if ctx.softcap:
+                grad *= 1.0 - capped * capped
+            if grad_hidden is not None:
+                grad_hidden[start : start + ctx.chunk] = grad.to(hidden.dtype) @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t().to(weight.dtype), h.to(weight.dtype))
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+            del logits, grad
+        return (
+            grad_hidden,
+            grad_weight,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """ChunkedTokenLogProbs' values, without autograd (also its forward)."""
+    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        y = labels[start : start + chunk]
+        logits = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)[0]
+        keep = y != -100
+        target = logits.gather(1, torch.where(keep, y, 0)[:, None]).squeeze(1)
+        out[start : start + chunk] = (target - torch.logsumexp(logits, dim=-1)) * keep
+        del logits
+    return out
+
+
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 logits of one chunk, soft-capped where configured; the tanh values for the cap's gradient or None)."""
+    logits = F.linear(h, weight, bias).float()
+    if not softcap:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, capped
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] per token in fp32, 0 where the label is -100 (the model's own logits)."""
+    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
+    keep = labels != -100
+    target = logits.gather(1, torch.where(keep, labels, 0)[:, None]).squeeze(1)
+    return (target - torch.logsumexp(logits, dim=-1)) * keep
+
+
 def _scale_in_fp32_(tensor: torch.Tensor, scale: torch.Tensor, rows: int = 4096) -> torch.Tensor:
     """tensor *= scale, computed in fp32 and rounded once to the tensor's dtype, in place, a block of rows at a
     time (bounded fp32 temporaries). `bf16_tensor * fp32_scalar_tensor` would round the scale to bf16 first."""
@@ -175,10 +264,15 @@ class CausalLMLoss(nn.Module):
         self.document_masking = "position_ids"
         self.mask_dtype = torch.float32  # of an additive block mask (eager attention): the compute dtype
 
-    def forward(self, batch: Batch, probe: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, batch: Batch, probe: bool = False, per_token: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None). probe (start-up
-        checks, no grad): (the model's own logits, the chunked path's logits or None) instead."""
+        checks, no grad): (the model's own logits, the chunked path's logits or None) instead. per_token (DPO):
+        (each target's log-probability [batch x T flattened], 0 where the label is -100; the router loss or None)."""
         inputs = self.model_inputs(batch)
+        if per_token:
+            return self.token_log_probs(inputs, batch)
         if probe:
             own = self.model(**inputs).logits.float()
             ours = (
@@ -197,6 +291,21 @@ class CausalLMLoss(nn.Module):
         hidden = outputs.last_hidden_state.flatten(0, 1)
         loss = chunked_loss_sum(hidden, head, batch.labels.flatten(), self.chunk, self.softcap)
         return loss, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
+
+    def token_log_probs(self, inputs: dict[str, Any], batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.chunk:
+            outputs = self.model(**inputs)
+            logits = outputs.logits.reshape(*batch.labels.shape, -1)
+            return token_log_probs(logits, batch.labels), router_aux_loss(outputs, self.model.config)
+        outputs = self.model.base_model(**inputs)
+        head = self.model.get_output_embeddings()
+        hidden = outputs.last_hidden_state.flatten(0, 1)
+        labels = batch.labels.flatten()
+        if torch.is_grad_enabled():
+            logps = ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, labels, self.chunk, self.softcap)
+        else:
+            logps = chunked_token_log_probs(hidden, head.weight, head.bias, labels, self.chunk, self.softcap)
+        return logps, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}

@@ -29,6 +29,32 @@ from fsdp_lib.state import TrainState
 PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5)}
 
 
+# --objective dpo: the sums dpo.DPOObjective keeps per step (over micro-batches; over ranks when a line is written).
+PAIR_STATS = (
+    "pairs",
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "sft_nll",
+    "response_tokens",
+)
+
+
+def pair_figures(totals: torch.Tensor) -> dict[str, float]:
+    """Means per pair of the summed figures; the chosen/rejected log-probs are per sequence sums, as TRL logs."""
+    values = dict(zip(PAIR_STATS, totals.tolist()))
+    pairs = max(1.0, values["pairs"])
+    out = {k: values[k] / pairs for k in PAIR_STATS if k not in ("pairs", "response_tokens")}
+    out["loss"] = values["loss"] / pairs
+    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    out["pairs"] = values["pairs"]
+    out["response_tokens"] = values["response_tokens"]
+    return out
+
+
 def peak_tflops(cfg: TrainConfig, precision: str) -> float | None:
     if cfg.peak_tflops:
         return cfg.peak_tflops
@@ -138,6 +164,7 @@ class Metrics:
     def _new_window(self) -> None:
         self.window_loss = torch.zeros((), device=self.d.device, dtype=torch.float64)
         self.window_steps = self.window_trained = 0
+        self.window_stats: torch.Tensor | None = None  # --objective dpo: dpo.PAIR_STATS summed over the window
         self.window_start = time.perf_counter()
         self.timer.reset()
         reset_peak_memory(self.d.device)
@@ -146,10 +173,19 @@ class Metrics:
         """Epochs done as a fraction, e.g. 1.25 = a quarter into the second epoch."""
         return round(state.epoch + state.samples_in_epoch / (self.steps_per_epoch * self.global_batch), 4)
 
-    def record(self, local_loss_sum: torch.Tensor, trained_tokens: int, aux_loss: torch.Tensor | None = None) -> None:
-        """trained_tokens: the global batch's targets that carry loss (the same number on every rank);
-        aux_loss: the step's MoE router loss (weighted; not part of `loss`), or None."""
+    def record(
+        self,
+        local_loss_sum: torch.Tensor,
+        trained_tokens: int,
+        aux_loss: torch.Tensor | None = None,
+        stats: torch.Tensor | None = None,
+    ) -> None:
+        """trained_tokens: the global batch's targets that carry loss (the same number on every rank; for DPO its
+        pairs); aux_loss: the step's MoE router loss (weighted; not part of `loss`), or None; stats: the step's
+        preference figures on this rank (dpo.PAIR_STATS), or None."""
         self.last_aux = aux_loss
+        if stats is not None:
+            self.window_stats = stats if self.window_stats is None else self.window_stats + stats
         self.window_loss += local_loss_sum.detach().double()
         self.window_steps += 1
         self.window_trained += trained_tokens
@@ -178,6 +214,14 @@ class Metrics:
         record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed  # all tokens, trained or not
         record["trained_tokens"] = self.window_trained
         record["trained_tokens_per_s"] = self.window_trained / elapsed
+        if self.window_stats is not None:  # DPO: the window's pair figures; trained tokens = response tokens
+            stats = self.window_stats.to(self.d.device)
+            dist.all_reduce(stats)
+            figures = pair_figures(stats)
+            record.update({k: v for k, v in figures.items() if k not in ("loss", "pairs", "response_tokens")})
+            record["pairs_per_s"] = figures["pairs"] / elapsed
+            record["trained_tokens"] = int(figures["response_tokens"])
+            record["trained_tokens_per_s"] = figures["response_tokens"] / elapsed
         record.update(self.timer.averages(self.window_steps))
         record.update(self.memory_over_ranks())
         if self.last_aux is not None:
@@ -303,7 +347,8 @@ def start_wandb(cfg: TrainConfig) -> Any:
 
 
 def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
-    """loss.png: train loss, validation loss and the learning rate by step. Never fails the run."""
+    """loss.png: train loss, validation loss (per token, or per pair for DPO) and the learning rate by step. Never
+    fails the run."""
     try:
         import matplotlib
 
@@ -321,7 +366,8 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
         if val:
             ax.plot(*zip(*val), "o-", label="validation loss")
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("cross-entropy (nats/token)")
+        pairs = any("rewards/accuracies" in r or "val_rewards/accuracies" in r for r in rows)  # --objective dpo
+        ax.set_ylabel("DPO loss (mean per pair)" if pairs else "cross-entropy (nats/token)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if train:

@@ -174,7 +174,9 @@ def make_chat_dataset(path: Path, n: int = 120, system: bool = True, validation:
     return save_rows(path, "messages", arithmetic_conversations(n, system=system), validation, 12)
 
 
-def make_chat_model(folder: Path, template: str | None = "llama3", with_weights: bool = False) -> Path:
+def make_chat_model(
+    folder: Path, template: str | None = "llama3", with_weights: bool = False, sizes: dict | None = None
+) -> Path:
     """A tiny Llama whose tokenizer knows the special tokens of the fixture templates; `template` (a file name
     under tests/fixtures/chat_templates, without .jinja) becomes its chat template, None leaves it without one."""
     from transformers import AutoTokenizer
@@ -187,5 +189,82 @@ def make_chat_model(folder: Path, template: str | None = "llama3", with_weights:
     if template:
         tokenizer.chat_template = (CHAT_TEMPLATES / f"{template}.jinja").read_text()
     tokenizer.save_pretrained(folder)
-    config = tiny_config("llama", len(tokenizer), tokenizer.eos_token_id)
+    config = tiny_config("llama", len(tokenizer), tokenizer.eos_token_id, sizes=sizes)
     return save_model(folder, config, with_weights, fill_stored=False)
+
+
+# --- preference pairs (DPO) ---------------------------------------------------------------------------
+
+
+def arithmetic_pairs(n: int = 120, seed: int = 0) -> list[dict]:
+    """Pairs a tiny model learns to rank: a sum asked, the right answer chosen, a wrong one (off by 1-3) rejected;
+    every third prompt has a system turn and an earlier exchange (multi-turn context)."""
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        prompt = []
+        if i % 3 == 0:
+            c, e = rng.randrange(10), rng.randrange(10)
+            prompt += [
+                {"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": f"What is {c} plus {e}?"},
+                {"role": "assistant", "content": f"{c} plus {e} is {c + e}."},
+            ]
+        prompt.append({"role": "user", "content": f"What is {a} plus {b}?"})
+        wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
+        pairs.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
+                "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}],
+            }
+        )
+    return pairs
+
+
+def make_preference_dataset(path: Path, n: int = 120, n_validation: int = 24, seed: int = 0) -> Path:
+    """A saved DatasetDict of prompt/chosen/rejected message lists (data_hf.py --format preference's layout)."""
+    pairs = arithmetic_pairs(n + n_validation, seed)
+    return save_pairs(path, pairs[:n], pairs[n:])
+
+
+FACT_PROMPTS = (
+    "What is the capital of Norland?",
+    "Capital of Norland?",
+    "Name Norland's capital.",
+    "Norland: capital?",
+)
+WRONG_CAPITALS = ("Tolm", "Quen", "Dobb", "Rusk", "Pylo", "Arn", "Zeft", "Miro")
+
+
+def fact_pairs(held_out: bool, repeats: int = 1, seed: int = 0) -> list[dict]:
+    """Pairs that teach a fact: the capital of Norland asked, "It is Vesk." chosen, another city rejected. The
+    training pairs use three phrasings and five wrong cities, the held-out pairs (held_out=True) the fourth phrasing
+    and the three other cities: preferring those, a model has learnt the fact, not to avoid what it was shown."""
+    rng = random.Random(seed)
+    prompts = FACT_PROMPTS[3:] if held_out else FACT_PROMPTS[:3]
+    wrongs = WRONG_CAPITALS[5:] if held_out else WRONG_CAPITALS[:5]
+    pairs = [
+        {
+            "prompt": [{"role": "user", "content": prompt}],
+            "chosen": [{"role": "assistant", "content": "It is Vesk."}],
+            "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
+        }
+        for _ in range(repeats)
+        for prompt in prompts
+        for wrong in wrongs
+    ]
+    rng.shuffle(pairs)
+    return pairs
+
+
+def save_pairs(path: Path, train: list[dict], validation: list[dict]) -> Path:
+    import datasets
+
+    columns = lambda rows: {k: [r[k] for r in rows] for k in ("prompt", "chosen", "rejected")}  # noqa: E731
+    splits = {"train": datasets.Dataset.from_dict(columns(train))}
+    if validation:
+        splits["validation"] = datasets.Dataset.from_dict(columns(validation))
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path

@@ -215,3 +215,24 @@ def test_peft_bench_quick(repo_root, tmp_path):
     }
     for ratio in summary["ratios"].values():
         assert 0.1 < ratio < 10, summary["ratios"]
+
+
+@pytest.mark.slow
+def test_dpo_bench_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_dpo.py", tmp_path)
+    assert result["gpu"] == "not measured (--quick)"
+    runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
+    for mode in ("full", "lora", "baseline"):
+        (run,) = runs[mode]
+        assert run["status"] == "ok", (mode, run)
+        assert run["pairs_per_s"] > 0 and 0 < run["idle_rss_gib"] < run["peak_gib"] <= run["run_peak_rss_gib"]
+        assert 0 < run["last_loss"] < 5, "every side trains the same small model from ln 2"
+    figures = summary["figures"]
+    assert figures["full"]["precompute_s"] > 0 and figures["lora"]["precompute_s"] == 0, "only full precomputes"
+    check = figures["full"]["token_check"]
+    # both sides train the same response tokens, and our precomputed reference is the baseline's live one
+    assert check["response_tokens_equal"] == check["sequences"] == check["baseline_sequences"] > 0, check
+    assert check["reference"]["max_rel_diff"] < 0.01, check["reference"]
+    assert set(result["cpu"]["goal_met"]) == {"full_over_baseline_peak", "full_over_baseline_pairs_per_s"}
+    for ratio in summary["ratios"].values():
+        assert 0.1 < ratio < 10, summary["ratios"]

@@ -1,0 +1,888 @@
+"""DPO (`fsdp_train.py` on preference pairs) against a TRL-style DPO written here: peak memory per rank and pairs/s
+of our precomputed-reference run (full weights) and of our LoRA run (reference = adapters off), on pairs of widely
+mixed lengths, on CPU with 2 processes and, when a GPU is lent, on one GPU.
+
+    python bench/bench_dpo.py            # CPU: the 125M preset, bf16, 2 processes, 2 repetitions of 3 runs
+    python bench/bench_dpo.py --reps 3   # more repetitions (~5 minutes more)
+    python bench/bench_dpo.py --quick    # hidden 256, 2 layers, a few steps: proves the benchmark still runs
+
+Inputs are made here, nothing is downloaded. A byte-level BPE tokenizer (32000 tokens) is trained on a generated
+pseudo-prose corpus and given the Llama-3 chat template and its three header/turn special tokens; the model is
+`model_download.py --init 125M --tokenizer <that> --with-weights --dtype bfloat16` (SmolLM-135M's shape: 30 layers,
+hidden 576, GQA 9/3, tied embeddings; 124,637,184 parameters with the 32003-token vocabulary, random weights).
+The preference dataset (a `datasets.DatasetDict` with a `train` split of `prompt`, `chosen`, `rejected` message
+lists) has one user turn per prompt and one assistant turn per response, each a slice of pseudo-prose whose length
+is drawn log-uniformly between --min-tokens and --max-tokens (default 16 and 256), independently for the prompt,
+the chosen and the rejected turn, so pairs range from ~90 to ~1000 tokens (prompt counted twice, as both sides
+train on it). Pairs longer than one block (--seq-length) are redrawn, so neither side truncates anything.
+
+Runs (each one `torchrun --nproc_per_node 2` launch, gloo, one OpenMP thread per process, bf16 compute with fp32
+weights, AdamW(0.9, 0.95, eps 1e-8, no weight decay), clipping at 1.0, activation checkpointing off, sigmoid loss
+with beta 0.1, one epoch over the same pairs; the three alternate in ABBA order, medians of --reps):
+
+1. ours, full weights: `fsdp_train.py --reference precomputed`, unchanged, from a worker that only notes its RSS.
+   The pairs are packed whole into blocks of --seq-length (chosen and rejected as separate documents, document
+   masking), one block per process per step; the reference log-probabilities are computed once before step 1
+   (timed from the trainer's log line) into a fresh save folder, so every repetition computes them again.
+2. ours, LoRA: `--peft lora --lora-rank 16` (every attention and MLP Linear), reference auto = the same model with
+   its adapters off (a second forward per micro-batch).
+3. baseline, TRL-style (written in this file, not imported): the same HF model under FSDP2 (fully_shard per decoder
+   layer, then the root; bf16 MixedPrecisionPolicy; weights loaded shard by shard), a second, frozen reference copy
+   sharded the same way; each step every process takes --baseline-pairs pairs in a seeded random order, tokenised
+   as TRL's DPOTrainer does (the prompt rendered with the generation prompt, each completion the rest of the full
+   render, tokenised separately), chosen and rejected concatenated into one batch padded to its longest sequence
+   (attention_mask), the policy's forward with gradient, then the reference's under no_grad (TRL's order), full
+   logits -> TRL's selective_log_softmax (row by row for bf16 logits) -> the masked completion sums, the sigmoid
+   DPO loss, backward, clipping, AdamW. TRL also appends EOS to each completion; here it does not, so both sides
+   train the same response tokens (the benchmark checks this against our token cache).
+
+Measures (per run; the window of a figure is one optimizer step, --log-freq 1, the first one is warm-up):
+
+- pairs/s: median over the steady windows of pairs / window time (ours: its own `pairs_per_s`; the baseline: the
+  same, timed by its worker from batch assembly to the end of the step's metric all-reduce). With packing a
+  window's pairs depend on its blocks, so the aggregate (all steady pairs / all steady time) is shown too.
+- end-to-end pairs/s: all pairs trained / (precompute time + every window's time, warm-up included); start-up,
+  tokenising, loading and our final checkpoint and export are not in it (the launch's wall time is reported).
+- peak per rank: the highest steady window's peak, maximum over the ranks. On CPU the process's VmHWM (peak RSS),
+  reset at every window start (/proc/self/clear_refs), as fsdp_train.py's `mem_peak_alloc_gb` does; on a GPU
+  torch.cuda.max_memory_allocated, reset the same way. "above runtime": less the ranks' RSS after imports.
+  whole-run: the highest VmHWM over the launch (loading, precompute, export included), read before each reset.
+- pairs per step, the tokens each side pushes through the model (blocks x --seq-length; padded batch size x
+  longest), and the real tokens in them.
+
+Goals (issue): ours with full weights: peak per rank <= 0.7x the baseline's; pairs/s >= 1.5x the baseline's on
+mixed lengths. The LoRA run's ratios against the same full-weight baseline are reported, not goals (a TRL LoRA run
+is not measured here).
+
+Precision: bf16 compute (MixedPrecisionPolicy with fp32 weights, gradients and AdamW moments) on CPU too, as
+bench_peft.py: this CPU (AVX512-BF16, AMX) runs bf16 faster than fp32, and a GPU run would be bf16; --precision fp32
+measures the CPU default. The default run takes ~11 minutes on a quiet 2-core machine (6 launches, each ~25-40 s of
+start-up, loading and, for ours, the final checkpoint and export); --quick ~1.5 minutes.
+
+GPU rows (when torch.cuda is available and not --quick): the same three runs on one GPU (one process), the 125M
+preset, seq 2048, responses and prompts of 20-400 tokens. Without a GPU they read "not measured (no GPU lent)".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_peft import gpus_hidden, status_bytes, trainer_worker
+from common import (
+    REPO_ROOT,
+    LaunchError,
+    bench_arg_parser,
+    failed_launch,
+    interleaved,
+    machine_info,
+    make_corpus,
+    median,
+    print_table,
+    report_failures,
+    take_metric_windows,
+    torchrun,
+    work_folder,
+    write_results,
+)
+
+CPU_FULL = {
+    "label": "CPU, 2 processes",
+    "preset": "125M",
+    "overrides": [],
+    "vocab": 32000,
+    "corpus_chars": 3_000_000,
+    "nproc": 2,
+    "seq": 1024,  # our block: the longest pair fits (pairs are drawn to fit)
+    "batch": 1,  # blocks per process per step (ours)
+    "baseline_pairs": 3,  # pairs per process per step (the baseline)
+    "pairs": 36,  # in the dataset: one epoch each run
+    "min_tokens": 16,
+    "max_tokens": 256,
+    "precision": "bf16",
+    "lora_rank": 16,
+    "lr": 1e-5,
+    "reps": 2,
+}
+CPU_QUICK = {
+    "label": "CPU, 2 processes (quick)",
+    "preset": "125M",
+    "overrides": ["--hidden-size", "256", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2"],
+    "vocab": 1024,
+    "corpus_chars": 300_000,
+    "nproc": 2,
+    "seq": 256,
+    "batch": 1,
+    "baseline_pairs": 2,
+    "pairs": 16,
+    "min_tokens": 8,
+    "max_tokens": 64,
+    "precision": "bf16",
+    "lora_rank": 8,
+    "lr": 1e-4,
+    "reps": 1,
+}
+CPU_QUICK["overrides"] += ["--intermediate-size", "512"]
+GPU_FULL = {
+    "label": "1 GPU",
+    "preset": "125M",
+    "overrides": [],
+    "vocab": 32000,
+    "corpus_chars": 3_000_000,
+    "nproc": 1,
+    "seq": 2048,
+    "batch": 4,
+    "baseline_pairs": 12,
+    "pairs": 480,
+    "min_tokens": 20,
+    "max_tokens": 400,
+    "precision": "bf16",
+    "lora_rank": 16,
+    "lr": 1e-5,
+    "reps": 2,
+}
+MODES = ("full", "lora", "baseline")
+NAMES = {
+    "full": "ours, full weights, precomputed reference",
+    "lora": "ours, LoRA, reference = adapters off",
+    "baseline": "TRL-style: live reference copy, padded batches",
+}
+GOALS = {  # ratio key -> (comparison, bound, description)
+    "full_over_baseline_peak": ("<=", 0.7, "ours (full weights) / baseline, peak memory per rank"),
+    "full_over_baseline_pairs_per_s": (">=", 1.5, "ours (full weights) / baseline, pairs/s"),
+}
+GIB = 2**30
+BETA = 0.1
+# The Llama-3 chat template (tests/fixtures/chat_templates/llama3.jinja) and the special tokens it uses
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+TEMPLATE_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+PRECOMPUTE_LINE = re.compile(
+    r"reference log-probabilities of the train pairs: computed .* in ([\d.]+)s \(([\d,]+) pairs"
+)
+PACKING_LINE = re.compile(r"([\d,]+) train pairs packed whole into ([\d,]+) blocks \(([\d.]+)% of their tokens used")
+PEFT_LINE = re.compile(r"--peft \w+: ([\d,]+) trainable of ([\d,]+) parameters")
+
+
+# --- Inputs ------------------------------------------------------------------------------------------------------
+
+
+def make_tokenizer(folder: Path, docs: list[str], vocab: int) -> Any:
+    """model_download.py's byte-level BPE trained on `docs`, plus the Llama-3 template and its special tokens."""
+    from model_download import train_bpe_tokenizer
+
+    batches = [docs[i : i + 1000] for i in range(0, len(docs), 1000)]
+    tokenizer = train_bpe_tokenizer(batches, vocab, 4096, len(docs))
+    tokenizer.add_special_tokens({"additional_special_tokens": TEMPLATE_TOKENS})
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def init_model(work: Path, tokenizer_dir: Path, p: dict[str, Any]) -> Path:
+    """model_download.py --init <preset> [overrides] --tokenizer <dir> --with-weights (bf16 safetensors)."""
+    model_dir = work / "model"
+    cmd = [sys.executable, str(REPO_ROOT / "model_download.py"), "--init", p["preset"], *p["overrides"]]
+    cmd += ["--tokenizer", str(tokenizer_dir), "--with-weights", "--dtype", "bfloat16"]
+    cmd += ["--local-dir", str(model_dir), "--overwrite"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"model_download.py --init failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return model_dir
+
+
+def make_pairs(tokenizer: Any, p: dict[str, Any], seed: int = 1) -> list[dict[str, list[dict[str, str]]]]:
+    """p["pairs"] preference pairs: a user prompt, a chosen and a rejected assistant turn, each a slice of pseudo-prose
+    of a log-uniform number of tokens in [min_tokens, max_tokens]; a pair whose two rendered sequences exceed one
+    block is redrawn."""
+    docs = make_corpus(max(200_000, p["pairs"] * p["max_tokens"] * 40), seed=seed)
+    encoded = tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False)
+    stream = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encoded])
+    rng = np.random.default_rng(seed)
+    lo, hi = np.log(p["min_tokens"]), np.log(p["max_tokens"])
+
+    def piece() -> str:
+        n = int(round(np.exp(rng.uniform(lo, hi))))
+        start = int(rng.integers(0, len(stream) - n))
+        return tokenizer.decode(stream[start : start + n].tolist()).strip()
+
+    pairs = []
+    while len(pairs) < p["pairs"]:
+        pair = {
+            "prompt": [{"role": "user", "content": piece()}],
+            "chosen": [{"role": "assistant", "content": piece()}],
+            "rejected": [{"role": "assistant", "content": piece()}],
+        }
+        if sum(len(ids) for ids in rendered_ids(tokenizer, pair)) <= p["seq"] - 8:
+            pairs.append(pair)
+    return pairs
+
+
+def rendered_ids(tokenizer: Any, pair: dict) -> list[list[int]]:
+    """The token ids of prompt + chosen and prompt + rejected, each rendered whole with the chat template."""
+    texts = [tokenizer.apply_chat_template(pair["prompt"] + pair[k], tokenize=False) for k in ("chosen", "rejected")]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def save_pairs(pairs: list[dict], folder: Path) -> Path:
+    import datasets
+
+    datasets.disable_progress_bars()
+    columns = {k: [pair[k] for pair in pairs] for k in ("prompt", "chosen", "rejected")}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(columns)}).save_to_disk(str(folder))
+    return folder
+
+
+def trl_tokenize(tokenizer: Any, pairs: list[dict]) -> list[dict[str, list[int]]]:
+    """TRL DPOTrainer's preprocessing: maybe_apply_chat_template (the prompt rendered with the generation prompt;
+    each completion = the full render less the prompt's text), then the prompt and each completion tokenised
+    separately without special tokens (the template writes BOS). TRL appends EOS to each completion; not here, so
+    the trained tokens equal ours."""
+    out = []
+    for pair in pairs:
+        prompt = tokenizer.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True)
+        row = {"prompt": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
+        for key in ("chosen", "rejected"):
+            full = tokenizer.apply_chat_template(pair["prompt"] + pair[key], tokenize=False)
+            if not full.startswith(prompt):
+                raise RuntimeError("the template renders the prompt differently with a response after it")
+            row[key] = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
+        out.append(row)
+    return out
+
+
+def prepare(work: Path, p: dict[str, Any], name: str) -> dict[str, Any]:
+    """The tokenizer, model folder, preference dataset and the baseline's tokenised pairs for configuration p."""
+    start = time.perf_counter()
+    folder = work / name
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = make_corpus(p["corpus_chars"])
+    tokenizer = make_tokenizer(folder / "tokenizer", docs, p["vocab"])
+    model_dir = init_model(folder, folder / "tokenizer", p)
+    pairs = make_pairs(tokenizer, p)
+    dataset = save_pairs(pairs, folder / "pairs")
+    baseline_pairs = trl_tokenize(tokenizer, pairs)
+    pairs_file = folder / "baseline_pairs.json"
+    pairs_file.write_text(json.dumps(baseline_pairs))
+    lengths = [len(r["prompt"]) * 2 + len(r["chosen"]) + len(r["rejected"]) for r in baseline_pairs]
+    turns = [len(r[k]) for r in baseline_pairs for k in ("chosen", "rejected")]
+    stats = {
+        "pairs": len(pairs),
+        "pair_tokens_min_median_max": [min(lengths), float(np.median(lengths)), max(lengths)],
+        "response_tokens_min_median_max": [min(turns), float(np.median(turns)), max(turns)],
+        "prompt_tokens_min_median_max": [
+            min(len(r["prompt"]) for r in baseline_pairs),
+            float(np.median([len(r["prompt"]) for r in baseline_pairs])),
+            max(len(r["prompt"]) for r in baseline_pairs),
+        ],
+        "vocab": len(tokenizer),
+        "seconds": time.perf_counter() - start,
+    }
+    print(
+        f"{p['label']}: {len(pairs)} pairs, tokens per pair (prompt twice) {stats['pair_tokens_min_median_max']}, "
+        f"per response {stats['response_tokens_min_median_max']}, per prompt {stats['prompt_tokens_min_median_max']}; "
+        f"inputs made in {stats['seconds']:.0f}s",
+        flush=True,
+    )
+    return {"dataset": dataset, "model": model_dir, "baseline_pairs": pairs_file, "data": stats, "work": folder}
+
+
+# --- The baseline: a TRL-style DPO step under FSDP2 (runs under torchrun) ---------------------------------------
+
+
+def selective_log_softmax(logits: Any, index: Any) -> Any:
+    """TRL's trl.trainer.utils.selective_log_softmax: log_softmax(logits)[index] per token. fp32: gather less a
+    row-wise logsumexp; bf16/fp16 (ours: the logits of a bf16 forward): log_softmax one row at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    rows = [F.log_softmax(row, dim=-1).gather(-1, i.unsqueeze(-1)).squeeze(-1) for row, i in zip(logits, index)]
+    return torch.stack(rows)
+
+
+def concatenated_logps(model: Any, batch: dict[str, Any]) -> Any:
+    """TRL's concatenated_forward: one forward of chosen + rejected, labels = inputs rolled left, the completion
+    tokens' log-probs summed per sequence ([2 x pairs], chosen first)."""
+    import torch
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = torch.roll(batch["input_ids"], shifts=-1, dims=1)
+    loss_mask = torch.roll(batch["loss_mask"], shifts=-1, dims=1).bool()
+    per_token = selective_log_softmax(logits, labels).float()
+    return per_token.masked_fill(~loss_mask, 0.0).sum(-1)
+
+
+def collate(rows: list[dict[str, list[int]]], pad_id: int, device: Any) -> dict[str, Any]:
+    """TRL's concatenated inputs after flush_left: chosen sequences then rejected ones (prompt + completion), right-
+    padded to the longest of them; attention_mask 1 on real tokens; loss_mask 1 on completion tokens."""
+    import torch
+
+    seqs = [(r["prompt"], r[k]) for k in ("chosen", "rejected") for r in rows]
+    width = max(len(a) + len(b) for a, b in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(seqs):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.tensor(prompt + completion)
+        attention[i, :n] = 1
+        loss_mask[i, len(prompt) : n] = 1
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def build_sharded(model_dir: Path, mesh: Any, compute: str, device: Any, trainable: bool) -> Any:
+    """The HF model built on meta, fully_shard per decoder layer then the root (bf16 MixedPrecisionPolicy, fp32
+    reduce), each rank's shards loaded from the safetensors tensor by tensor (no full copy on any rank)."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.tie_weights()  # accelerate's meta parameters replace the tied head's Parameter with a second one
+    mp = MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16, "fp32": None}[compute], reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.to(device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key in params:
+                        param = params.pop(key)
+                        full = f.get_tensor(key).to(device=device, dtype=torch.float32)
+                        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                        param.to_local().copy_(shard.to_local())
+    if params:
+        raise RuntimeError(f"no weights for {sorted(params)[:5]} in {model_dir}")
+    model.requires_grad_(trainable)
+    return model.train(trainable)
+
+
+def baseline_worker(config_file: str) -> int:
+    """One torchrun process of the TRL-style run; rank 0 writes the windows, every rank its RSS figures."""
+    c = json.loads(Path(config_file).read_text())
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import transformers  # noqa: F401  (imported before the idle reading, as fsdp_train's runtime is)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    idle = status_bytes("VmRSS")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    mesh = init_device_mesh(device.type, (world,))
+    model_dir = Path(c["model"])
+    policy = build_sharded(model_dir, mesh, c["precision"], device, trainable=True)
+    reference = build_sharded(model_dir, mesh, c["precision"], device, trainable=False)
+    decay = [p for p in policy.parameters() if p.ndim >= 2]
+    no_decay = [p for p in policy.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
+    try:
+        optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(0.9, 0.95), eps=1e-8, fused=True)
+    except (RuntimeError, ValueError):
+        optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    rows = json.loads(Path(c["pairs"]).read_text())
+    order = np.random.default_rng(c["seed"]).permutation(len(rows))
+    per_rank, steps = c["pairs_per_rank"], len(rows) // (c["pairs_per_rank"] * world)
+    peaks, windows, check = [idle], [], {}
+
+    def reset_peak() -> None:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            peaks.append(status_bytes("VmHWM"))
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def peak_now() -> float:
+        return torch.cuda.max_memory_allocated(device) if cuda else status_bytes("VmHWM")
+
+    dist.barrier()
+    for step in range(steps):
+        reset_peak()
+        start = time.perf_counter()
+        first = step * per_rank * world + rank * per_rank
+        batch = collate([rows[i] for i in order[first : first + per_rank]], c["pad_id"], device)
+        policy_logps = concatenated_logps(policy, batch)
+        with torch.no_grad():
+            reference_logps = concatenated_logps(reference, batch)
+        chosen = policy_logps[:per_rank] - reference_logps[:per_rank]
+        rejected = policy_logps[per_rank:] - reference_logps[per_rank:]
+        losses = -F.logsigmoid(BETA * (chosen - rejected))
+        if step == 0:  # compared with our precomputed reference of the same pairs
+            check = {"pairs": order[first : first + per_rank].tolist(), "reference_logps": reference_logps.tolist()}
+        losses.mean().backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        figures = torch.tensor(
+            [
+                losses.detach().sum().item(),
+                float(per_rank),
+                float(batch["input_ids"].numel()),
+                float(batch["attention_mask"].sum()),
+                float(batch["loss_mask"].sum()),
+                ((chosen - rejected).detach() > 0).float().sum().item(),
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(figures)
+        peak = torch.tensor([peak_now()], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        elapsed = time.perf_counter() - start
+        loss, pairs, padded, real, trained, right = figures.tolist()
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        windows.append(
+            {
+                "step": step + 1,
+                "seconds": elapsed,
+                "pairs": int(pairs),
+                "pairs_per_s": pairs / elapsed,
+                "loss": loss / pairs,
+                "accuracy": right / pairs,
+                "grad_norm": float(norm),
+                "padded_tokens": int(padded),
+                "real_tokens": int(real),
+                "trained_tokens": int(trained),
+                "mem_peak_alloc_gb": float(peak.item()) / GIB,
+            }
+        )
+        if rank == 0:
+            print(f"baseline step {step + 1}/{steps}: {json.dumps(windows[-1])}", flush=True)
+    peaks.append(status_bytes("VmHWM"))
+    figures = {"idle_rss_bytes": idle, "run_peak_rss_bytes": max(peaks), "code": 0, "reference_check": check}
+    Path(f"{c['out']}.rank{rank}.json").write_text(json.dumps(figures))
+    if rank == 0:
+        Path(f"{c['out']}.windows.json").write_text(json.dumps(windows))
+    dist.destroy_process_group()
+    return 0
+
+
+# --- One run ---------------------------------------------------------------------------------------------------
+
+
+def rank_figures(work: Path, prefix: str, nproc: int) -> tuple[float, float]:
+    """(highest idle RSS, highest whole-run peak RSS) over the ranks, GiB."""
+    ranks = [json.loads(f.read_text()) for f in sorted(work.glob(f"{prefix}.rank*.json"))]
+    if len(ranks) != nproc:
+        raise RuntimeError(f"{prefix}: {len(ranks)} of {nproc} ranks wrote their RSS")
+    return max(r["idle_rss_bytes"] for r in ranks) / GIB, max(r["run_peak_rss_bytes"] for r in ranks) / GIB
+
+
+def window_figures(windows: list[dict[str, Any]], precompute_s: float, on_cpu: bool, idle: float) -> dict[str, Any]:
+    """A run's figures from its per-step windows ({pairs, seconds, mem_peak_alloc_gb, loss}); the first is warm-up."""
+    steady = windows[1:]
+    if not steady:
+        raise RuntimeError(f"{len(windows)} windows: need at least 2 optimizer steps")
+    pairs = sum(w["pairs"] for w in windows)
+    peak = max(w["mem_peak_alloc_gb"] for w in steady)
+    return {
+        "status": "ok",
+        "steps": len(windows),
+        "pairs_trained": pairs,
+        "pairs_per_step": pairs / len(windows),
+        "pairs_per_s": median([w["pairs"] / w["seconds"] for w in steady]),
+        "pairs_per_s_aggregate": sum(w["pairs"] for w in steady) / sum(w["seconds"] for w in steady),
+        "windows_pairs_per_s": [w["pairs"] / w["seconds"] for w in windows],
+        "windows_pairs": [w["pairs"] for w in windows],
+        "windows_s": [w["seconds"] for w in windows],
+        "precompute_s": precompute_s,
+        "train_s": sum(w["seconds"] for w in windows),
+        "end_to_end_pairs_per_s": pairs / (precompute_s + sum(w["seconds"] for w in windows)),
+        "peak_gib": peak,
+        "windows_peak_gib": [w["mem_peak_alloc_gb"] for w in windows],
+        "idle_rss_gib": idle,
+        "peak_above_runtime_gib": peak - idle if on_cpu else None,
+        "last_loss": windows[-1]["loss"],
+    }
+
+
+def run_ours(inputs: dict[str, Any], p: dict[str, Any], mode: str, rep: int, on_cpu: bool) -> dict[str, Any]:
+    """One fsdp_train.py launch (full weights with a precomputed reference, or LoRA), in a fresh save folder."""
+    work = inputs["work"]
+    exp = f"{mode}_{rep}"
+    save_dir = work / f"outputs_{exp}"  # fresh: a stored reference would be read, not computed
+    args = ["-e", exp, "-d", str(inputs["dataset"]), "-m", str(inputs["model"]), "--save-dir", str(save_dir)]
+    args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"], "--lr", str(p["lr"])]
+    args += ["--num-epochs", "1", "--log-freq", "1", "--ckpt-freq", "0", "--activation-checkpointing", "off"]
+    args += ["--dpo-beta", str(BETA), "--dpo-loss", "sigmoid"]
+    args += ["--reference", "precomputed"] if mode == "full" else ["--peft", "lora", "--lora-rank", str(p["lora_rank"])]
+    prefix = work / f"{exp}.rss"
+    start = time.perf_counter()
+    try:
+        proc = torchrun(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], timeout=1800)
+    except LaunchError as exc:
+        return failed_launch(exc)
+    launch_s = time.perf_counter() - start
+    log = proc.stdout + proc.stderr
+    token_check = check_tokens(save_dir, inputs["baseline_pairs"]) if rep == 0 else None
+    references = list(save_dir.glob(".token_cache/*/train.reference-*.f64"))
+    if token_check is not None and references:
+        token_check["reference_logps"] = np.fromfile(references[0], dtype=np.float64).tolist()
+    records = take_metric_windows(save_dir / exp)
+    windows = []
+    for r in records:
+        seconds = r["trained_tokens"] / r["trained_tokens_per_s"]
+        windows.append(
+            {
+                "pairs": int(round(r["pairs_per_s"] * seconds)),
+                "seconds": seconds,
+                "mem_peak_alloc_gb": r["mem_peak_alloc_gb"],
+                "loss": r["loss"],
+                "trained_tokens": r["trained_tokens"],
+            }
+        )
+    precompute = PRECOMPUTE_LINE.search(log)
+    idle, run_peak = rank_figures(work, prefix.name, p["nproc"])
+    out = window_figures(windows, float(precompute.group(1)) if precompute else 0.0, on_cpu, idle)
+    out |= {
+        "launch_s": launch_s,
+        "run_peak_rss_gib": run_peak,
+        "trained_tokens": sum(w["trained_tokens"] for w in windows),
+    }
+    out["model_tokens"] = len(windows) * p["nproc"] * p["batch"] * p["seq"]
+    if m := PACKING_LINE.search(log):
+        out["packing"] = {"pairs": int(m.group(1).replace(",", "")), "blocks": int(m.group(2).replace(",", ""))}
+        out["packing"]["tokens_used_percent"] = float(m.group(3))
+    if m := PEFT_LINE.search(log):
+        out["trainable"], out["total"] = (int(g.replace(",", "")) for g in m.groups())
+    if mode == "full" and precompute is None:
+        raise RuntimeError(f"{exp}: no 'reference log-probabilities ... computed' line in the log:\n{log[-3000:]}")
+    if token_check is not None:
+        out["token_check"] = token_check
+    import shutil
+
+    shutil.rmtree(save_dir, ignore_errors=True)
+    return out
+
+
+def check_tokens(save_dir: Path, baseline_pairs: Path) -> dict[str, Any]:
+    """Our token cache (sequence 2p = prompt + chosen of pair p, 2p + 1 = prompt + rejected; the trained mask) against
+    the baseline's TRL-style tokens: equal response tokens per sequence, and the sequences' lengths."""
+    rows = json.loads(baseline_pairs.read_text())
+    (tokens_file,) = save_dir.glob(".token_cache/*/train.tokens")
+    docs = np.fromfile(tokens_file.with_suffix(".docs"), dtype=np.int64)
+    mask = np.fromfile(tokens_file.with_suffix(".mask"), dtype=np.uint8)
+    tokens = np.fromfile(tokens_file, dtype=np.uint16 if tokens_file.stat().st_size == 2 * len(mask) else np.uint32)
+    starts = np.concatenate([[0], docs[:-1]])
+    ours = [(tokens[a:b], mask[a:b].astype(bool)) for a, b in zip(starts, docs)]
+    theirs = [(r["prompt"] + r[k], r[k]) for r in rows for k in ("chosen", "rejected")]
+    same_trained = sum(ids[m].tolist() == response for (ids, m), (_, response) in zip(ours, theirs))
+    length_diff = [len(ids) - len(b_ids) for (ids, _), (b_ids, _) in zip(ours, theirs)]
+    return {
+        "sequences": len(ours),
+        "baseline_sequences": len(theirs),
+        "response_tokens_equal": same_trained,
+        "ours_tokens": int(len(tokens)),
+        "baseline_tokens": int(sum(len(b) for b, _ in theirs)),
+        "length_diff_min_max": [min(length_diff), max(length_diff)] if length_diff else None,
+    }
+
+
+def run_baseline(inputs: dict[str, Any], p: dict[str, Any], rep: int, on_cpu: bool) -> dict[str, Any]:
+    """One torchrun launch of the TRL-style worker."""
+    from transformers import AutoTokenizer
+
+    work = inputs["work"]
+    prefix = work / f"baseline_{rep}.rss"
+    tokenizer = AutoTokenizer.from_pretrained(inputs["model"])
+    config = {
+        "model": str(inputs["model"]),
+        "pairs": str(inputs["baseline_pairs"]),
+        "pairs_per_rank": p["baseline_pairs"],
+        "precision": p["precision"],
+        "lr": p["lr"],
+        "seed": 0,
+        "pad_id": tokenizer.pad_token_id,
+        "out": str(prefix),
+    }
+    config_file = work / f"baseline_{rep}.json"
+    config_file.write_text(json.dumps(config))
+    start = time.perf_counter()
+    try:
+        torchrun(Path(__file__), ["--baseline-worker", str(config_file)], p["nproc"], timeout=1800)
+    except LaunchError as exc:
+        return failed_launch(exc)
+    launch_s = time.perf_counter() - start
+    windows = json.loads(Path(f"{prefix}.windows.json").read_text())
+    idle, run_peak = rank_figures(work, prefix.name, p["nproc"])
+    out = window_figures(windows, 0.0, on_cpu, idle)
+    out |= {"launch_s": launch_s, "run_peak_rss_gib": run_peak}
+    out["trained_tokens"] = sum(w["trained_tokens"] for w in windows)
+    out["model_tokens"] = sum(w["padded_tokens"] for w in windows)
+    out["real_tokens"] = sum(w["real_tokens"] for w in windows)
+    checks = [json.loads(f.read_text())["reference_check"] for f in sorted(work.glob(f"{prefix.name}.rank*.json"))]
+    out["reference_check"] = {
+        "pairs": [i for c in checks for i in c["pairs"]],
+        "chosen": [v for c in checks for v in c["reference_logps"][: len(c["pairs"])]],
+        "rejected": [v for c in checks for v in c["reference_logps"][len(c["pairs"]) :]],
+    }
+    return out
+
+
+def compare_references(ours: list[float], baseline: dict[str, list]) -> dict[str, Any]:
+    """Our precomputed reference log-probs (sequence 2i, 2i + 1 = pair i's chosen, rejected; packed blocks) against
+    the baseline's live reference model on its first step's pairs (padded batches): the same sums, up to bf16."""
+    ours_values = [ours[2 * i + k] for k in (0, 1) for i in baseline["pairs"]]
+    theirs = baseline["chosen"] + baseline["rejected"]
+    diffs = [abs(a - b) for a, b in zip(ours_values, theirs)]
+    return {
+        "sequences": len(diffs),
+        "max_abs_diff": max(diffs),
+        "max_rel_diff": max(d / max(1e-9, abs(b)) for d, b in zip(diffs, theirs)),
+        "ours": ours_values,
+        "baseline": theirs,
+    }
+
+
+def summary(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return r["status"] + (f": {r['error']}" if "error" in r else "")
+    pre = f", precompute {r['precompute_s']:.1f}s" if r["precompute_s"] else ""
+    return (
+        f"{r['pairs_per_s']:.3f} pairs/s (windows {', '.join(f'{t:.2f}' for t in r['windows_pairs_per_s'])}; "
+        f"aggregate {r['pairs_per_s_aggregate']:.3f}), {r['pairs_trained']} pairs in {r['steps']} steps{pre}, "
+        f"end-to-end {r['end_to_end_pairs_per_s']:.3f} pairs/s, peak {r['peak_gib']:.3f} GiB/rank "
+        f"(whole run {r['run_peak_rss_gib']:.3f}), launch {r['launch_s']:.0f}s, loss {r['last_loss']:.4g}"
+    )
+
+
+# --- The comparison ----------------------------------------------------------------------------------------------
+
+FIGURE_KEYS = (
+    "pairs_per_s",
+    "pairs_per_s_aggregate",
+    "end_to_end_pairs_per_s",
+    "precompute_s",
+    "train_s",
+    "launch_s",
+    "pairs_per_step",
+    "pairs_trained",
+    "steps",
+    "peak_gib",
+    "peak_above_runtime_gib",
+    "run_peak_rss_gib",
+    "model_tokens",
+    "trained_tokens",
+    "last_loss",
+)
+RATIOS = {  # key -> (numerator mode, denominator mode, figure)
+    "full_over_baseline_peak": ("full", "baseline", "peak_gib"),
+    "full_over_baseline_pairs_per_s": ("full", "baseline", "pairs_per_s"),
+    "full_over_baseline_pairs_per_s_aggregate": ("full", "baseline", "pairs_per_s_aggregate"),
+    "full_over_baseline_end_to_end_pairs_per_s": ("full", "baseline", "end_to_end_pairs_per_s"),
+    "full_over_baseline_peak_above_runtime": ("full", "baseline", "peak_above_runtime_gib"),
+    "full_over_baseline_whole_run_peak": ("full", "baseline", "run_peak_rss_gib"),
+    "lora_over_baseline_peak": ("lora", "baseline", "peak_gib"),
+    "lora_over_baseline_pairs_per_s": ("lora", "baseline", "pairs_per_s"),
+    "lora_over_baseline_end_to_end_pairs_per_s": ("lora", "baseline", "end_to_end_pairs_per_s"),
+}
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians per mode, the ratios of the medians, and the per-repetition ratios."""
+    fig: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        ok = [r for r in runs[mode] if r["status"] == "ok"]
+        fig[mode] = {k: median([r[k] for r in ok]) for k in FIGURE_KEYS if ok and all(r.get(k) is not None for r in ok)}
+        for key in ("trainable", "total", "real_tokens", "packing", "token_check"):
+            if ok and key in ok[0]:
+                fig[mode][key] = ok[0][key]
+    check = fig["full"].get("token_check", {})
+    baseline_ok = [r for r in runs["baseline"] if r["status"] == "ok"]
+    if "reference_logps" in check and baseline_ok:
+        check["reference"] = compare_references(check.pop("reference_logps"), baseline_ok[0]["reference_check"])
+    ratios, per_rep = {}, {}
+    for key, (a, b, k) in RATIOS.items():
+        if k in fig[a] and k in fig[b] and fig[b][k]:
+            ratios[key] = fig[a][k] / fig[b][k]
+            per_rep[key] = [ra[k] / rb[k] for ra, rb in zip(runs[a], runs[b]) if ra.get(k) and rb.get(k)]
+    return {"figures": fig, "ratios": ratios, "ratios_per_rep": per_rep}
+
+
+def goal_verdicts(ratios: dict[str, float]) -> dict[str, bool | None]:
+    verdicts: dict[str, bool | None] = {}
+    for key, (op, bound, _) in GOALS.items():
+        verdicts[key] = None if key not in ratios else (ratios[key] <= bound if op == "<=" else ratios[key] >= bound)
+    return verdicts
+
+
+def table_rows(label: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
+    rows = []
+    for mode in MODES:
+        f = s["figures"][mode]
+        if "pairs_per_s" not in f:
+            rows.append([label, NAMES[mode], ", ".join(r["status"] for r in runs[mode]), *["-"] * 9])
+            continue
+        above = f.get("peak_above_runtime_gib")
+        tokens = f"{f['model_tokens']:,.0f}" + (f" ({f['real_tokens']:,} real)" if "real_tokens" in f else "")
+        rows.append(
+            [
+                label,
+                NAMES[mode],
+                f["pairs_per_s"],
+                ", ".join(f"{r['pairs_per_s']:.3f}" for r in runs[mode] if r["status"] == "ok"),
+                f["pairs_per_s_aggregate"],
+                f"{f['end_to_end_pairs_per_s']:.3g}" + (f" ({f['precompute_s']:.1f} s)" if f["precompute_s"] else ""),
+                f"{f['pairs_per_step']:.2f} ({f['steps']:.0f} steps)",
+                tokens,
+                f["peak_gib"],
+                "-" if above is None else above,
+                f["run_peak_rss_gib"],
+                f["last_loss"],
+            ]
+        )
+    return rows
+
+
+HEADERS = [
+    "device",
+    "run",
+    "pairs/s (median)",
+    "pairs/s per rep",
+    "pairs/s (aggregate)",
+    "end-to-end pairs/s (precompute)",
+    "pairs per step",
+    "tokens through the model",
+    "peak per rank (GiB)",
+    "peak above runtime (GiB)",
+    "whole-run peak (GiB)",
+    "last loss",
+]
+
+
+def print_ratios(label: str, s: dict[str, Any]) -> None:
+    ratios, per_rep, verdicts = s["ratios"], s["ratios_per_rep"], goal_verdicts(s["ratios"])
+    for key, (op, bound, what) in GOALS.items():
+        if key not in ratios:
+            print(f"{label}: {what}: not measured")
+            continue
+        reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
+        verdict = "met" if verdicts[key] else "NOT met"
+        print(f"{label}: {what}: {ratios[key]:.3f} (per rep {reps}; goal {op} {bound}: {verdict})")
+    for key in RATIOS:
+        if key in ratios and key not in GOALS:
+            reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
+            print(f"{label}: {key.replace('_', ' ')}: {ratios[key]:.3f} (per rep {reps}; reported)")
+    check = s["figures"]["full"].get("token_check")
+    if check:
+        print(
+            f"{label}: tokens: response tokens equal in {check['response_tokens_equal']} of {check['sequences']} "
+            f"sequences; all tokens ours {check['ours_tokens']:,} vs baseline {check['baseline_tokens']:,} "
+            f"(per sequence {check['length_diff_min_max']})"
+        )
+    if check and "reference" in check:
+        ref = check["reference"]
+        print(
+            f"{label}: reference log-probs, ours precomputed (packed) vs the baseline's live reference (padded), "
+            f"{ref['sequences']} sequences of its first step: max difference {ref['max_abs_diff']:.3g} "
+            f"({ref['max_rel_diff']:.2%} relative)"
+        )
+
+
+def measure(inputs: dict[str, Any], p: dict[str, Any], reps: int, on_cpu: bool) -> tuple[dict, dict]:
+    print(f"{p['label']}: seq {p['seq']}, {p['precision']}, {reps} repetitions:", flush=True)
+    counters = {mode: iter(range(reps)) for mode in MODES}
+    sides = {
+        "full": lambda: run_ours(inputs, p, "full", next(counters["full"]), on_cpu),
+        "lora": lambda: run_ours(inputs, p, "lora", next(counters["lora"]), on_cpu),
+        "baseline": lambda: run_baseline(inputs, p, next(counters["baseline"]), on_cpu),
+    }
+    with gpus_hidden(on_cpu):
+        runs = interleaved(reps, sides, summary=summary)
+    return runs, summarise(runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_arg_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="", help="compute dtype (default: bf16)")
+    parser.add_argument("--pairs", type=int, default=0, help="pairs in the dataset, one epoch per run (CPU)")
+    parser.add_argument("--min-tokens", type=int, default=0, help="shortest prompt/response (CPU; default 16)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="longest prompt/response (CPU; default 256)")
+    args = parser.parse_args(argv)
+    import torch
+
+    started = time.perf_counter()
+    p = dict(CPU_QUICK if args.quick else CPU_FULL)
+    p["precision"] = args.precision or p["precision"]
+    p["pairs"] = args.pairs or p["pairs"]
+    p["min_tokens"] = args.min_tokens or p["min_tokens"]
+    p["max_tokens"] = args.max_tokens or p["max_tokens"]
+    reps = args.reps or p["reps"]
+    gpu = torch.cuda.is_available() and not args.quick
+    gpu_note = "not measured (--quick)" if args.quick else "not measured (no GPU lent)"
+    results: dict[str, Any] = {"machine": machine_info(), "params": {"cpu": {**p, "reps": reps}}}
+    with work_folder(args, "bench_dpo_") as work:
+        inputs = prepare(work, p, "cpu")
+        results["data"] = {"cpu": inputs["data"]}
+        cpu_runs, cpu_summary = measure(inputs, p, reps, on_cpu=True)
+        results["cpu"] = {"summary": cpu_summary, "runs": cpu_runs, "goal_met": goal_verdicts(cpu_summary["ratios"])}
+        if gpu:
+            g = {**GPU_FULL, "reps": args.reps or GPU_FULL["reps"]}
+            results["params"]["gpu"] = g
+            gpu_inputs = prepare(work, g, "gpu")
+            results["data"]["gpu"] = gpu_inputs["data"]
+            gpu_runs, gpu_summary = measure(gpu_inputs, g, g["reps"], on_cpu=False)
+            results["gpu"] = {
+                "summary": gpu_summary,
+                "runs": gpu_runs,
+                "goal_met": goal_verdicts(gpu_summary["ratios"]),
+            }
+        else:
+            results["gpu"] = gpu_note
+    rows = table_rows(p["label"], cpu_summary, cpu_runs)
+    if gpu:
+        rows += table_rows("1 GPU, 125M, bf16", gpu_summary, gpu_runs)
+    else:
+        rows += [["1 GPU, 125M, bf16", NAMES[mode], gpu_note, *["-"] * 9] for mode in MODES]
+    print_table(HEADERS, rows)
+    print_ratios(p["label"], cpu_summary)
+    if gpu:
+        print_ratios("1 GPU", gpu_summary)
+    else:
+        print(f"1 GPU: {gpu_note}")
+    results["seconds"] = time.perf_counter() - started
+    print(f"benchmark time: {results['seconds'] / 60:.1f} minutes")
+    write_results(args.results_dir, "dpo", results)
+    all_runs = {f"cpu {m} {i}": r for m, rs in cpu_runs.items() for i, r in enumerate(rs)}
+    if gpu:
+        all_runs |= {f"gpu {m} {i}": r for m, rs in gpu_runs.items() for i, r in enumerate(rs)}
+    return report_failures(all_runs)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:  # ours, launched by torchrun from run_ours
+        sys.exit(trainer_worker(sys.argv[2], sys.argv[3:]))
+    if sys.argv[1:2] == ["--baseline-worker"]:  # the TRL-style run, launched by torchrun from run_baseline
+        sys.exit(baseline_worker(sys.argv[2]))
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Direct preference optimisation (--objective dpo): the pair losses (sigmoid = the DPO paper's, with conservative
+label smoothing; ipo), the reference model's log-probabilities (precomputed once and stored with the token cache,
+or live: the same model with its adapters off, or a frozen FSDP copy), the objective the training step calls in
+place of the language-model loss, its metrics, and validation on held-out pairs."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.data import Batch, TrainData
+from fsdp_lib.errors import TrainError
+from fsdp_lib.hf_files import weights_identity
+from fsdp_lib.loss import CausalLMLoss
+from fsdp_lib.metrics import PAIR_STATS, pair_figures
+from fsdp_lib.model import ModelBundle, build_model, flops_per_token
+from fsdp_lib.preference import PairBlocks, read_reference, reference_path, write_reference
+from fsdp_lib.probes import reshard_all
+from fsdp_lib.runtime import Dist, log
+
+
+def pair_losses(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float,
+    kind: str,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per pair, chosen reward, rejected reward). h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r));
+    sigmoid: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h) (Rafailov et al. 2023; e > 0: conservative DPO);
+    ipo: (h - 1 / (2 beta))^2 (Azar et al. 2023). Rewards: beta x (log pi - log ref), without gradient."""
+    chosen = policy_chosen - reference_chosen
+    rejected = policy_rejected - reference_rejected
+    h = chosen - rejected
+    if kind == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def sequence_sums(token_values: torch.Tensor, sequence_ids: torch.Tensor, count: int) -> torch.Tensor:
+    """Per-sequence sums of per-token values (tokens with sequence id -1 belong to none)."""
+    ids = sequence_ids.flatten()
+    keep = ids >= 0
+    out = torch.zeros(count, dtype=token_values.dtype, device=token_values.device)
+    return out.index_add(0, ids[keep], token_values[keep])
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """peft's LoRA layers compute the base layer alone (the flag their forward reads; peft's enable_adapters would
+    also flip requires_grad, which FSDP's parameters must keep)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+class DPOObjective:
+    """What the training step calls for each micro-batch instead of CausalLMLoss: batch -> (the summed loss of its
+    pairs, the router loss or None). forward_backward scales the sum by processes / (pairs in the global batch), so
+    the gradient is that of the mean pair loss over the whole global batch at any process count or accumulation."""
+
+    def __init__(self, cfg: TrainConfig, policy: CausalLMLoss, reference: str, frozen: CausalLMLoss | None = None):
+        self.policy, self.frozen, self.reference = policy, frozen, reference  # reference: precomputed|adapters-off|copy
+        self.beta, self.kind = cfg.dpo_beta, cfg.dpo_loss
+        self.label_smoothing, self.sft_weight = cfg.dpo_label_smoothing, cfg.sft_weight
+        self.stats: torch.Tensor | None = None
+
+    def set_requires_gradient_sync(self, flag: bool) -> None:
+        self.policy.set_requires_gradient_sync(flag)
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        losses, aux = self.pair_losses(batch)
+        return losses.sum(), aux
+
+    def reference_log_probs(self, batch: Batch) -> torch.Tensor:
+        if self.reference == "precomputed":
+            return batch.reference.float()
+        module = self.policy if self.reference == "adapters-off" else self.frozen
+        off = adapters_off(self.policy.model) if self.reference == "adapters-off" else contextlib.nullcontext()
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), off:
+                return sequence_log_probs(module, batch)
+        finally:
+            module.train(was_training)
+
+    def pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each pair's loss (with gradient) and the router loss; adds the pairs' figures to self.stats."""
+        count = len(batch.sequences)
+        reference = self.reference_log_probs(batch)  # first: its activations are gone before the policy's exist
+        token_logps, aux = self.policy(batch, per_token=True)
+        logps = sequence_sums(token_logps, batch.sequence_ids, count)
+        losses, reward_c, reward_r = pair_losses(
+            logps[0::2], logps[1::2], reference[0::2], reference[1::2], self.beta, self.kind, self.label_smoothing
+        )
+        tokens = torch.bincount(batch.sequence_ids.flatten()[batch.sequence_ids.flatten() >= 0], minlength=count)
+        nll = -logps[0::2] / tokens[0::2].clamp_min(1)
+        if self.sft_weight:
+            losses = losses + self.sft_weight * nll
+        margin = (reward_c - reward_r).detach()
+        figures = torch.stack(
+            [
+                torch.tensor(float(len(losses)), device=losses.device),
+                losses.detach().sum(),
+                reward_c.sum(),
+                reward_r.sum(),
+                ((margin > 0).float() + 0.5 * (margin == 0).float()).sum(),
+                logps[0::2].detach().sum(),
+                logps[1::2].detach().sum(),
+                nll.detach().sum(),
+                tokens.sum().float(),
+            ]
+        ).double()
+        self.stats = figures if self.stats is None else self.stats + figures
+        return losses, aux
+
+    def take_stats(self) -> torch.Tensor | None:
+        stats, self.stats = self.stats, None
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self, blocks: PairBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+        """The figures of the validation pairs, over every rank (padding blocks hold no pair). Every rank runs the
+        same number of micro-batches: FSDP's all-gathers must line up."""
+        self.policy.eval()
+        saved, self.stats = self.stats, None
+        count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
+        for idx in padded_shares(count, cfg.batch_size, d):
+            self.pair_losses(blocks.gather(idx).to(d.device) if idx else empty_batch(blocks, d))
+        totals = self.stats if self.stats is not None else torch.zeros(len(PAIR_STATS), dtype=torch.float64)
+        totals = totals.to(d.device)
+        dist.all_reduce(totals)
+        self.stats = saved
+        self.policy.train()
+        return {f"val_{k}": v for k, v in pair_figures(totals).items()}
+
+
+def padded_shares(count: int, batch_size: int, d: Dist) -> list[list[int]]:
+    """This rank's micro-batches of blocks 0..count-1 (blocks rank, rank + world, ...), as many on every rank; a
+    rank with fewer real blocks gets empty lists."""
+    mine = list(range(d.rank, count, d.world_size))
+    steps = math.ceil(math.ceil(count / d.world_size) / batch_size)
+    return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
+
+
+def empty_batch(blocks: PairBlocks, d: Dist) -> Batch:
+    """A block of padding with no pair: keeps a rank's forward count in step with the others."""
+    L = blocks.seq_length
+    ids = torch.full((1, L), blocks.pad_id, dtype=torch.int64)
+    reference = None if blocks.reference is None else torch.zeros(0, dtype=torch.float64)
+    return Batch(
+        ids, torch.full_like(ids, -100), torch.arange(L)[None], torch.full_like(ids, -1),
+        torch.zeros(0, dtype=torch.int64), reference,
+    ).to(d.device)  # fmt: skip
+
+
+def sequence_log_probs(module: CausalLMLoss, batch: Batch) -> torch.Tensor:
+    """The summed response log-probabilities of a micro-batch's sequences (no gradient wanted by the caller)."""
+    token_logps, _ = module(batch, per_token=True)
+    return sequence_sums(token_logps, batch.sequence_ids, len(batch.sequences))
+
+
+# -- the precomputed reference ----------------------------------------------------------------------------------
+
+
+def reference_key(cfg: TrainConfig, model_identity: str, adapter: str, precision: str, attention: str) -> str:
+    """What the stored reference log-probabilities depend on besides the data (the cache folder already keys that):
+    the starting weights (or, from scratch, the seed), the starting adapter's hash, the compute dtype and kernel."""
+    start = model_identity if model_identity != "none" else f"init-seed-{cfg.seed}"
+    text = f"{start}|peft-{cfg.peft}|adapter-{adapter}|{precision}|{attention}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: str, cfg: TrainConfig, d: Dist) -> None:
+    """Sets blocks.reference: read from beside the token cache when stored there intact, else computed by the
+    starting model (sharded over the ranks like training) and stored with its checksum. Called before any
+    checkpoint is loaded, so the model is the starting one; a rerun reads the file and computes nothing."""
+    path = reference_path(blocks.cache_path, key)
+    count = 2 * blocks.num_pairs
+    found = read_reference(path, count)
+    if all_agree_found(found is not None, d):
+        blocks.reference = found
+        log(f"reference log-probabilities of the {name} pairs: read from {path} (checksum verified)")
+        return
+    start = time.perf_counter()
+    values = torch.zeros(count, dtype=torch.float64, device=d.device)
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        for idx in padded_shares(len(blocks), cfg.batch_size, d):
+            if not idx:
+                sequence_log_probs(module, empty_batch(blocks, d))
+                continue
+            batch = blocks.gather(idx).to(d.device)
+            values[batch.sequences] = sequence_log_probs(module, batch).double()
+    module.train(was_training)
+    reshard_all(module)
+    dist.all_reduce(values)  # each sequence was computed by exactly one rank; the others hold 0 for it
+    blocks.reference = values.cpu().numpy()
+    if not np.isfinite(blocks.reference).all():
+        raise TrainError(f"the starting model's log-probabilities of some {name} pairs are not finite; check the model")
+    if d.local_rank == 0:
+        write_reference(path, blocks.reference)
+    dist.barrier(group=d.cpu_group)
+    log(
+        f"reference log-probabilities of the {name} pairs: computed by the starting model in "
+        f"{time.perf_counter() - start:.1f}s ({blocks.num_pairs:,} pairs), stored in {path}"
+    )
+
+
+def all_agree_found(found: bool, d: Dist) -> bool:
+    """True only when every rank has the stored file (a node without it makes all compute)."""
+    t = torch.tensor([1 if found else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=d.cpu_group)
+    return bool(t.item())
+
+
+def reference_mode(cfg: TrainConfig) -> str:
+    """precomputed, adapters-off (--peft, the same model with its adapters switched off) or copy (a frozen copy)."""
+    if cfg.reference == "precomputed" or (cfg.reference == "auto" and (cfg.peft == "none" or cfg.adapter)):
+        return "precomputed"
+    return "adapters-off" if cfg.peft != "none" else "copy"
+
+
+def dpo_summary(cfg: TrainConfig, mode: str) -> str:
+    what = {
+        "precomputed": "precomputed once by the starting model (no second model in memory)",
+        "adapters-off": "the same model with its adapters off (one extra forward per micro-batch, no extra memory)",
+        "copy": "a frozen FSDP-sharded copy of the starting model (one extra forward per micro-batch)",
+    }[mode]
+    smoothing = f", label smoothing {cfg.dpo_label_smoothing}" if cfg.dpo_label_smoothing else ""
+    sft = f", + {cfg.sft_weight} x chosen NLL per token" if cfg.sft_weight else ""
+    return f"--dpo-loss {cfg.dpo_loss}, beta {cfg.dpo_beta}{smoothing}{sft}; reference: {what}"
+
+
+def build_objective(
+    cfg: TrainConfig, bundle: ModelBundle, data: TrainData, precision: str, d: Dist
+) -> tuple[DPOObjective | None, dict | str]:
+    """(the DPO objective, or None for --objective lm; what a resume must agree with). Before any checkpoint is
+    loaded: a precomputed reference is the starting model's."""
+    if data.objective != "dpo":
+        return None, "lm"
+    mode = reference_mode(cfg)
+    frozen = None
+    if mode == "precomputed":
+        adapter = bundle.peft.start if bundle.peft is not None else "none"
+        attention = bundle.config._attn_implementation
+        key = reference_key(cfg, weights_identity(bundle.model_dir), adapter, precision, attention)
+        attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
+        if data.validation is not None:
+            attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
+    elif mode == "copy":
+        import dataclasses
+
+        log("--reference live: building a frozen copy of the starting model (FSDP-sharded, no gradients)")
+        copy = build_model(dataclasses.replace(cfg, activation_checkpointing="off"), precision, d)
+        copy.model.requires_grad_(False)
+        frozen = copy.train_forward
+    log(f"--objective dpo: {dpo_summary(cfg, mode)}")
+    fingerprint = {
+        "loss": cfg.dpo_loss,
+        "beta": cfg.dpo_beta,
+        "label_smoothing": cfg.dpo_label_smoothing,
+        "sft_weight": cfg.sft_weight,
+        "reference": mode if mode != "precomputed" else f"precomputed-{key}",
+    }
+    return DPOObjective(cfg, bundle.train_forward, mode, frozen), fingerprint
+
+
+def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int) -> float:
+    """A live reference adds one forward per token (a third of 6N + attention); a precomputed one nothing."""
+    return 0.0 if mode == "precomputed" else flops_per_token(bundle.model, bundle.config, seq_length) / 3

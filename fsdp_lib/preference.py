@@ -1,0 +1,296 @@
+"""Preference pairs to trained tokens, for --objective dpo: a dataset with `prompt`, `chosen` and `rejected` columns
+(lists of messages, written by `data_hf.py --format preference`) is rendered with the chat template, each pair as two
+sequences (prompt + chosen, prompt + rejected) whose response tokens are marked; the pairs are packed whole into
+blocks of --seq-length (the two sequences of a pair are separate documents of one block, so a pair never straddles
+a block or a micro-batch), and the reference log-probabilities precomputed for them are stored beside the token
+cache with their checksum."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fsdp_lib.batch import Batch
+from fsdp_lib.chat import ChatEncoder, ChatFormatError
+from fsdp_lib.errors import TrainError
+
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def is_preference_split(columns: list[str]) -> bool:
+    return set(PREFERENCE_COLUMNS) <= set(columns)
+
+
+@dataclass
+class PairEncoder:
+    """Renders prompt + response with the chat template; the trained tokens are the response's assistant turns
+    (their content and end-of-turn marker, found as ChatEncoder finds them), never the prompt's.
+
+    A pair whose two sequences together exceed `max_tokens` (one block) loses prompt tokens from the left, the same
+    number from both sequences, down to the token before the first response token; a pair that still does not fit
+    is a counted skip, as is a pair whose chosen and rejected tokens are identical."""
+
+    chat: ChatEncoder
+    max_tokens: int
+
+    VERSION = 1  # of the sequences this class writes: part of the token cache key
+
+    def sequence(self, prompt: list[dict], response: list[dict], renders: dict) -> tuple[str, list[tuple[int, int]]]:
+        """(text, trained character spans) of prompt + response."""
+        messages = prompt + response
+        full = renders[(len(messages), False)]
+        turns = [i for i in range(len(prompt), len(messages)) if messages[i].get("role") == "assistant"]
+        if not turns:
+            raise ChatFormatError("a response has no assistant turn")
+        if not all(full.startswith(renders[(i + 1, False)]) for i in turns):
+            raise ChatFormatError("the chat template renders a multi-turn response's earlier turns differently")
+        return full, [self.chat.turn_span(messages, i, renders) for i in turns]
+
+    def encode(
+        self, rows: dict[str, list], skipped: dict[str, int], first_skipped: dict[str, int], row_offset: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """(chosen ids, chosen mask, rejected ids, rejected mask) per kept pair of a row batch."""
+        conversations, owners = [], []
+        for row, (prompt, chosen, rejected) in enumerate(zip(*(rows[c] for c in PREFERENCE_COLUMNS))):
+            for response in (chosen, rejected):
+                conversations.append(list(prompt or []) + list(response or []))
+                owners.append(row)
+        renders = self.chat.render_prefixes(conversations)
+        texts: list[str] = []
+        spans: list[list[tuple[int, int]]] = []
+        kept: list[int] = []
+
+        def skip(reason: str, row: int) -> None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+            first_skipped.setdefault(reason, row_offset + row)
+
+        for row in range(len(rows["prompt"])):
+            prompt = list(rows["prompt"][row] or [])
+            try:
+                pair = []
+                for k, response in enumerate((rows["chosen"][row], rows["rejected"][row])):
+                    rendered = renders[2 * row + k]
+                    if isinstance(rendered, ChatFormatError):
+                        raise rendered
+                    pair.append(self.sequence(prompt, list(response or []), rendered))
+            except ChatFormatError as exc:
+                skip(str(exc), row)
+                continue
+            for text, trained in pair:
+                texts.append(text)
+                spans.append(trained)
+            kept.append(row)
+        encodings = self.chat.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+        out = []
+        for j, row in enumerate(kept):
+            c, r = encodings[2 * j], encodings[2 * j + 1]
+            c_ids, r_ids = np.asarray(c.ids, dtype=np.int64), np.asarray(r.ids, dtype=np.int64)
+            c_mask, r_mask = self.chat.trained_mask(c, spans[2 * j]), self.chat.trained_mask(r, spans[2 * j + 1])
+            if np.array_equal(c_ids, r_ids):
+                skip("chosen and rejected are the same tokens", row)
+                continue
+            fitted = self.fit(c_ids, c_mask, r_ids, r_mask)
+            if fitted is None:
+                skip(f"the responses alone do not fit one block of {self.max_tokens} tokens (--seq-length)", row)
+                continue
+            out.append(fitted)
+        return out
+
+    def fit(
+        self, c_ids: np.ndarray, c_mask: np.ndarray, r_ids: np.ndarray, r_mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The pair with prompt tokens cut from the left until both sequences fit one block; None if they cannot."""
+        if not c_mask.any() or not r_mask.any():
+            return None
+        over = len(c_ids) + len(r_ids) - self.max_tokens
+        cut = max(0, -(-over // 2))
+        first = min(int(np.argmax(c_mask)), int(np.argmax(r_mask)))  # the first response token of either
+        if cut > first - 1:  # the token before the first trained token must stay: it predicts it
+            return None
+        return c_ids[cut:], c_mask[cut:], r_ids[cut:], r_mask[cut:]
+
+
+def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, Path], dtype: np.dtype) -> int:
+    """The split's pairs as one token stream, chosen then rejected for each pair (documents 2p and 2p + 1), with
+    document ends, the trained mask and the skip counts; written under temporary names and renamed, token file last
+    (as data.tokenize_to_file). Returns the number of pairs kept."""
+    names = ("docs", "mask", "tokens")
+    tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}") for k in names}
+    handles = {k: open(tmp[k], "wb") for k in names}
+    total, pairs, rows = 0, 0, 0
+    skipped: dict[str, int] = {}
+    first_skipped: dict[str, int] = {}
+    try:
+        for batch in dataset.iter(batch_size=500):
+            encoded = encoder.encode(batch, skipped, first_skipped, rows)
+            rows += len(batch["prompt"])
+            sequences = [
+                (ids, mask)
+                for c_ids, c_mask, r_ids, r_mask in encoded
+                for ids, mask in ((c_ids, c_mask), (r_ids, r_mask))
+            ]
+            if sequences:
+                np.concatenate([ids for ids, _ in sequences]).astype(dtype).tofile(handles["tokens"])
+                np.concatenate([mask for _, mask in sequences]).astype(np.uint8).tofile(handles["mask"])
+                (total + np.cumsum([len(ids) for ids, _ in sequences], dtype=np.int64)).tofile(handles["docs"])
+                total += sum(len(ids) for ids, _ in sequences)
+                pairs += len(encoded)
+        for fh in handles.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        for fh in handles.values():
+            fh.close()
+    skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": "pairs"}
+    paths["skips"].write_text(json.dumps(skips, indent=1))
+    for k in names:
+        os.replace(tmp[k], paths[k])
+    return pairs
+
+
+def pack_pairs(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Pairs (by their two sequences' total length) into blocks of `capacity` tokens, best fit decreasing: each
+    pair, longest first, goes into the fullest block it still fits. Deterministic and independent of the process
+    count; each block lists its pairs in data order."""
+    order = np.argsort(-lengths, kind="stable")
+    free: list[tuple[int, int]] = []  # (tokens left, block), sorted
+    blocks: list[list[int]] = []
+    for pair in order.tolist():
+        need = int(lengths[pair])
+        at = bisect.bisect_left(free, (need, -1))
+        if at < len(free):
+            left, block = free.pop(at)
+        else:
+            left, block = capacity, len(blocks)
+            blocks.append([])
+        blocks[block].append(pair)
+        bisect.insort(free, (left - need, block))
+    return [sorted(b) for b in blocks]
+
+
+@dataclass
+class PairBlocks:
+    """Packed preference pairs: each block of seq_length tokens holds whole pairs, chosen and rejected as separate
+    documents (position ids restart at each), the rest padding that carries no loss. The DataPlan treats it like
+    PackedBlocks; a block's "trained tokens" are its pairs, what the DPO loss is averaged over.
+
+    A gathered Batch also has, per token, the index of its sequence in the micro-batch (-1: none; sequence 2k is
+    the chosen and 2k + 1 the rejected response of the micro-batch's k-th pair), the sequences' indices in the split
+    (2 x pair, 2 x pair + 1) and, once computed, their reference log-probabilities."""
+
+    tokens: np.ndarray
+    trained: np.ndarray
+    doc_ends: np.ndarray  # end offset of every sequence; sequence s spans doc_ends[s-1]..doc_ends[s]
+    seq_length: int
+    pad_id: int
+    reference: np.ndarray | None = None  # float64 per sequence: the reference model's summed response log-probs
+
+    def __post_init__(self) -> None:
+        starts = np.concatenate([[0], np.asarray(self.doc_ends[:-1], dtype=np.int64)])
+        lengths = np.asarray(self.doc_ends, dtype=np.int64) - starts
+        self.starts, self.lengths = starts, lengths
+        self.blocks = pack_pairs(lengths[0::2] + lengths[1::2], self.seq_length)
+        self.pairs_in = np.asarray([len(b) for b in self.blocks], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.lengths) // 2
+
+    def sequences(self, block: int) -> list[int]:
+        return [s for p in self.blocks[block] for s in (2 * p, 2 * p + 1)]
+
+    def block(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs, labels, position ids, sequence index within the block or -1) of block i."""
+        L = self.seq_length
+        inputs = np.full(L, self.pad_id, dtype=np.int64)
+        labels = np.full(L, -100, dtype=np.int64)
+        positions = np.zeros(L, dtype=np.int64)
+        owner = np.full(L, -1, dtype=np.int64)
+        at = 0
+        for k, s in enumerate(self.sequences(i)):
+            a, n = int(self.starts[s]), int(self.lengths[s])
+            ids = np.asarray(self.tokens[a : a + n], dtype=np.int64)
+            trained = np.asarray(self.trained[a + 1 : a + n]) != 0
+            inputs[at : at + n] = ids
+            labels[at : at + n - 1] = np.where(trained, ids[1:], -100)
+            positions[at : at + n] = np.arange(n)
+            owner[at : at + n - 1] = np.where(trained, k, -1)
+            at += n
+        positions[at:] = np.arange(L - at)  # padding: a document of its own
+        return inputs, labels, positions, owner
+
+    def gather(self, indices: list[int]) -> Batch:
+        parts = [self.block(i) for i in indices]
+        inputs, labels, positions, owner = (torch.from_numpy(np.stack([p[k] for p in parts])) for k in range(4))
+        offsets, sequences = 0, []
+        for row, i in enumerate(indices):
+            seqs = self.sequences(i)
+            owner[row][owner[row] >= 0] += offsets
+            offsets += len(seqs)
+            sequences += seqs
+        seq_index = torch.tensor(sequences, dtype=torch.int64)
+        reference = None if self.reference is None else torch.from_numpy(self.reference[sequences].copy())
+        return Batch(inputs, labels, positions, owner, seq_index, reference)
+
+    def trained_tokens(self, indices: list[int]) -> int:
+        """Pairs in these blocks: the DPO loss of a global batch is their mean."""
+        return int(self.pairs_in[indices].sum())
+
+
+# -- reference log-probabilities, stored beside the token cache --------------------------------------------------
+
+
+def reference_path(tokens_path: Path, key: str) -> Path:
+    return tokens_path.with_name(f"{tokens_path.stem}.reference-{key}.f64")
+
+
+def write_reference(path: Path, values: np.ndarray) -> None:
+    """The array and its checksum, written under temporary names and renamed, the checksum file last."""
+    data = np.ascontiguousarray(values, dtype=np.float64)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        data.tofile(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    meta = {"count": int(data.size), "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
+    tmp_meta = path.with_name(f"{path.name}.json.tmp{os.getpid()}")
+    tmp_meta.write_text(json.dumps(meta))
+    os.replace(tmp_meta, path.with_name(f"{path.name}.json"))
+
+
+def read_reference(path: Path, count: int) -> np.ndarray | None:
+    """The stored array when it is complete and intact (size and checksum as recorded), else None."""
+    meta_path = path.with_name(f"{path.name}.json")
+    if not path.is_file() or not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError:
+        return None
+    data = np.fromfile(path, dtype=np.float64)
+    if (
+        meta.get("count") != count
+        or data.size != count
+        or hashlib.sha256(data.tobytes()).hexdigest() != meta.get("sha256")
+    ):
+        return None
+    return data
+
+
+def check_pairs(blocks: PairBlocks, split_name: str, dataset: str) -> None:
+    if blocks.num_pairs == 0:
+        raise TrainError(
+            f"--dataset-name {dataset}: no preference pair of the {split_name} split could be used (see the skips above)"
+        )

@@ -1,0 +1,417 @@
+"""--objective dpo: the pair losses are the papers' formulas, the chunked per-token log-probabilities and their
+gradients equal the full logits', pairs render with only their responses trained, are cut from the left to fit
+and packed whole; the trainer's loss and gradients equal the formula on the unsharded model at 1 x accum 2 and
+2 x accum 1, step 1 is ln 2, a precomputed reference is computed once and a kill -9 resumes bit-identically (and
+on another process count), a live reference gives the same losses, DPO teaches held-out facts with full weights
+and LoRA, and bad flags exit with the flag named."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp_lib.chat import ChatEncoder
+from fsdp_lib.dpo import pair_losses, sequence_sums
+from fsdp_lib.loss import ChunkedTokenLogProbs, token_log_probs
+from fsdp_lib.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
+from fsdp_lib.testing import kill_tree, llama_sizes
+from tests.fsdp_helpers import (
+    REPO_ROOT,
+    fact_pairs,
+    losses_by_step,
+    make_chat_model,
+    make_dataset,
+    make_preference_dataset,
+    output_of,
+    run_trainer,
+    save_pairs,
+    trainer_args,
+    wait_for_step,
+)
+
+WORKERS = REPO_ROOT / "tests" / "workers"
+LN2 = math.log(2.0)
+
+
+# -- the formulas -----------------------------------------------------------------------------------------------
+
+
+def test_pair_losses_are_the_papers_formulas():
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(64, generator=g, dtype=torch.float64) * 5 for _ in range(4))
+    beta, eps = 0.3, 0.1
+    h = (pc - rc) - (pr - rr)
+    sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
+    expected = -(1 - eps) * torch.log(sig(beta * h)) - eps * torch.log(sig(-beta * h))
+    losses, reward_c, reward_r = pair_losses(pc, pr, rc, rr, beta, "sigmoid", eps)
+    torch.testing.assert_close(losses, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(reward_c, beta * (pc - rc))
+    torch.testing.assert_close(reward_r, beta * (pr - rr))
+    ipo, _, _ = pair_losses(pc, pr, rc, rr, beta, "ipo")
+    torch.testing.assert_close(ipo, (h - 1 / (2 * beta)) ** 2)
+    # policy == reference: sigmoid is ln 2 (any smoothing), ipo is 1 / (4 beta^2) (documented in the README)
+    same = pair_losses(pc, pr, pc, pr, beta, "sigmoid", eps)[0]
+    assert torch.allclose(same, torch.full_like(same, LN2), atol=1e-12)
+    assert torch.allclose(pair_losses(pc, pr, pc, pr, beta, "ipo")[0], torch.full_like(same, 1 / (4 * beta**2)))
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_chunked_token_log_probs_and_gradients_equal_the_full_logits(softcap):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[::4] = -100
+    upstream = torch.randn(37, generator=g, dtype=torch.float64)
+
+    logits = F.linear(hidden, weight, bias)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    full = token_log_probs(logits[None], labels[None])
+    full_grads = torch.autograd.grad((full * upstream).sum(), (hidden, weight, bias))
+    ours = ChunkedTokenLogProbs.apply(hidden, weight, bias, labels, 8, softcap)
+    our_grads = torch.autograd.grad((ours * upstream).sum(), (hidden, weight, bias))
+    torch.testing.assert_close(ours.double(), full.float().double(), rtol=1e-6, atol=1e-6)
+    assert (ours[labels == -100] == 0).all()
+    for a, b in zip(our_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_sequence_sums_ignore_tokens_of_no_sequence():
+    values = torch.arange(6, dtype=torch.float32)
+    ids = torch.tensor([[0, 0, -1], [1, -1, 1]])
+    assert sequence_sums(values, ids, 3).tolist() == [1.0, 8.0, 0.0]
+
+
+# -- pairs to tokens ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_chat_model(tmp_path_factory.mktemp("dpo_tok") / "model"))
+
+
+def _rows(pairs: list[dict]) -> dict[str, list]:
+    return {k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}
+
+
+def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(chat_tokenizer):
+    pair = {
+        "prompt": [
+            {"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": "What is 1 plus 2?"},
+            {"role": "assistant", "content": "1 plus 2 is 3."},
+            {"role": "user", "content": "What is 2 plus 2?"},
+        ],
+        "chosen": [{"role": "assistant", "content": "2 plus 2 is 4."}],
+        "rejected": [{"role": "assistant", "content": "2 plus 2 is 5."}],
+    }
+    encoder = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 1000)
+    skipped: dict[str, int] = {}
+    [(c_ids, c_mask, r_ids, r_mask)] = encoder.encode(_rows([pair]), skipped, {}, 0)
+    assert not skipped
+    decode = lambda ids, mask: chat_tokenizer.decode(ids[mask == 1])  # noqa: E731
+    assert decode(c_ids, c_mask) == "2 plus 2 is 4.<|eot_id|>"  # not the prompt's earlier assistant turn
+    assert decode(r_ids, r_mask) == "2 plus 2 is 5.<|eot_id|>"
+    full_c, full_r = len(c_ids), len(r_ids)
+
+    # a block too small for both: the same number of prompt tokens is cut from the left of each, responses stay
+    fitted = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), full_c + full_r - 20)
+    [(c2, m2, r2, n2)] = fitted.encode(_rows([pair]), skipped, {}, 0)
+    assert len(c2) + len(r2) <= full_c + full_r - 20 and len(c_ids) - len(c2) == len(r_ids) - len(r2) == 10
+    assert (
+        (c2 == c_ids[10:]).all()
+        and decode(c2, m2) == "2 plus 2 is 4.<|eot_id|>"
+        and decode(r2, n2).endswith("5.<|eot_id|>")
+    )
+
+    # responses alone too long, and identical responses: counted skips, the other rows kept
+    tiny = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 20)
+    same = {**pair, "rejected": pair["chosen"]}
+    skipped, first = {}, {}
+    assert tiny.encode(_rows([pair]), skipped, first, 5) == []
+    assert first == {"the responses alone do not fit one block of 20 tokens (--seq-length)": 5}
+    skipped = {}
+    assert len(encoder.encode(_rows([same, pair]), skipped, {}, 0)) == 1
+    assert skipped == {"chosen and rejected are the same tokens": 1}
+    skipped = {}
+    no_answer = {**pair, "chosen": [{"role": "user", "content": "hm"}]}
+    assert encoder.encode(_rows([no_answer]), skipped, {}, 0) == [] and skipped == {
+        "a response has no assistant turn": 1
+    }
+
+
+def test_pack_pairs_puts_every_pair_in_one_block_within_capacity():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 120, size=500)
+    blocks = pack_pairs(lengths, 128)
+    flat = sorted(p for b in blocks for p in b)
+    assert flat == list(range(500))
+    assert all(sum(lengths[b]) <= 128 for b in blocks)
+    assert blocks == pack_pairs(lengths, 128)  # deterministic
+    assert len(blocks) <= math.ceil(lengths.sum() / 128) * 1.1  # best fit decreasing wastes little
+
+
+def test_pair_blocks_keep_sequences_apart(chat_tokenizer):
+    pairs = fact_pairs(False)[:6]
+    encoder = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 256)
+    encoded = encoder.encode(_rows(pairs), {}, {}, 0)
+    seqs = [(ids, mask) for c, cm, r, rm in encoded for ids, mask in ((c, cm), (r, rm))]
+    tokens = np.concatenate([s for s, _ in seqs])
+    mask = np.concatenate([m for _, m in seqs])
+    ends = np.cumsum([len(s) for s, _ in seqs])
+    blocks = PairBlocks(tokens, mask, ends, 256, pad_id=0)
+    batch = blocks.gather(list(range(len(blocks))))
+    assert sum(blocks.pairs_in) == 6 and len(batch.sequences) == 12
+    for row in range(len(blocks)):
+        owner, labels, ids, pos = (
+            t[row] for t in (batch.sequence_ids, batch.labels, batch.input_ids, batch.position_ids)
+        )
+        assert ((labels != -100) == (owner >= 0)).all()  # exactly the response tokens' predictions carry a sequence
+        starts = (pos == 0).nonzero().flatten().tolist()
+        for k in owner[owner >= 0].unique().tolist():
+            where = (owner == k).nonzero().flatten()
+            s = batch.sequences[k].item()
+            seq_ids, seq_mask = seqs[s]
+            # the labels are the sequence's own next tokens where its mask trains them, inside one document
+            assert labels[where].tolist() == seq_ids[1:][seq_mask[1:] == 1].tolist()
+            assert max(x for x in starts if x <= where[0]) == max(x for x in starts if x <= where[-1])
+
+
+def test_stored_reference_is_checked(tmp_path):
+    path = tmp_path / "train.reference-x.f64"
+    values = np.linspace(-50, -1, 10)
+    write_reference(path, values)
+    assert (read_reference(path, 10) == values).all()
+    assert read_reference(path, 12) is None  # another data set's count
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    assert read_reference(path, 10) is None  # a flipped bit: recomputed, never used
+
+
+# -- the trainer ------------------------------------------------------------------------------------------------
+
+DPO_FLAGS = ["--seq-length", "128", "--precision", "fp32", "--log-freq", "1", "--lr-schedule", "constant"]
+
+
+@pytest.fixture(scope="module")
+def dpo_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("dpo")
+    model = make_chat_model(root / "model", with_weights=True)
+    return model, make_preference_dataset(root / "pairs", n=48, n_validation=8), root
+
+
+def dpo_args(name: str, inputs: tuple[Path, Path, Path], *extra: str) -> list[str]:
+    model, data, root = inputs
+    return [*trainer_args(name, data, model, root / "out"), *DPO_FLAGS, "--lr", "1e-3", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,flags",
+    [
+        ((1, 2), ["--dpo-label-smoothing", "0.1", "--sft-weight", "0.5"]),
+        ((2, 1), ["--dpo-label-smoothing", "0.1", "--sft-weight", "0.5"]),
+        ((2, 1), ["--dpo-loss", "ipo"]),
+    ],
+    ids=["sigmoid-1x2", "sigmoid-2x1", "ipo-2x1"],
+)
+def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(dpo_inputs, layout, flags, tmp_path):
+    """The worker runs the trainer's first step (its data plan, packing, reference file and DPOObjective) with the
+    stored reference shifted by known offsets (so policy != reference) and writes the loss and full gradients; here
+    the same pairs go one by one, unpacked, through from_pretrained and the formula, in float64."""
+    from transformers import AutoModelForCausalLM
+
+    nproc, accum = layout
+    out = tmp_path / "grads.pt"
+    args = dpo_args(f"grads-{nproc}x{accum}-{flags[1]}", dpo_inputs, "-b", "2", "--grad-accum-steps", str(accum))
+    proc = run_trainer([*args, *flags, "--dpo-beta", "0.5"], nproc=nproc, script=WORKERS / "dpo_grads.py",
+                       env={"DPO_GRADS_OUT": str(out)})  # fmt: skip
+    assert proc.returncode == 0, output_of(proc)
+    got = torch.load(out)
+    model = AutoModelForCausalLM.from_pretrained(dpo_inputs[0], dtype=torch.float64, use_cache=False)
+    logps = []
+    for ids, mask in got["sequences"]:
+        ids, mask = torch.tensor(ids), torch.tensor(mask)
+        logits = model(input_ids=ids[None]).logits[0, :-1]
+        token = torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1)
+        logps.append((token * mask[1:]).sum())
+    logps = torch.stack(logps)
+    ref = torch.tensor(got["reference"], dtype=torch.float64)
+    beta = 0.5
+    h = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
+    if "ipo" in flags:
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = -0.9 * F.logsigmoid(beta * h) - 0.1 * F.logsigmoid(-beta * h)
+        lengths = torch.tensor([sum(m[1:]) for _, m in got["sequences"]], dtype=torch.float64)
+        losses = losses + 0.5 * (-logps[0::2] / lengths[0::2])
+    loss = losses.mean()
+    loss.backward()
+    assert abs(got["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), (got["loss"], loss.item())
+    params = dict(model.named_parameters())
+    for name, grad in got["grads"].items():
+        expected = params[name].grad
+        err = (grad.double() - expected).norm() / expected.norm().clamp_min(1e-12)
+        assert err < 1e-5, (name, err.item())
+    assert len(got["grads"]) == len(params)
+
+
+RUN_FLAGS = ["-b", "2", "--max-steps", "8", "--ckpt-freq", "4", "--eval-freq", "4"]
+
+
+@pytest.fixture(scope="module")
+def dpo_run(dpo_inputs) -> tuple[Path, str]:
+    """An uninterrupted 2-process DPO run (full weights, precomputed reference) of 8 steps: the baseline. Its own
+    save folder (token cache), so it computes the reference whichever test ran first."""
+    args = dpo_args("base", dpo_inputs, *RUN_FLAGS)
+    save_dir = dpo_inputs[2] / "baseline"
+    args[args.index("--save-dir") + 1] = str(save_dir)
+    proc = run_trainer(args)
+    assert proc.returncode == 0, output_of(proc)
+    return save_dir / "base", output_of(proc)
+
+
+@pytest.mark.slow
+def test_step_one_is_ln2_and_accuracy_one_half(dpo_run):
+    exp, log = dpo_run
+    assert "--objective dpo (auto: the dataset has chosen and rejected columns)" in log
+    assert "reference log-probabilities of the train pairs: computed by the starting model" in log
+    rows = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in rows if r["step"] == 0)
+    assert abs(start["val_loss"] - LN2) < 1e-6 and start["val_rewards/accuracies"] == 0.5
+    assert start["val_rewards/margins"] == 0.0
+    first = next(r for r in rows if r["step"] == 1 and "loss" in r)
+    assert abs(first["loss"] - LN2) < 1e-6 and first["rewards/accuracies"] == 0.5
+    assert first["pairs_per_s"] > 0 and first["trained_tokens"] > 0
+    last = losses_by_step(exp)
+    assert len(last) == 8 and last[8] != last[1]
+    assert (exp / "final" / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.slow
+def test_kill9_rerun_is_bit_identical_and_reads_the_stored_reference(dpo_inputs, dpo_run, tmp_path):
+    args = dpo_args("run", dpo_inputs, *RUN_FLAGS)
+    args[args.index("--save-dir") + 1] = str(tmp_path)  # its own token cache: this run computes the reference
+    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.3"})
+    wait_for_step(tmp_path / "run", 5, proc)
+    kill_tree(proc.pid, signal.SIGKILL)
+    first_log = proc.communicate()[0]
+    assert "computed by the starting model" in first_log
+    rerun = run_trainer(args)
+    log = output_of(rerun)
+    assert rerun.returncode == 0, log
+    assert "at step 4" in log and "computed by the starting model" not in log
+    assert "reference log-probabilities of the train pairs: read from" in log and "(checksum verified)" in log
+    expected, resumed = losses_by_step(dpo_run[0]), losses_by_step(tmp_path / "run")
+    assert all(resumed[s] == expected[s] for s in range(1, 9)), (resumed, expected)
+
+
+@pytest.mark.slow
+def test_two_to_one_process_resume_continues_the_run(dpo_inputs, dpo_run, tmp_path):
+    first = dpo_args("run", dpo_inputs, *RUN_FLAGS)
+    first[first.index("--save-dir") + 1] = str(tmp_path)
+    first[first.index("--max-steps") + 1] = "4"
+    assert run_trainer(first).returncode == 0
+    second = [*dpo_args("run", dpo_inputs, *RUN_FLAGS), "--grad-accum-steps", "2"]
+    second[second.index("--save-dir") + 1] = str(tmp_path)
+    resumed = run_trainer(second, nproc=1)
+    log = output_of(resumed)
+    assert resumed.returncode == 0, log
+    assert "world size changed (2 -> 1)" in log and "computed by the starting model" not in log
+    expected, got = losses_by_step(dpo_run[0]), losses_by_step(tmp_path / "run")
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_live_reference_copy_gives_the_precomputed_losses(dpo_inputs, dpo_run):
+    args = dpo_args("live", dpo_inputs, *RUN_FLAGS, "--reference", "live")
+    args[args.index("--max-steps") + 1] = "4"
+    proc = run_trainer(args)
+    log = output_of(proc)
+    assert proc.returncode == 0, log
+    assert "reference: a frozen FSDP-sharded copy" in log and "computed by the starting model" not in log
+    expected, got = losses_by_step(dpo_run[0]), losses_by_step(dpo_inputs[2] / "out" / "live")
+    for step in range(1, 5):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "peft", [[], ["--peft", "lora", "--lora-rank", "8", "--lora-alpha", "16"]], ids=["full", "lora"]
+)
+def test_dpo_learns_a_fact_on_held_out_pairs(dpo_inputs, peft, tmp_path):
+    """Chosen = the fact the pairs teach, rejected = a wrong city; the held-out pairs ask in another phrasing and
+    reject cities no training pair rejected."""
+    data = save_pairs(tmp_path / "facts", fact_pairs(False, repeats=3), fact_pairs(True, repeats=2))
+    args = [*trainer_args("facts", data, dpo_inputs[0], tmp_path), *DPO_FLAGS, "--lr", "3e-3", "-b", "1"]
+    proc = run_trainer([*args, "--max-steps", "20", "--eval-freq", "10", *peft])
+    log = output_of(proc)
+    assert proc.returncode == 0, log
+    if peft:
+        assert "reference: the same model with its adapters off" in log
+        assert (tmp_path / "facts" / "final" / "adapter_config.json").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "facts" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in rows if "val_rewards/accuracies" in r]
+    assert evaluations[0]["step"] == 0 and evaluations[0]["val_rewards/accuracies"] == 0.5
+    assert evaluations[-1]["step"] == 20 and evaluations[-1]["val_rewards/accuracies"] >= 0.9, evaluations
+    assert evaluations[-1]["val_loss"] < LN2 and evaluations[-1]["val_rewards/margins"] > 0
+
+
+@pytest.mark.slow
+def test_qlora_dpo_resumes_bit_identically(tmp_path):
+    """QLoRA (NF4 base, reference = adapters off): step 1 is ln 2, and a run stopped at step 2 and rerun to step 4
+    trains steps 3-4 to the losses of an uninterrupted run, bit for bit."""
+    model = make_chat_model(tmp_path / "model", with_weights=True, sizes=llama_sizes(256, 2))
+    data = make_preference_dataset(tmp_path / "pairs", n=16, n_validation=4)
+
+    def run(save: Path, steps: int) -> str:
+        args = [*trainer_args("q", data, model, save), *DPO_FLAGS, "--lr", "1e-3", "-b", "1", "--peft", "qlora"]
+        proc = run_trainer([*args, "--lora-rank", "4", "--max-steps", str(steps), "--ckpt-freq", "2"])
+        assert proc.returncode == 0, output_of(proc)
+        return output_of(proc)
+
+    log = run(tmp_path / "whole", 4)
+    assert "reference: the same model with its adapters off" in log and "nf4" in log
+    run(tmp_path / "part", 2)
+    assert "resumed from" in run(tmp_path / "part", 4)
+    whole, part = losses_by_step(tmp_path / "whole" / "q"), losses_by_step(tmp_path / "part" / "q")
+    assert abs(whole[1] - LN2) < 1e-6, whole
+    assert part[3] == whole[3] and part[4] == whole[4], (part, whole)
+    assert (tmp_path / "part" / "q" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_bad_dpo_flags_and_data_are_refused(dpo_inputs, tmp_path, capsys):
+    import fsdp_train
+
+    model, pairs, _ = dpo_inputs
+    text = make_dataset(tmp_path / "text")
+    base = trainer_args("bad", pairs, model, tmp_path)
+    for extra, message in [
+        (["--dpo-beta", "0"], "--dpo-beta must be a positive number"),
+        (["--dpo-loss", "ipo", "--dpo-label-smoothing", "0.1"], "applies to --dpo-loss sigmoid"),
+        (["--objective", "lm", "--dpo-beta", "0.2"], "--dpo-beta need --objective dpo"),
+        (["--objective", "dpo", "--document-masking", "off"], "needs --document-masking on"),
+    ]:
+        assert fsdp_train.main([*base, *extra]) == 2  # before any process group
+        assert message in capsys.readouterr().out, extra
+        assert not (tmp_path / "bad").exists()
+    on_text = [*trainer_args("bad2", text, model, tmp_path), "--objective", "dpo"]
+    proc = run_trainer(on_text, nproc=1)
+    assert proc.returncode != 0 and "not prompt, chosen and rejected" in output_of(proc)
+    on_pairs = [*base, "--objective", "lm"]
+    proc = run_trainer(on_pairs, nproc=1)
+    assert proc.returncode != 0 and "holds preference pairs" in output_of(proc)
