@@ -12,13 +12,11 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import mmap
 import os
 import random
 import re
 import shutil
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.data import TrainData
 from fsdp_lib.errors import CheckpointError
 from fsdp_lib.faults import fault_point
+from fsdp_lib.integrity import file_checksum
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
 
@@ -139,18 +138,6 @@ def step_dirs(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name[len("step_") :]))
-
-
-def file_checksum(path: Path) -> dict:
-    """Size and CRC-32 of a file. CRC-32 runs at several GB/s (zlib, without the GIL) and the file is mapped,
-    not copied: recorded right after writing, while the file is in the page cache, it is a small part of a save
-    (bench_checkpoint.py reports the share)."""
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:  # an empty file cannot be mapped
-            return {"bytes": 0, "crc32": f"{zlib.crc32(b''):08x}"}
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return {"bytes": size, "crc32": f"{zlib.crc32(data):08x}"}
 
 
 # DCP's CheckpointException derives from BaseException, not Exception.

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_lib.checkpoint import CHECKSUM_FILE, file_checksum, step_dirs
+from fsdp_lib.checkpoint import CHECKSUM_FILE, step_dirs
 from fsdp_lib.errors import CheckpointError
+from fsdp_lib.integrity import checksum_problems
 from fsdp_lib.runtime import Dist, broadcast_object, log
 
 
@@ -56,25 +57,6 @@ def verify_checkpoint(path: Path, d: Dist) -> list[str]:
     found: list[list[str] | None] = [None] * d.world_size
     dist.all_gather_object(found, checksum_problems(path, mine, recorded), group=d.cpu_group)
     return [problem for part in found for problem in part or []]
-
-
-def checksum_problems(folder: Path, names: list[str], recorded: dict) -> list[str]:
-    """What is wrong with these files of a checkpoint, one line per damaged file."""
-    problems = []
-    for name in names:
-        try:
-            actual = file_checksum(folder / name)
-        except OSError as exc:
-            problems.append(f"{folder / name}: unreadable ({exc.strerror or exc})")
-            continue
-        expected = recorded[name]
-        if actual["bytes"] != expected["bytes"]:
-            problems.append(f"{folder / name}: {actual['bytes']} bytes, {expected['bytes']} were written")
-        elif actual["crc32"] != expected["crc32"]:
-            problems.append(
-                f"{folder / name}: checksum mismatch (crc32 {actual['crc32']}, {expected['crc32']} written)"
-            )
-    return problems
 
 
 def _set_aside(root: Path, damaged: list[tuple[Path, list[str]]], intact: Path, d: Dist) -> None:

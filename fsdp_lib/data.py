@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from fsdp_lib.batch import Batch
 from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash
 from fsdp_lib.config import DPO_FLAGS, TrainConfig, parse_data_slice
 from fsdp_lib.dataset import load_text_dataset
 from fsdp_lib.errors import TrainError
+from fsdp_lib.integrity import commit_files, recorded_problems
 from fsdp_lib.preference import PairBlocks, PairEncoder, is_preference_split, tokenize_pairs_to_file
 from fsdp_lib.runtime import Dist, log
 
@@ -66,6 +68,7 @@ def _stream_paths(tokens_path: Path) -> dict[str, Path]:
         "docs": tokens_path.with_suffix(".docs"),
         "mask": tokens_path.with_suffix(".mask"),
         "skips": tokens_path.with_suffix(".skips.json"),
+        "sums": tokens_path.with_suffix(".sums.json"),  # size and CRC-32 of each file above (integrity.commit_files)
     }
 
 
@@ -76,7 +79,8 @@ def tokenize_to_file(
     trained-token mask). Text rows get EOS after each document; conversations end as their template ends them.
 
     Streams in row batches (memory stays flat) and writes under temporary names, renamed at the end with the
-    token file last, so a reader that sees the token file sees complete side files. Returns the number of tokens.
+    token file last after their sizes and CRC-32s are recorded (.sums.json), so a reader that sees the token file
+    sees complete side files, and load_token_stream can tell a damaged cache. Returns the number of tokens.
     """
     eos = tokenizer.eos_token_id
     dtype = _token_dtype(len(tokenizer))
@@ -114,9 +118,10 @@ def tokenize_to_file(
             fh.close()
     if chat is not None:  # read with every use of the cache: load_token_stream reports and checks them
         skips = {"conversations": rows, "expanded": chat.expanded, "skipped": skipped, "first_row": first_skipped}
-        paths["skips"].write_text(json.dumps(skips, indent=1))
-    for k in names:  # the token file last: its presence means the stream is complete
-        os.replace(tmp[k], paths[k])
+        tmp["skips"] = paths["skips"].with_name(f"{paths['skips'].name}.tmp{os.getpid()}")
+        tmp["skips"].write_text(json.dumps(skips, indent=1))
+    # the token file last: its presence means the stream and its checksums are complete
+    commit_files({tmp[k]: paths[k] for k in sorted(tmp, key=lambda k: k == "tokens")}, paths["sums"])
     return total
 
 
@@ -194,6 +199,8 @@ def load_token_stream(
     cache_dir = Path(cfg.save_dir) / ".token_cache" / key
     paths = _stream_paths(cache_dir / f"{split_name}.tokens")
     failed_path = cache_dir / f"{split_name}.failed"
+    if d.local_rank == 0 and paths["tokens"].exists():
+        discard_if_damaged(paths, split_name)
     if d.local_rank == 0 and not paths["tokens"].exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         failed_path.unlink(missing_ok=True)
@@ -215,6 +222,7 @@ def load_token_stream(
         if time.monotonic() > deadline:
             raise TrainError(f"waited {cfg.collective_timeout_s}s for {paths['tokens']}; raise --collective-timeout-s")
         time.sleep(0.5)
+    dist.barrier(group=d.cpu_group)  # local rank 0 has checked (or rebuilt) the cache before anyone maps it
 
     def mapped(path: Path, dtype: Any) -> np.ndarray:
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
@@ -236,6 +244,21 @@ def load_token_stream(
     if chat is not None:
         report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction)
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
+
+
+def discard_if_damaged(paths: dict[str, Path], split_name: str) -> None:
+    """A token cache whose files are not what was written (size or CRC-32 against its .sums.json, or no record: a
+    cache of an older version) is deleted with a message, so it is rebuilt, never trained on."""
+    start = time.perf_counter()
+    problems = recorded_problems(paths["sums"])
+    if not problems:
+        seconds = time.perf_counter() - start
+        log(f"token cache of the {split_name} split verified ({paths['tokens'].parent}, {seconds:.1f}s)")
+        return
+    found = "\n".join(f"  {p}" for p in problems)
+    log(f"WARNING: the token cache of the {split_name} split is damaged or unverifiable:\n{found}\nrebuilding it")
+    for path in paths.values():  # the token file first: without it the cache is absent, not half there
+        path.unlink(missing_ok=True)
 
 
 def report_skipped(skips: dict, split_name: str, max_fraction: float, unit: str = "conversations") -> None:

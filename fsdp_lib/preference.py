@@ -21,6 +21,7 @@ import torch
 from fsdp_lib.batch import Batch
 from fsdp_lib.chat import ChatEncoder, ChatFormatError
 from fsdp_lib.errors import TrainError
+from fsdp_lib.integrity import commit_files
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -120,8 +121,8 @@ class PairEncoder:
 
 def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, Path], dtype: np.dtype) -> int:
     """The split's pairs as one token stream, chosen then rejected for each pair (documents 2p and 2p + 1), with
-    document ends, the trained mask and the skip counts; written under temporary names and renamed, token file last
-    (as data.tokenize_to_file). Returns the number of pairs kept."""
+    document ends, the trained mask and the skip counts; written under temporary names, their checksums recorded, and
+    renamed, token file last (as data.tokenize_to_file). Returns the number of pairs kept."""
     names = ("docs", "mask", "tokens")
     tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}") for k in names}
     handles = {k: open(tmp[k], "wb") for k in names}
@@ -150,9 +151,9 @@ def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, 
         for fh in handles.values():
             fh.close()
     skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": "pairs"}
-    paths["skips"].write_text(json.dumps(skips, indent=1))
-    for k in names:
-        os.replace(tmp[k], paths[k])
+    tmp["skips"] = paths["skips"].with_name(f"{paths['skips'].name}.tmp{os.getpid()}")
+    tmp["skips"].write_text(json.dumps(skips, indent=1))
+    commit_files({tmp[k]: paths[k] for k in ("skips", "docs", "mask", "tokens")}, paths["sums"])  # tokens last
     return pairs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config
 from fsdp_lib.data import DataPlan, PackedBlocks, _token_dtype, tokenize_to_file
 from fsdp_lib.errors import ConfigError
+from fsdp_lib.integrity import recorded_problems
 from fsdp_lib.optim import lr_at
 from tests.fsdp_helpers import (
     REPO_ROOT,
@@ -170,7 +172,7 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_mode
         "mem_reserved_gb",
     ):
         assert key in rows[-1], key
-    all_rows = [__import__("json").loads(x) for x in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
+    all_rows = [json.loads(x) for x in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in all_rows if "val_loss" in r]
     assert vals and vals[-1]["val_loss"] < vals[0]["val_loss"]
     assert math.isclose(vals[-1]["val_ppl"], math.exp(vals[-1]["val_loss"]), rel_tol=1e-6)
@@ -196,9 +198,36 @@ def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra:
 
 
 @pytest.fixture(scope="module")
-def full_shard_losses(tmp_path_factory, dataset_dir, scratch_model) -> dict[int, float]:
-    """2 processes, --sharding full, batch 2 x accum 1: the reference the other layouts must reproduce."""
-    return _eight_steps(tmp_path_factory.mktemp("full"), dataset_dir, scratch_model, 2)
+def full_shard_run(tmp_path_factory, dataset_dir, scratch_model) -> tuple[Path, dict[int, float]]:
+    """2 processes, --sharding full, batch 2 x accum 1: the reference the other layouts must reproduce (its save
+    folder, with the token cache, and its losses)."""
+    save = tmp_path_factory.mktemp("full")
+    return save, _eight_steps(save, dataset_dir, scratch_model, 2)
+
+
+@pytest.fixture(scope="module")
+def full_shard_losses(full_shard_run) -> dict[int, float]:
+    return full_shard_run[1]
+
+
+def test_a_damaged_token_cache_is_rebuilt_not_trained_on(tmp_path, dataset_dir, scratch_model, full_shard_run):
+    """A byte flipped in a copy of the reference run's token cache: the rerun says so, rebuilds the cache and trains
+    to the reference losses."""
+    import shutil
+
+    save, expected = full_shard_run
+    shutil.copytree(save / ".token_cache", tmp_path / ".token_cache")
+    (tokens,) = (tmp_path / ".token_cache").glob("*/train.tokens")
+    raw = bytearray(tokens.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    tokens.write_bytes(bytes(raw))
+    args = [*trainer_args("run", dataset_dir, scratch_model, tmp_path), "--max-steps", "8", "--seed", "7", "-b", "2"]
+    proc = run_trainer(args)
+    log = output_of(proc)
+    assert proc.returncode == 0, log
+    assert "WARNING: the token cache of the train split is damaged" in log and "checksum mismatch" in log, log
+    assert "token cache of the validation split verified" in log and "tokenising train split" in log
+    assert losses_by_step(tmp_path / "run") == expected
 
 
 def test_one_process_accumulating_equals_two_processes(tmp_path, dataset_dir, scratch_model, full_shard_losses):
@@ -353,3 +382,17 @@ def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, sc
     stream = np.fromfile(tmp_path / "t.tokens", dtype=_token_dtype(len(tokenizer)))
     expected = [i for text in split["text"] for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
     assert count == len(stream) and stream.tolist() == expected
+    sums = tmp_path / "t.sums.json"  # size and CRC-32 of every file, recorded when written
+    assert sorted(json.loads(sums.read_text())) == ["t.docs", "t.tokens"] and recorded_problems(sums) == []
+    with open(tmp_path / "t.tokens", "r+b") as fh:
+        fh.seek(5)
+        byte = fh.read(1)
+        fh.seek(5)
+        fh.write(bytes([byte[0] ^ 0x80]))
+    (problem,) = recorded_problems(sums)
+    assert "t.tokens: checksum mismatch" in problem
+    with open(tmp_path / "t.docs", "ab") as fh:
+        fh.write(b"\0")
+    assert any("t.docs: " in p and "were written" in p for p in recorded_problems(sums))
+    sums.unlink()
+    assert "no checksums were recorded" in recorded_problems(sums)[0]
