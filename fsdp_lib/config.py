@@ -170,6 +170,11 @@ class TrainConfig:
     peak_tflops: float = _opt(0.0, "accelerator peak TFLOP/s per GPU for MFU (0 = built-in table)")
     max_bad_steps: int = _opt(25, "stop after this many consecutive steps with a non-finite loss or gradient")
     collective_timeout_s: int = _opt(1800, "timeout of collectives (checkpoint agreement, tokenisation wait)")
+    init_timeout_s: int = _opt(
+        300,
+        "timeout of process group set-up (every rank connecting to the others): a launch or torchrun restart "
+        "that cannot connect fails after this instead of waiting --collective-timeout-s",
+    )
     force_resume: bool = _opt(False, "resume even if model/data/batch/seed/tokenizer changed since the checkpoint")
     export_dtype: str = _opt(
         "auto",
@@ -300,6 +305,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         "--ac-every-n-layers": cfg.ac_every_n_layers,
         "--max-bad-steps": cfg.max_bad_steps,
         "--collective-timeout-s": cfg.collective_timeout_s,
+        "--init-timeout-s": cfg.init_timeout_s,
     }
     problems += [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
     non_negative = {

@@ -2,7 +2,8 @@
 set; production code only names the points where a fault may be injected.
 
 - FSDP_TRAIN_FAULT=name[@rank][:step],...: at fault_point(name), SIGKILL this process (names starting with
-  "kill") or raise an ENOSPC OSError.
+  "kill") or raise an ENOSPC OSError. Only in a launch's first attempt: the group torchrun --max-restarts starts
+  again (TORCHELASTIC_RESTART_COUNT > 0) has inherited the variable but is the recovery under test.
 - FSDP_TRAIN_NAN_AT_STEPS=3,4: the training loss of those (1-based) optimizer steps is NaN on rank 0.
 - FSDP_TRAIN_STEP_DELAY_S=0.25: every optimizer step sleeps this long, so a test can interrupt a run mid-way.
 """
@@ -22,7 +23,7 @@ from fsdp_lib.state import TrainState
 
 def fault_point(name: str, d: Dist | None = None, step: int | None = None) -> None:
     """Kill this process, or raise ENOSPC, when FSDP_TRAIN_FAULT names this point (and rank, and step)."""
-    spec = os.environ.get("FSDP_TRAIN_FAULT", "")
+    spec = os.environ.get("FSDP_TRAIN_FAULT", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
     for item in filter(None, spec.split(",")):
         item, _, at_step = item.partition(":")
         point, _, rank = item.partition("@")

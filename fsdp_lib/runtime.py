@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.errors import TrainError
 
 
 @dataclass
@@ -64,28 +65,74 @@ def _ensure_launcher_env() -> None:
 
 
 def setup_distributed(cfg: TrainConfig) -> Dist:
+    """The process groups and the device mesh. Set-up (connecting every rank to the others) is bounded by
+    --init-timeout-s, so a launch or torchrun restart that cannot connect fails in minutes; the groups' collectives
+    then get --collective-timeout-s."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _ensure_launcher_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    timeout = dt.timedelta(seconds=cfg.collective_timeout_s)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    async_ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    timeout = dt.timedelta(seconds=cfg.init_timeout_s)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        store = restart_safe_store(rank, world, local_world, timeout)
+        if device.type == "cuda":
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, store=store, rank=rank, world_size=world
+            )
+        else:
+            dist.init_process_group("gloo", timeout=timeout, store=store, rank=rank, world_size=world)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        async_ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    except (RuntimeError, dist.DistError) as exc:  # DistStoreError, gloo's connectFullMesh, NCCL's init
+        raise TrainError(
+            f"rank {rank} of {world} could not set up the process group within --init-timeout-s "
+            f"{cfg.init_timeout_s} (MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {str(exc).strip().splitlines()[0]}. Check that every "
+            f"rank was started and can reach the others; on a slow start raise --init-timeout-s"
+        ) from exc
     if cfg.sharding in ("hybrid", "none"):
         shard = 1 if cfg.sharding == "none" else (cfg.hybrid_shard_size or local_world)
         mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    collectives = dt.timedelta(seconds=cfg.collective_timeout_s)
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    if set_timeout is not None:
+        for group in {dist.group.WORLD, cpu_group, async_ckpt_group, *mesh.get_all_groups()}:
+            set_timeout(collectives, group)
     return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group)
+
+
+def restart_safe_store(rank: int, world: int, local_world: int, timeout: dt.timedelta) -> Any:
+    """The key-value store the process group connects through, or None for init_process_group's own (env://).
+
+    torchrun (torch 2.4+) shares its rendezvous TCPStore with the workers and keeps it across `--max-restarts`
+    restarts, while the workers' keys carry no attempt number: a restarted group read the addresses its dead
+    predecessors had published and failed ("connectFullMesh ... Connection refused") or waited on them until the
+    collective timeout. On one node every worker sees the same TORCHELASTIC_RESTART_COUNT, so the keys are put under
+    it. Across nodes the agents count restarts differently (a node restarted for another's failure does not count
+    it), so no prefix is safe there: the launch scripts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per
+    restart) and a run without it gets a warning when restarts are allowed."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if not shared or attempt is None:
+        return None
+    if world != local_world:
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            log(
+                "WARNING: a multi-node run with torchrun --max-restarts and torchrun's shared store: a restart may "
+                "fail to connect (stale keys of the dead workers). Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "before torchrun on every node (scripts/multinode_launch.sh does)"
+            )
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"fsdp_train/attempt_{attempt}", client)
 
 
 def all_ranks_agree(flag: bool, d: Dist) -> bool:

@@ -231,3 +231,16 @@ def kill_tree(pid: int, sig: int) -> None:
             os.kill(target, sig)
         except ProcessLookupError:
             pass
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the training process of global `rank` below a torchrun launcher, or None (not started yet)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
+            return pid
+    return None

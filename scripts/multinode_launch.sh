@@ -25,6 +25,10 @@
 #                     --grad-accum-steps = TOTAL_BATCH_SIZE / (MICRO_BATCH_SIZE x NNODES x NPROC_PER_NODE)
 #                     and stops with an error when that is not a whole number >= 1
 #   MICRO_BATCH_SIZE  sequences per process per forward pass (--batch-size); default: batch-size in CONFIG
+#   MAX_RESTARTS      torchrun --max-restarts (default 0): when a training process dies (a crash, a kill -9, an OOM
+#                     kill), torchrun stops the others and starts the group again, up to this many times; the new
+#                     group resumes from the newest intact checkpoint. With NNODES > 1 the script also exports
+#                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so each restart gets a fresh store (see runtime.py).
 #   PYTHON            interpreter with torch installed (default: the repository's .venv/bin/python, else python3)
 #   DRY_RUN=1         print the torchrun command and exit
 #   REPO_DIR          repository root holding fsdp_train.py (default: the parent of this script's folder)
@@ -161,6 +165,9 @@ prepare_launch() {
     die "NNODES=$nnodes needs MASTER_ADDR: the address of one of the nodes, reachable from all of them" \
       "(it hosts the rendezvous on port $port)"
   fi
+  local restarts=${MAX_RESTARTS:-0}
+  [[ $restarts =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$restarts must be a whole number >= 0"
+  if ((restarts > 0)); then torchrun_cmd+=(--max-restarts "$restarts"); fi
   torchrun_cmd+=(--nproc-per-node "$nproc" "$REPO_DIR/fsdp_train.py")
   if [[ -n ${EXPERIMENT:-} ]]; then torchrun_cmd+=(-e "$EXPERIMENT"); fi
   if [[ -n ${DATASET:-} ]]; then torchrun_cmd+=(-d "$DATASET"); fi
@@ -225,6 +232,9 @@ export_runtime_env() {
   # Only used when torchrun itself gets SIGTERM (scancel, preemption): how long it lets the ranks finish a
   # checkpoint before SIGKILL. torch < 2.12 ignores it and waits 30 s.
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
+  # torchrun keeps one store for all restarts of a group; across nodes the trainer cannot tell the restarts apart
+  # in it (fsdp_lib/runtime.py, restart_safe_store), so every restart gets a fresh one.
+  if ((${NNODES:-1} > 1)); then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}; fi
 }
 
 # Set by the traps, so wait_for_exit can tell "a signal interrupted wait" from "the child exited".

@@ -45,6 +45,9 @@
 #   PYTHON             interpreter with torch (default: the repository's .venv/bin/python, else python3)
 #   REQUEUE_ON_TIMEOUT 1 (default): requeue the job after the checkpoint taken at the time limit; 0: just stop
 #   MAX_REQUEUES       stop requeueing after this many restarts (default 20; SLURM_RESTART_COUNT counts them)
+#   MAX_RESTARTS       torchrun --max-restarts on every node (default 2): a training process that dies (crash,
+#                      kill -9, OOM kill) makes torchrun restart the group, which resumes from the newest intact
+#                      checkpoint without a new job
 #   DRY_RUN=1          print the srun command and the torchrun command each node would run, then exit
 # scripts/multinode_launch.sh sets the runtime environment of every node: HF_HUB_OFFLINE=1 (and the other
 # offline switches), OMP_NUM_THREADS = the task's cores / GPUs, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, NCCL_DEBUG=WARN;
@@ -128,7 +131,7 @@ slurm_main() {
 
   # What multinode_launch.sh needs on every node: c10d rendezvous hosted by the first node of the allocation.
   # The job id as rendezvous id stays the same across requeues; the store is new each time (a new torchrun).
-  export NNODES=$SLURM_NNODES MASTER_ADDR=${nodes[0]} RDZV_ID=$SLURM_JOB_ID
+  export NNODES=$SLURM_NNODES MASTER_ADDR=${nodes[0]} RDZV_ID=$SLURM_JOB_ID MAX_RESTARTS=${MAX_RESTARTS:-2}
   export MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
   export NPROC_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
   [[ -n $NPROC_PER_NODE ]] || die "GPUs per node unknown: set GPUS_PER_NODE, or request GPUs with --gpus-per-node"

@@ -258,6 +258,7 @@ def test_slurm_dry_run_derives_rendezvous_grad_accum_and_passes_arguments(fake_r
     assert flag_value(words, "--rdzv-endpoint") == "gpu01:29845"  # first node; port 29500 + 12345 % 1000
     assert flag_value(words, "--rdzv-id") == "12345"
     assert "--node-rank" not in words and "--standalone" not in words
+    assert flag_value(words, "--max-restarts") == "2"  # a dead rank restarts the group, which resumes
     trainer_args = words[words.index(str(fake_repo / "fsdp_train.py")) + 1 :]
     assert flag_value(trainer_args, "--grad-accum-steps") == "4"  # 256 / (2 x 4 nodes x 8 GPUs)
     assert flag_value(trainer_args, "--batch-size") == "2"
@@ -348,6 +349,7 @@ def test_multinode_rendezvous_modes(
         assert flag not in words
     nodes = int(extra_env["NNODES"])
     assert flag_value(words, "--grad-accum-steps") == str(64 // (2 * 4 * nodes))
+    assert "--max-restarts" not in words  # MAX_RESTARTS unset: torchrun's default, no restart
     assert words[-4:] == ["-e", "run", "--seed", "3"]
 
 
@@ -357,6 +359,7 @@ def test_multinode_rendezvous_modes(
         ({"NNODES": "2"}, "NNODES=2 needs MASTER_ADDR"),
         ({"NNODES": "2", "MASTER_ADDR": "h", "NODE_RANK": "2"}, "NODE_RANK=2 must be between 0 and NNODES-1 (1)"),
         ({"NNODES": "1", "CONFIG": "missing.yaml"}, "CONFIG=missing.yaml not found"),
+        ({"NNODES": "1", "MAX_RESTARTS": "two"}, "MAX_RESTARTS=two must be a whole number >= 0"),
     ],
 )
 def test_multinode_rejects_incomplete_settings(fake_repo: Path, extra_env: dict[str, str], message: str) -> None:
