@@ -159,6 +159,13 @@ class TrainConfig:
     eval_at_start: str = _opt(
         "on", "evaluate the base model before the first step (step 0); not on resume", choices=ON_OFF
     )
+    sample_prompts: str = _opt(
+        "",
+        "a file of prompts (one per line; .jsonl: one conversation per line, rendered with the chat template) whose "
+        "greedy completions are written at every evaluation, step 0 included, to outputs/EXP/samples.jsonl, "
+        "TensorBoard/W&B and the log",
+    )
+    sample_max_new_tokens: int = _opt(64, "--sample-prompts: tokens generated per prompt (cut at the end token)")
     keep_last: int = _opt(3, "complete checkpoints to keep (the newest is never deleted)")
     async_ckpt: str = _opt("off", "write checkpoints in the background while training continues", choices=ON_OFF)
     tensorboard: str = _opt("off", "also write TensorBoard event files to outputs/EXP/tensorboard", choices=ON_OFF)
@@ -306,6 +313,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         "--max-bad-steps": cfg.max_bad_steps,
         "--collective-timeout-s": cfg.collective_timeout_s,
         "--init-timeout-s": cfg.init_timeout_s,
+        "--sample-max-new-tokens": cfg.sample_max_new_tokens,
     }
     problems += [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
     non_negative = {
@@ -331,6 +339,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         problems.append(
             f"--loss-chunk-tokens {cfg.loss_chunk_tokens!r}: expected auto or a whole number of tokens (0 = full logits)"
         )
+    if cfg.sample_prompts and not Path(cfg.sample_prompts).is_file():
+        problems.append(f"--sample-prompts {cfg.sample_prompts}: no such file (one prompt per line, or .jsonl)")
     if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
         problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")
     if not cfg.lr > 0 or not math.isfinite(cfg.lr):

@@ -23,6 +23,7 @@ from fsdp_lib.data import DataPlan
 from fsdp_lib.errors import TrainError
 from fsdp_lib.faults import fault_point
 from fsdp_lib.runtime import Dist, broadcast_object, log
+from fsdp_lib.samples import SAMPLES_FILE
 from fsdp_lib.state import TrainState
 
 # Dense bf16 tensor-core peak TFLOP/s per GPU (vendor datasheets), and fp32 (no TF32) peak.
@@ -264,6 +265,28 @@ class Metrics:
             self.bar.write(message)
         else:
             log(message)
+
+    def write_samples(self, step: int, rows: list[dict[str, str]]) -> None:
+        """--sample-prompts: the completions of one evaluation, to samples.jsonl (beside metrics.jsonl), TensorBoard
+        and W&B as text, and the first three to the log (rank 0)."""
+        if not self.d.is_main or not rows:
+            return
+        with open(self.path.with_name(SAMPLES_FILE), "a") as fh:
+            fh.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self.writer is not None:
+            for i, row in enumerate(rows):
+                self.writer.add_text(
+                    f"samples/{i}", f"**prompt:** {row['prompt']}\n\n**completion:** {row['completion']}", step
+                )
+        if self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(
+                columns=["step", "prompt", "completion"], data=[[step, r["prompt"], r["completion"]] for r in rows]
+            )
+            self.wandb_run.log({"step": step, "samples": table})
+        for row in rows[:3]:
+            log(f"sample at step {step}: {row['prompt'][-80:]!r} -> {row['completion'][:200]!r}")
 
     def stop_if_failed(self) -> None:
         """After the run saved a checkpoint on a write failure: every rank stops with rank 0's message."""
