@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash
 from fsdp_lib.config import DPO_FLAGS, TrainConfig, parse_data_slice
 from fsdp_lib.dataset import load_text_dataset
 from fsdp_lib.errors import TrainError
-from fsdp_lib.integrity import commit_files, recorded_problems
+from fsdp_lib.integrity import commit_files, recorded_problems, staged
 from fsdp_lib.preference import PairBlocks, PairEncoder, is_preference_split, tokenize_pairs_to_file
 from fsdp_lib.runtime import Dist, log
 
@@ -87,7 +86,7 @@ def tokenize_to_file(
     tokenizer.model_max_length = sys.maxsize  # documents are packed into blocks later; silence the length warning
     paths = _stream_paths(out_path)
     names = ("docs", "mask", "tokens") if chat is not None else ("docs", "tokens")
-    tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}.{socket.gethostname()}") for k in names}
+    tmp = {k: staged(paths[k]) for k in names}
     handles = {k: open(tmp[k], "wb") for k in names}
     total, skipped, first_skipped, rows = 0, {}, {}, 0
     try:
@@ -118,7 +117,7 @@ def tokenize_to_file(
             fh.close()
     if chat is not None:  # read with every use of the cache: load_token_stream reports and checks them
         skips = {"conversations": rows, "expanded": chat.expanded, "skipped": skipped, "first_row": first_skipped}
-        tmp["skips"] = paths["skips"].with_name(f"{paths['skips'].name}.tmp{os.getpid()}")
+        tmp["skips"] = staged(paths["skips"])
         tmp["skips"].write_text(json.dumps(skips, indent=1))
     # the token file last: its presence means the stream and its checksums are complete
     commit_files({tmp[k]: paths[k] for k in sorted(tmp, key=lambda k: k == "tokens")}, paths["sums"])
@@ -201,6 +200,7 @@ def load_token_stream(
     failed_path = cache_dir / f"{split_name}.failed"
     if d.local_rank == 0 and paths["tokens"].exists():
         discard_if_damaged(paths, split_name)
+    dist.barrier(group=d.cpu_group)  # nobody takes a damaged token file for a finished one (checking takes seconds)
     if d.local_rank == 0 and not paths["tokens"].exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         failed_path.unlink(missing_ok=True)
@@ -222,7 +222,7 @@ def load_token_stream(
         if time.monotonic() > deadline:
             raise TrainError(f"waited {cfg.collective_timeout_s}s for {paths['tokens']}; raise --collective-timeout-s")
         time.sleep(0.5)
-    dist.barrier(group=d.cpu_group)  # local rank 0 has checked (or rebuilt) the cache before anyone maps it
+    dist.barrier(group=d.cpu_group)  # every node's cache is complete before anyone maps it
 
     def mapped(path: Path, dtype: Any) -> np.ndarray:
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
@@ -257,8 +257,14 @@ def discard_if_damaged(paths: dict[str, Path], split_name: str) -> None:
         return
     found = "\n".join(f"  {p}" for p in problems)
     log(f"WARNING: the token cache of the {split_name} split is damaged or unverifiable:\n{found}\nrebuilding it")
-    for path in paths.values():  # the token file first: without it the cache is absent, not half there
-        path.unlink(missing_ok=True)
+    try:
+        for path in paths.values():  # the token file first: without it the cache is absent, not half there
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise TrainError(
+            f"the token cache {paths['tokens'].parent} must be rebuilt but cannot be deleted ({exc}); make --save-dir "
+            f"writable or delete that folder"
+        ) from exc
 
 
 def report_skipped(skips: dict, split_name: str, max_fraction: float, unit: str = "conversations") -> None:

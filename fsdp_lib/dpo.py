@@ -105,6 +105,8 @@ class DPOObjective:
                 return sequence_log_probs(module, batch)
         finally:
             module.train(was_training)
+            if self.frozen is not None:  # no backward ever reshards the copy: give its gathered layers back now
+                reshard_all(self.frozen)
 
     def pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each pair's loss (with gradient) and the router loss; adds the pairs' figures to self.stats."""
@@ -200,6 +202,8 @@ def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: s
     path = reference_path(blocks.cache_path, key)
     count = 2 * blocks.num_pairs
     found = read_reference(path, count)
+    if found is None and path.exists():
+        log(f"WARNING: the stored reference log-probabilities {path} are damaged or incomplete: recomputing them")
     if all_agree_found(found is not None, d):
         blocks.reference = found
         log(f"reference log-probabilities of the {name} pairs: read from {path} (checksum verified)")
@@ -222,7 +226,10 @@ def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: s
     if not np.isfinite(blocks.reference).all():
         raise TrainError(f"the starting model's log-probabilities of some {name} pairs are not finite; check the model")
     if d.local_rank == 0:
-        write_reference(path, blocks.reference)
+        try:
+            write_reference(path, blocks.reference)
+        except OSError as exc:  # a cache: training goes on with the values in memory; a rerun computes them again
+            log(f"WARNING: could not store the reference log-probabilities in {path} ({exc}); a rerun recomputes them")
     dist.barrier(group=d.cpu_group)
     log(
         f"reference log-probabilities of the {name} pairs: computed by the starting model in "
@@ -264,14 +271,20 @@ def build_objective(
         return None, "lm"
     mode = reference_mode(cfg)
     frozen = None
+    dropped = disable_dropout(bundle.model)
+    if dropped:
+        log(
+            f"--objective dpo: dropout off in {dropped} module(s), so the policy's log-probs compare with the reference's"
+        )
     if mode == "precomputed":
         adapter = bundle.peft.start if bundle.peft is not None else "none"
         attention = bundle.config._attn_implementation
         key = reference_key(cfg, weights_identity(bundle.model_dir), adapter, precision, attention)
-        attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
-        if data.validation is not None:
-            attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
-    elif mode == "copy":
+        if not cfg.export_only:  # an export needs the key (the resume check), not the values
+            attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
+            if data.validation is not None:
+                attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
+    elif mode == "copy" and not cfg.export_only:
         import dataclasses
 
         log("--reference live: building a frozen copy of the starting model (FSDP-sharded, no gradients)")
@@ -287,6 +300,18 @@ def build_objective(
         "reference": mode if mode != "precomputed" else f"precomputed-{key}",
     }
     return DPOObjective(cfg, bundle.train_forward, mode, frozen), fingerprint
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Dropout off everywhere (nn.Dropout, LoRA's included, and attention dropout), as TRL does for DPO: the
+    reference is computed without it, so a policy with it would not start at ln 2. Returns how many were on."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            module.p, count = 0.0, count + 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            module.attention_dropout, count = 0.0, count + 1
+    return count
 
 
 def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import socket
 import zlib
 from pathlib import Path
 
@@ -41,18 +42,24 @@ def checksum_problems(folder: Path, names: list[str], recorded: dict) -> list[st
     return problems
 
 
-def commit_files(staged: dict[Path, Path], sums_path: Path) -> None:
+def staged(path: Path) -> Path:
+    """The temporary name a file is written under before it is renamed into place: unique per host and process,
+    so two nodes writing the same cache on a shared file system (with equal pids in containers) never collide."""
+    return path.with_name(f"{path.name}.tmp{os.getpid()}.{socket.gethostname()}")
+
+
+def commit_files(files: dict[Path, Path], sums_path: Path) -> None:
     """Publish files written under temporary names: record each one's checksum under its final name in sums_path
     (written atomically), then rename them in the given order, so the last one's presence means every file and
-    the checksums are complete. staged: {temporary path: final path}, all in sums_path's folder."""
-    sums = {final.name: file_checksum(tmp) for tmp, final in staged.items()}
-    tmp_sums = sums_path.with_name(f"{sums_path.name}.tmp{os.getpid()}")
+    the checksums are complete. files: {temporary path: final path}, all in sums_path's folder."""
+    sums = {final.name: file_checksum(tmp) for tmp, final in files.items()}
+    tmp_sums = staged(sums_path)
     with open(tmp_sums, "w") as fh:
         json.dump(sums, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp_sums, sums_path)
-    for tmp, final in staged.items():
+    for tmp, final in files.items():
         os.replace(tmp, final)
 
 

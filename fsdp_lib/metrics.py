@@ -271,8 +271,11 @@ class Metrics:
         and W&B as text, and the first three to the log (rank 0)."""
         if not self.d.is_main or not rows:
             return
-        with open(self.path.with_name(SAMPLES_FILE), "a") as fh:
-            fh.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        try:
+            with open(self.path.with_name(SAMPLES_FILE), "a") as fh:
+                fh.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        except OSError as exc:  # as for metrics.jsonl: the loop checkpoints and stops the run
+            self.failure = self.failure or f"cannot write {SAMPLES_FILE} ({exc}); free disk space and rerun to resume"
         if self.writer is not None:
             for i, row in enumerate(rows):
                 self.writer.add_text(

@@ -20,8 +20,7 @@ import torch
 
 from fsdp_lib.batch import Batch
 from fsdp_lib.chat import ChatEncoder, ChatFormatError
-from fsdp_lib.errors import TrainError
-from fsdp_lib.integrity import commit_files
+from fsdp_lib.integrity import commit_files, staged
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -124,7 +123,7 @@ def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, 
     document ends, the trained mask and the skip counts; written under temporary names, their checksums recorded, and
     renamed, token file last (as data.tokenize_to_file). Returns the number of pairs kept."""
     names = ("docs", "mask", "tokens")
-    tmp = {k: paths[k].with_name(f"{paths[k].name}.tmp{os.getpid()}") for k in names}
+    tmp = {k: staged(paths[k]) for k in names}
     handles = {k: open(tmp[k], "wb") for k in names}
     total, pairs, rows = 0, 0, 0
     skipped: dict[str, int] = {}
@@ -151,7 +150,7 @@ def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, 
         for fh in handles.values():
             fh.close()
     skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": "pairs"}
-    tmp["skips"] = paths["skips"].with_name(f"{paths['skips'].name}.tmp{os.getpid()}")
+    tmp["skips"] = staged(paths["skips"])
     tmp["skips"].write_text(json.dumps(skips, indent=1))
     commit_files({tmp[k]: paths[k] for k in ("skips", "docs", "mask", "tokens")}, paths["sums"])  # tokens last
     return pairs
@@ -259,14 +258,14 @@ def reference_path(tokens_path: Path, key: str) -> Path:
 def write_reference(path: Path, values: np.ndarray) -> None:
     """The array and its checksum, written under temporary names and renamed, the checksum file last."""
     data = np.ascontiguousarray(values, dtype=np.float64)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = staged(path)
     with open(tmp, "wb") as fh:
         data.tofile(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     meta = {"count": int(data.size), "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
-    tmp_meta = path.with_name(f"{path.name}.json.tmp{os.getpid()}")
+    tmp_meta = staged(path.with_name(f"{path.name}.json"))
     tmp_meta.write_text(json.dumps(meta))
     os.replace(tmp_meta, path.with_name(f"{path.name}.json"))
 
@@ -278,9 +277,9 @@ def read_reference(path: Path, count: int) -> np.ndarray | None:
         return None
     try:
         meta = json.loads(meta_path.read_text())
-    except ValueError:
+        data = np.fromfile(path, dtype=np.float64)
+    except (OSError, ValueError):
         return None
-    data = np.fromfile(path, dtype=np.float64)
     if (
         meta.get("count") != count
         or data.size != count
@@ -288,10 +287,3 @@ def read_reference(path: Path, count: int) -> np.ndarray | None:
     ):
         return None
     return data
-
-
-def check_pairs(blocks: PairBlocks, split_name: str, dataset: str) -> None:
-    if blocks.num_pairs == 0:
-        raise TrainError(
-            f"--dataset-name {dataset}: no preference pair of the {split_name} split could be used (see the skips above)"
-        )

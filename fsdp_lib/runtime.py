@@ -76,10 +76,11 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     timeout = dt.timedelta(seconds=cfg.init_timeout_s)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
     try:
         store = restart_safe_store(rank, world, local_world, timeout)
         if device.type == "cuda":
-            torch.cuda.set_device(local_rank)
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, store=store, rank=rank, world_size=world
             )
@@ -91,7 +92,7 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
         raise TrainError(
             f"rank {rank} of {world} could not set up the process group within --init-timeout-s "
             f"{cfg.init_timeout_s} (MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
-            f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {str(exc).strip().splitlines()[0]}. Check that every "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {(str(exc).strip() or type(exc).__name__).splitlines()[0]}. Check that every "
             f"rank was started and can reach the others; on a slow start raise --init-timeout-s"
         ) from exc
     if cfg.sharding in ("hybrid", "none"):
@@ -101,7 +102,11 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     collectives = dt.timedelta(seconds=cfg.collective_timeout_s)
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
-    if set_timeout is not None:
+    if set_timeout is None:
+        log(
+            f"WARNING: this torch cannot change a group's timeout: collectives keep --init-timeout-s {cfg.init_timeout_s}"
+        )
+    else:
         for group in {dist.group.WORLD, cpu_group, async_ckpt_group, *mesh.get_all_groups()}:
             set_timeout(collectives, group)
     return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group)

@@ -84,9 +84,16 @@ def generate_samples(
             tokens, past = torch.tensor([prompt.ids], device=device), None
             new: list[int] = []
             for _ in range(max_new_tokens):
-                out = model.base_model(input_ids=tokens, past_key_values=past, use_cache=True)
+                if (
+                    train_forward.chunk
+                ):  # the head the chunked loss uses (checked at start-up); a soft cap keeps the argmax
+                    out = model.base_model(input_ids=tokens, past_key_values=past, use_cache=True)
+                    logits = head(out.last_hidden_state[:, -1:])
+                else:  # a model the chunked path does not fit: its own logits
+                    out = model(input_ids=tokens, past_key_values=past, use_cache=True)
+                    logits = out.logits[:, -1:]
                 past = out.past_key_values
-                tokens = head(out.last_hidden_state[:, -1:]).argmax(-1)  # a soft cap keeps the argmax
+                tokens = logits.argmax(-1)
                 new.append(int(tokens.item()))
             cut = next((i for i, t in enumerate(new) if t in stops), len(new))
             rows.append({"prompt": prompt.shown, "completion": tokenizer.decode(new[:cut])})

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_lib.chat import ChatEncoder
-from fsdp_lib.dpo import pair_losses, sequence_sums
+from fsdp_lib.dpo import disable_dropout, pair_losses, sequence_sums
 from fsdp_lib.loss import ChunkedTokenLogProbs, token_log_probs
 from fsdp_lib.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
 from fsdp_lib.testing import kill_tree, llama_sizes
@@ -83,6 +83,18 @@ def test_chunked_token_log_probs_and_gradients_equal_the_full_logits(softcap):
     assert (ours[labels == -100] == 0).all()
     for a, b in zip(our_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_dropout_is_switched_off_for_the_policy():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, attention_dropout=0.1)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.model.extra = torch.nn.Dropout(0.2)  # e.g. LoRA's lora_dropout
+    assert disable_dropout(model) == 3  # two attention modules and the Dropout
+    assert model.model.extra.p == 0 and all(layer.self_attn.attention_dropout == 0 for layer in model.model.layers)
+    assert disable_dropout(model) == 0
 
 
 def test_sequence_sums_ignore_tokens_of_no_sequence():
@@ -298,6 +310,16 @@ def test_step_one_is_ln2_and_accuracy_one_half(dpo_run):
     last = losses_by_step(exp)
     assert len(last) == 8 and last[8] != last[1]
     assert (exp / "final" / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.slow
+def test_export_only_computes_no_reference(dpo_inputs, dpo_run):
+    args = dpo_args("base", dpo_inputs, *RUN_FLAGS, "--export-only", "--grad-accum-steps", "2")  # the global batch of 2
+    args[args.index("--save-dir") + 1] = str(dpo_run[0].parent)
+    proc = run_trainer(args, nproc=1)
+    log = output_of(proc)
+    assert proc.returncode == 0, log
+    assert "reference log-probabilities" not in log and "exported" in log
 
 
 @pytest.mark.slow

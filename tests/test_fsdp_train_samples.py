@@ -100,6 +100,7 @@ def test_conversation_prompts_use_the_chat_template(tmp_path):
     prompts.write_text(json.dumps([{"role": "user", "content": "What is 2 plus 2?"}]) + "\n")
     args = [*trainer_args("chat", data, model, tmp_path), "--max-steps", "2", "--sample-prompts", str(prompts)]
     args += ["--sample-max-new-tokens", "4", "--tensorboard", "on", "--wandb", "on"]
+    args += ["--loss-chunk-tokens", "0"]  # full logits: samples from the model's own logits, not the chunked head
     proc = run_trainer(args, nproc=1, env=OFFLINE)
     assert proc.returncode == 0, output_of(proc)
     rows = samples(tmp_path / "chat")
