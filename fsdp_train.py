@@ -37,7 +37,7 @@ from fsdp_lib.adapters import export_adapter, merged_state_dict
 from fsdp_lib.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.config import TrainConfig, load_config, resolve_model_dir, resolve_precision, validate_config
-from fsdp_lib.data import Batch, PackedBlocks, Prefetcher, TrainData, build_data, total_steps
+from fsdp_lib.data import Batch, PackedBlocks, Prefetcher, TrainData, build_data, evaluation_shares, total_steps
 from fsdp_lib.dpo import DPOObjective, build_objective, reference_flops_per_token
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError
 from fsdp_lib.faults import install_step_hooks
@@ -137,11 +137,8 @@ def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d
     weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
     train_forward.eval()
     count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
-    mine = list(range(d.rank, count, d.world_size))
-    steps = math.ceil(math.ceil(count / d.world_size) / cfg.batch_size)
     totals = torch.zeros(2, device=d.device, dtype=torch.float64)  # loss sum, tokens
-    for i in range(steps):
-        idx = mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]
+    for idx in evaluation_shares(count, cfg.batch_size, d):
         real = len(idx)
         idx = idx + [0] * (cfg.batch_size - real)
         batch = blocks.gather(idx).to(d.device)

@@ -424,11 +424,16 @@ def _peft_problems(cfg: TrainConfig) -> list[str]:
 DPO_FLAGS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "sft_weight", "reference")
 
 
+def changed_dpo_flags(cfg: TrainConfig) -> list[str]:
+    """The preference flags (DPO_FLAGS) set to something other than their default, as --flag names."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    return [f"--{n.replace('_', '-')}" for n in DPO_FLAGS if getattr(cfg, n) != defaults[n]]
+
+
 def _dpo_problems(cfg: TrainConfig) -> list[str]:
     """The preference flags: only with --objective dpo (or auto, where the dataset decides), and in range."""
     if cfg.objective == "lm":
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        changed = [f"--{n.replace('_', '-')}" for n in DPO_FLAGS if getattr(cfg, n) != defaults[n]]
+        changed = changed_dpo_flags(cfg)
         return [f"{', '.join(changed)} need --objective dpo (got --objective lm)"] if changed else []
     problems = []
     if not cfg.dpo_beta > 0 or not math.isfinite(cfg.dpo_beta):

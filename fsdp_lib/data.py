@@ -4,10 +4,9 @@ of --seq-length with per-document position ids, the DataPlan that says which blo
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import os
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -20,10 +19,10 @@ import torch.distributed as dist
 
 from fsdp_lib.batch import Batch
 from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash
-from fsdp_lib.config import DPO_FLAGS, TrainConfig, parse_data_slice
+from fsdp_lib.config import TrainConfig, changed_dpo_flags, parse_data_slice
 from fsdp_lib.dataset import load_text_dataset
 from fsdp_lib.errors import TrainError
-from fsdp_lib.integrity import commit_files, recorded_problems, staged
+from fsdp_lib.integrity import commit_files, recorded_problems, staged, staged_writes
 from fsdp_lib.preference import PairBlocks, PairEncoder, is_preference_split, tokenize_pairs_to_file
 from fsdp_lib.runtime import Dist, log
 
@@ -86,10 +85,8 @@ def tokenize_to_file(
     tokenizer.model_max_length = sys.maxsize  # documents are packed into blocks later; silence the length warning
     paths = _stream_paths(out_path)
     names = ("docs", "mask", "tokens") if chat is not None else ("docs", "tokens")
-    tmp = {k: staged(paths[k]) for k in names}
-    handles = {k: open(tmp[k], "wb") for k in names}
     total, skipped, first_skipped, rows = 0, {}, {}, 0
-    try:
+    with staged_writes({k: paths[k] for k in names}) as (handles, tmp):
         for batch in dataset.iter(batch_size=batch_rows):
             if chat is not None:
                 in_batch: dict[str, int] = {}
@@ -109,12 +106,6 @@ def tokenize_to_file(
                 np.concatenate(pieces).tofile(handles["tokens"])
                 (total + np.cumsum([p.size for p in pieces], dtype=np.int64)).tofile(handles["docs"])
                 total += sum(p.size for p in pieces)
-        for fh in handles.values():
-            fh.flush()
-            os.fsync(fh.fileno())
-    finally:
-        for fh in handles.values():
-            fh.close()
     if chat is not None:  # read with every use of the cache: load_token_stream reports and checks them
         skips = {"conversations": rows, "expanded": chat.expanded, "skipped": skipped, "first_row": first_skipped}
         tmp["skips"] = staged(paths["skips"])
@@ -236,8 +227,8 @@ def load_token_stream(
             mapped(paths["docs"], np.int64),
             cfg.seq_length,
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            cache_path=paths["tokens"],
         )
-        blocks.cache_path = paths["tokens"]
         return blocks
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
@@ -489,11 +480,10 @@ def resolve_objective(cfg: TrainConfig, columns: list[str]) -> str:
             f"train them with --objective dpo (or auto), or convert the chosen conversations with --format chat"
         )
     if not preference:
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        if any(getattr(cfg, n) != defaults[n] for n in DPO_FLAGS):
+        if changed_dpo_flags(cfg):
             raise TrainError(
-                f"--dpo-*/--sft-weight/--reference apply to preference data; --dataset-name {cfg.dataset_name} has "
-                f"the columns {columns}"
+                f"{', '.join(changed_dpo_flags(cfg))} apply to preference data; --dataset-name {cfg.dataset_name} "
+                f"has the columns {columns}"
             )
         return "lm"
     if cfg.document_masking == "off":
@@ -507,6 +497,15 @@ def resolve_objective(cfg: TrainConfig, columns: list[str]) -> str:
             f"are those of the responses' assistant turns; leave --loss-on at its default"
         )
     return "dpo"
+
+
+def evaluation_shares(count: int, batch_size: int, d: Dist) -> list[list[int]]:
+    """This rank's micro-batches of blocks 0..count-1 for a pass without gradients (blocks rank, rank + world, ...):
+    as many on every rank, since FSDP's forward all-gathers must line up; a rank with fewer real blocks gets shorter
+    or empty lists and pads them itself."""
+    mine = list(range(d.rank, count, d.world_size))
+    steps = math.ceil(math.ceil(count / d.world_size) / batch_size)
+    return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
 def total_steps(cfg: TrainConfig, plan: DataPlan) -> int:

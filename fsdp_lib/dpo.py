@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import time
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.data import Batch, TrainData
+from fsdp_lib.data import Batch, TrainData, evaluation_shares
 from fsdp_lib.errors import TrainError
 from fsdp_lib.hf_files import weights_identity
 from fsdp_lib.loss import CausalLMLoss
@@ -149,7 +148,7 @@ class DPOObjective:
         self.policy.eval()
         saved, self.stats = self.stats, None
         count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
-        for idx in padded_shares(count, cfg.batch_size, d):
+        for idx in evaluation_shares(count, cfg.batch_size, d):
             self.pair_losses(blocks.gather(idx).to(d.device) if idx else empty_batch(blocks, d))
         totals = self.stats if self.stats is not None else torch.zeros(len(PAIR_STATS), dtype=torch.float64)
         totals = totals.to(d.device)
@@ -157,14 +156,6 @@ class DPOObjective:
         self.stats = saved
         self.policy.train()
         return {f"val_{k}": v for k, v in pair_figures(totals).items()}
-
-
-def padded_shares(count: int, batch_size: int, d: Dist) -> list[list[int]]:
-    """This rank's micro-batches of blocks 0..count-1 (blocks rank, rank + world, ...), as many on every rank; a
-    rank with fewer real blocks gets empty lists."""
-    mine = list(range(d.rank, count, d.world_size))
-    steps = math.ceil(math.ceil(count / d.world_size) / batch_size)
-    return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
 def empty_batch(blocks: PairBlocks, d: Dist) -> Batch:
@@ -213,7 +204,7 @@ def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: s
     was_training = module.training
     module.eval()
     with torch.no_grad():
-        for idx in padded_shares(len(blocks), cfg.batch_size, d):
+        for idx in evaluation_shares(len(blocks), cfg.batch_size, d):
             if not idx:
                 sequence_log_probs(module, empty_batch(blocks, d))
                 continue

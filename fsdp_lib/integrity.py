@@ -3,12 +3,15 @@ they are used (training checkpoints, the token cache). No torch: a file-level co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import socket
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 def file_checksum(path: Path) -> dict:
@@ -46,6 +49,22 @@ def staged(path: Path) -> Path:
     """The temporary name a file is written under before it is renamed into place: unique per host and process,
     so two nodes writing the same cache on a shared file system (with equal pids in containers) never collide."""
     return path.with_name(f"{path.name}.tmp{os.getpid()}.{socket.gethostname()}")
+
+
+@contextlib.contextmanager
+def staged_writes(final: dict[str, Path]) -> Iterator[tuple[dict[str, BinaryIO], dict[str, Path]]]:
+    """Binary files opened under their staged names, as (handles, staged paths) by the keys of `final`; flushed and
+    fsynced when the block ends without an error, closed either way. Publish them with commit_files."""
+    tmp = {k: staged(path) for k, path in final.items()}
+    handles = {k: open(tmp[k], "wb") for k in final}
+    try:
+        yield handles, tmp
+        for fh in handles.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        for fh in handles.values():
+            fh.close()
 
 
 def commit_files(files: dict[Path, Path], sums_path: Path) -> None:

@@ -56,10 +56,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = F.linear(h, weight, bias).float()
-            if softcap:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
+            logits, capped = _chunk_logits(h, weight, bias, softcap)
             keep = y != -100
             safe = torch.where(keep, y, 0)
             target_logit = logits.gather(1, safe[:, None]).squeeze(1)
@@ -161,11 +158,8 @@ def chunked_token_log_probs(
     """ChunkedTokenLogProbs' values, without autograd (also its forward)."""
     out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
-        y = labels[start : start + chunk]
         logits = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)[0]
-        keep = y != -100
-        target = logits.gather(1, torch.where(keep, y, 0)[:, None]).squeeze(1)
-        out[start : start + chunk] = (target - torch.logsumexp(logits, dim=-1)) * keep
+        out[start : start + chunk] = _target_log_probs(logits, labels[start : start + chunk])
         del logits
     return out
 
@@ -183,7 +177,11 @@ def _chunk_logits(
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[label] per token in fp32, 0 where the label is -100 (the model's own logits)."""
-    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
+    return _target_log_probs(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _target_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] of [tokens x vocab] fp32 logits, 0 where the label is -100."""
     keep = labels != -100
     target = logits.gather(1, torch.where(keep, labels, 0)[:, None]).squeeze(1)
     return (target - torch.logsumexp(logits, dim=-1)) * keep
@@ -214,8 +212,7 @@ def chunked_loss_sum(
 
 def head_logits(hidden: torch.Tensor, head: nn.Module, softcap: float | None) -> torch.Tensor:
     """What the chunked path computes from the decoder's output: the head, in fp32, soft-capped where configured."""
-    logits = head(hidden).float()
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
+    return _chunk_logits(hidden, head.weight, head.bias, softcap)[0]
 
 
 def _load_balancing_fn(model: nn.Module) -> Any:

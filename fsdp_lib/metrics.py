@@ -49,7 +49,6 @@ def pair_figures(totals: torch.Tensor) -> dict[str, float]:
     values = dict(zip(PAIR_STATS, totals.tolist()))
     pairs = max(1.0, values["pairs"])
     out = {k: values[k] / pairs for k in PAIR_STATS if k not in ("pairs", "response_tokens")}
-    out["loss"] = values["loss"] / pairs
     out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     out["pairs"] = values["pairs"]
     out["response_tokens"] = values["response_tokens"]

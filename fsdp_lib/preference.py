@@ -20,7 +20,7 @@ import torch
 
 from fsdp_lib.batch import Batch
 from fsdp_lib.chat import ChatEncoder, ChatFormatError
-from fsdp_lib.integrity import commit_files, staged
+from fsdp_lib.integrity import commit_files, staged, staged_writes
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -123,12 +123,10 @@ def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, 
     document ends, the trained mask and the skip counts; written under temporary names, their checksums recorded, and
     renamed, token file last (as data.tokenize_to_file). Returns the number of pairs kept."""
     names = ("docs", "mask", "tokens")
-    tmp = {k: staged(paths[k]) for k in names}
-    handles = {k: open(tmp[k], "wb") for k in names}
     total, pairs, rows = 0, 0, 0
     skipped: dict[str, int] = {}
     first_skipped: dict[str, int] = {}
-    try:
+    with staged_writes({k: paths[k] for k in names}) as (handles, tmp):
         for batch in dataset.iter(batch_size=500):
             encoded = encoder.encode(batch, skipped, first_skipped, rows)
             rows += len(batch["prompt"])
@@ -143,12 +141,6 @@ def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, 
                 (total + np.cumsum([len(ids) for ids, _ in sequences], dtype=np.int64)).tofile(handles["docs"])
                 total += sum(len(ids) for ids, _ in sequences)
                 pairs += len(encoded)
-        for fh in handles.values():
-            fh.flush()
-            os.fsync(fh.fileno())
-    finally:
-        for fh in handles.values():
-            fh.close()
     skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": "pairs"}
     tmp["skips"] = staged(paths["skips"])
     tmp["skips"].write_text(json.dumps(skips, indent=1))
@@ -192,6 +184,7 @@ class PairBlocks:
     seq_length: int
     pad_id: int
     reference: np.ndarray | None = None  # float64 per sequence: the reference model's summed response log-probs
+    cache_path: Path | None = None  # the token file; the stored reference lies beside it
 
     def __post_init__(self) -> None:
         starts = np.concatenate([[0], np.asarray(self.doc_ends[:-1], dtype=np.int64)])

@@ -84,12 +84,12 @@ def generate_samples(
             tokens, past = torch.tensor([prompt.ids], device=device), None
             new: list[int] = []
             for _ in range(max_new_tokens):
-                if (
-                    train_forward.chunk
-                ):  # the head the chunked loss uses (checked at start-up); a soft cap keeps the argmax
+                # the head the chunked loss uses (checked at start-up; a soft cap keeps the argmax), or, for a model
+                # the chunked path does not fit, its own logits
+                if train_forward.chunk:
                     out = model.base_model(input_ids=tokens, past_key_values=past, use_cache=True)
                     logits = head(out.last_hidden_state[:, -1:])
-                else:  # a model the chunked path does not fit: its own logits
+                else:
                     out = model(input_ids=tokens, past_key_values=past, use_cache=True)
                     logits = out.logits[:, -1:]
                 past = out.past_key_values
