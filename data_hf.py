@@ -54,12 +54,13 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import yaml
 from tqdm import tqdm
 
 from fsdp_lib.dataset import load_text_dataset
+from fsdp_lib.tool_calls import TURN_FIELDS, ToolFormatError, normalize_calls, normalize_tools, to_json
 
 # pyarrow and datasets are imported inside the functions of the parent process that use them: every spawned worker
 # imports this module, and pyarrow alone would add ~45 MB to each (datasets ~80 MB more, and a second of start-up).
@@ -109,9 +110,13 @@ REASONS = {
     "output, prompt + completion/response, question + answer)",
     "bad_message": "a turn that is not an object with role/content (or ShareGPT from/value), or a messages or "
     "conversations value that is not a list",
-    "unknown_role": "a role other than system/user/assistant (or the aliases human, gpt, bot, model)",
+    "unknown_role": "a role other than system/user/assistant/tool (or the aliases human, gpt, bot, model; "
+    "function_call, observation, function, ipython for tool use; tool roles in --format chat only)",
     "non_string_content": "a turn, instruction, prompt, answer or system prompt that is not a string or a list of "
-    "text parts (e.g. null, a number, a tool call)",
+    "text parts (e.g. null, a number, a tool call in a preference record)",
+    "bad_tool_call": "an assistant turn's tool call that is not a call object with a function name and arguments "
+    "(an object, or a JSON string of one)",
+    "bad_tools": "a `tools` value that is not a list of tool schemas with names (or a JSON string of one)",
     "non_text_content": "a turn whose content parts include one that is not text (an image, audio, a file)",
     "misplaced_system_turn": "a system turn that is not the first turn",
     "no_assistant_turn": "a conversation without an assistant turn that has text: nothing to learn from",
@@ -156,14 +161,15 @@ _YAML_DEEP_BLOCK = re.compile(rb"^(?:[ \t]|[-?:][ \t]){%d}" % (YAML_C_MAX_DEPTH 
 _FLOW_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
 
-# One chat row: (role, content) turns with the standard roles; written as a list of {"role", "content"} structs.
-Conversation = tuple[tuple[str, str], ...]
+# Turns of a preference pair: (role, content) with the standard roles; a list of {"role", "content"} structs.
+Turns = tuple[tuple[str, str], ...]
 DATA_FORMATS = ("auto", "text", "chat", "preference")
 # The formats whose every record is parsed as one row (no text is extracted), and the kind of dataset each writes.
 RECORD_FORMATS = {"chat": "messages", "preference": "preference"}
 JSON_MODES = ("strings", "records")
 # Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
-# Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool and function turns are not accepted.
+# Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool turns: TOOL_RESULT_ROLES and
+# TOOL_CALL_ROLES, in --format chat only (a preference record with them is an unknown_role skip).
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -173,6 +179,10 @@ ROLE_ALIASES = {
     "bot": "assistant",
     "model": "assistant",
 }
+# A tool's result: OpenAI/HF "tool", OpenAI's legacy "function", ShareGPT/glaive "observation", Llama 3.1 "ipython".
+TOOL_RESULT_ROLES = ("tool", "function", "observation", "ipython")
+# ShareGPT/glaive: an assistant turn whose value is the call, a JSON object (or a list of them).
+TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
 # Record shapes, tried in this order: (shape, key groups); a record has the shape when it has one key of each group.
 CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("messages", (("messages",),)),
@@ -184,7 +194,7 @@ CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
 # The columns of a preference dataset, each a list of messages like `messages`; the trainer reads these names.
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 # The columns of each kind of dataset ("column" in the summary names the kind).
-DATASET_COLUMNS = {"text": ("text",), "messages": ("messages",), "preference": PREFERENCE_COLUMNS}
+DATASET_COLUMNS = {"text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS}
 # Per piece of a file, the bad records listed with their detail; past this they are only counted.
 RECORD_PROBLEMS_LISTED = MAX_LISTED
 
@@ -459,22 +469,110 @@ def _text_field(record: dict, key: str) -> str:
     return value
 
 
-def _turns_of_list(turns: object, key: str) -> list[tuple[str, str]]:
+class ToolTurn(NamedTuple):
+    """A turn of tool use (fsdp_lib/tool_calls.py has the schema): an assistant turn that calls tools (`tool_calls`,
+    JSON) or a tool's result (role "tool", with the function's `name` and the call's `tool_call_id` when known)."""
+
+    role: str
+    content: str
+    tool_calls: str | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class Conversation(tuple):
+    """One chat row: its turns, (role, content) pairs or ToolTurns, and `tools`, the JSON of the tool schemas it
+    offers (None: none). Equal to the plain tuple of its turns."""
+
+    tools: str | None
+
+    def __new__(cls, turns: Iterable[tuple[str, str] | ToolTurn], tools: str | None = None) -> Conversation:
+        self = super().__new__(cls, turns)
+        self.tools = tools
+        return self
+
+
+def _turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[tuple[str, str]]:
     """(role, content) of a `messages` (role/content) or `conversations` (ShareGPT from/value) list; either key
-    pair is accepted in both, as real dumps mix them."""
+    pair is accepted in both, as real dumps mix them. With `tools_allowed` (chat rows), tool calls and results
+    become ToolTurns; each result without a name or id takes those of the next call still unanswered."""
     if not isinstance(turns, list):
         raise BadRecord("bad_message", f"{key!r} is {type(turns).__name__}, not a list of turns")
-    result = []
+    result: list[tuple[str, str]] = []
+    unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
     for number, turn in enumerate(turns, 1):
+        where = f"turn {number} of {key!r}"
         role_key = "role" if isinstance(turn, dict) and "role" in turn else "from"
         content_key = "content" if isinstance(turn, dict) and "content" in turn else "value"
-        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
-            raise BadRecord("bad_message", f"turn {number} of {key!r} is not an object with role/content or from/value")
-        role, content = turn[role_key], turn[content_key]
-        if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
-            raise BadRecord("unknown_role", f"turn {number} of {key!r} has the role {role!r}")
-        result.append((ROLE_ALIASES[role.strip().lower()], _content_text(content, f"turn {number} of {key!r}")))
+        if not isinstance(turn, dict) or role_key not in turn:
+            raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
+        if not isinstance(turn[role_key], str):
+            raise BadRecord("unknown_role", f"{where} has the role {turn[role_key]!r}")
+        role = turn[role_key].strip().lower()
+        try:
+            if tools_allowed and (role in TOOL_CALL_ROLES or (role in ROLE_ALIASES and _calls_tools(turn))):
+                calls = _tool_calls_of(turn, role, content_key, where)
+                content = "" if role in TOOL_CALL_ROLES else _optional_content(turn, content_key, where)
+                unanswered = list(calls)
+                result.append(ToolTurn("assistant", content, to_json(calls)))
+                continue
+            if tools_allowed and role in TOOL_RESULT_ROLES:
+                if content_key not in turn:
+                    raise BadRecord("bad_message", f"{where} is a tool result without content")
+                answered = unanswered.pop(0) if unanswered else {}
+                name = (
+                    turn.get("name") if isinstance(turn.get("name"), str) else answered.get("function", {}).get("name")
+                )
+                call_id = turn.get("tool_call_id") if isinstance(turn.get("tool_call_id"), str) else answered.get("id")
+                result.append(ToolTurn("tool", _result_text(turn[content_key], where), None, name, call_id))
+                continue
+        except ToolFormatError as err:
+            raise BadRecord(err.reason, err.detail) from None
+        if role not in ROLE_ALIASES:
+            hint = " (tool turns are read in --format chat only)" if role in TOOL_RESULT_ROLES + TOOL_CALL_ROLES else ""
+            raise BadRecord("unknown_role", f"{where} has the role {turn[role_key]!r}{hint}")
+        if content_key not in turn:
+            raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
+        result.append((ROLE_ALIASES[role], _content_text(turn[content_key], where)))
     return result
+
+
+def _calls_tools(turn: dict) -> bool:
+    """Whether an assistant turn calls tools: OpenAI/HF `tool_calls`, or OpenAI's legacy `function_call`."""
+    return bool(turn.get("tool_calls")) or bool(turn.get("function_call"))
+
+
+def _tool_calls_of(turn: dict, role: str, content_key: str, where: str) -> list[dict]:
+    """The calls of a turn that calls tools, normalized (fsdp_lib/tool_calls.normalize_calls)."""
+    if role in TOOL_CALL_ROLES:
+        if content_key not in turn:
+            raise BadRecord("bad_message", f"{where} is a {role} turn without the call")
+        return normalize_calls(turn[content_key], f"the {role} of {where}")
+    if ROLE_ALIASES.get(role) != "assistant":
+        raise BadRecord("bad_tool_call", f"{where} is a {role} turn with tool calls; only assistant turns call tools")
+    value = turn.get("tool_calls") or turn.get("function_call")
+    return normalize_calls(value, f"the tool calls of {where}")
+
+
+def _optional_content(turn: dict, content_key: str, where: str) -> str:
+    """The text of an assistant turn that calls tools: often null or absent (then "")."""
+    content = turn.get(content_key)
+    return "" if content is None else _content_text(content, where)
+
+
+def _result_text(content: object, where: str) -> str:
+    """A tool result's text: a string or text parts as is; an object or a list of values as its JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, (str, dict)) and _is_text_part(part) for part in content):
+        return _content_text(content, where)
+    if isinstance(content, (dict, list, int, float, bool)):
+        return to_json(content)
+    raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content")
+
+
+def _is_text_part(part: object) -> bool:
+    return isinstance(part, str) or (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES)
 
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")  # OpenAI's chat and responses APIs name text parts so
@@ -526,21 +624,30 @@ def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
 
 def parse_conversation(record: object) -> Conversation:
     """The turns of one conversation record, in any of CONVERSATION_SHAPES, with a top-level `system` string
-    prepended as a system turn. Raises BadRecord with the reason when it cannot be used as a chat row."""
+    prepended as a system turn, and its top-level `tools` (tool use: fsdp_lib/tool_calls.py has the schema).
+    Raises BadRecord with the reason when it cannot be used as a chat row."""
     shape = conversation_shape(record)
     if shape is None or not isinstance(record, dict):
         keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
         raise BadRecord("not_a_conversation", f"{keys}; expected messages, conversations, instruction + output, "
                         "prompt + completion/response or question + answer")  # fmt: skip
     if shape in ("messages", "conversations"):
-        turns = _turns_of_list(record[shape], shape)
+        turns = _turns_of_list(record[shape], shape, tools_allowed=True)
     else:
         turns = _turns_of_pair(record, shape)
     turns = _with_system(record, turns)
     _check_system_turns(turns)
-    if not any(role == "assistant" and content.strip() for role, content in turns):
-        raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text")
-    return tuple(turns)
+    if not any(turn[0] == "assistant" and (turn[1].strip() or _tool_calls(turn)) for turn in turns):
+        raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text or a call")
+    try:
+        tools = normalize_tools(record.get("tools"))
+    except ToolFormatError as err:
+        raise BadRecord(err.reason, err.detail) from None
+    return Conversation(turns, to_json(tools) if tools else None)
+
+
+def _tool_calls(turn: tuple[str, str]) -> str | None:
+    return turn.tool_calls if isinstance(turn, ToolTurn) else None
 
 
 def _with_system(record: dict, turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -553,17 +660,22 @@ def _with_system(record: dict, turns: list[tuple[str, str]]) -> list[tuple[str, 
 
 def _check_system_turns(turns: list[tuple[str, str]], where: str = "") -> None:
     """Only the first turn may be a system turn: chat templates put the system prompt first, or refuse it."""
-    for number, (role, _) in enumerate(turns[1:], 2):
-        if role == "system":
+    for number, turn in enumerate(turns[1:], 2):
+        if turn[0] == "system":
             raise BadRecord(
                 "misplaced_system_turn", f"turn {number}{where} is a system turn; only the first turn may be"
             )
 
 
 def conversation_json(conversation: Conversation) -> str:
-    """The canonical JSON of a conversation, as HF writes messages: what --val-fraction hashes."""
-    messages = [{"role": role, "content": content} for role, content in conversation]
-    return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+    """The canonical JSON of a conversation, as HF writes messages (tool fields and tools only where present, so a
+    conversation without tool use hashes as before): what --val-fraction hashes."""
+    messages = [turn._asdict() if isinstance(turn, ToolTurn) else {"role": turn[0], "content": turn[1]}
+                for turn in conversation]  # fmt: skip
+    messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    tools = getattr(conversation, "tools", None)
+    value: object = messages if tools is None else {"messages": messages, "tools": tools}
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 # --- Preference pairs --------------------------------------------------------------------------------------
@@ -575,9 +687,9 @@ class PreferencePair:
     two responses to it, each starting with an assistant turn. The trainer renders prompt + chosen and prompt +
     rejected with the chat template, so the prompt is stored once and never repeated in the responses."""
 
-    prompt: Conversation
-    chosen: Conversation
-    rejected: Conversation
+    prompt: Turns
+    chosen: Turns
+    rejected: Turns
 
     @property
     def chars(self) -> int:
@@ -937,7 +1049,8 @@ def row_chars(row: Row) -> int:
         return len(row)
     if isinstance(row, PreferencePair):
         return row.chars
-    return sum(len(content) for _, content in row)
+    calls = sum(len(_tool_calls(turn) or "") for turn in row)
+    return sum(len(turn[1]) for turn in row) + calls + len(getattr(row, "tools", None) or "")
 
 
 class ConversationText(str):
@@ -1286,7 +1399,8 @@ class EncodedRows:
     non-ASCII text) and wrapped into an array by the parent without a copy. A `text` chunk is one string array; a
     `messages` chunk is a list array whose `offsets` index the messages, with the roles and contents of all its
     messages as two string arrays (and `values` empty); a `preference` chunk is three `messages` chunks of the
-    same rows, one per column in PREFERENCE_COLUMNS (and `offsets` and `values` empty)."""
+    same rows, one per column in PREFERENCE_COLUMNS (and `offsets` and `values` empty). A chat chunk also holds
+    its turns' tool fields (TURN_FIELDS) and its rows' `tools`, string arrays with nulls (`validity`)."""
 
     count: int
     offsets: bytes  # count + 1 int32 offsets into values (text) or into the messages (messages)
@@ -1296,10 +1410,13 @@ class EncodedRows:
     roles: EncodedRows | None = None
     contents: EncodedRows | None = None
     fields: tuple[EncodedRows, ...] = ()  # preference: the prompt, chosen and rejected chunks
+    validity: bytes | None = None  # a string array's null bitmap (Arrow's: bit i set = row i is not null)
+    turn_fields: tuple[EncodedRows, ...] = ()  # messages: tool_calls, name, tool_call_id of every turn
+    tools: EncodedRows | None = None  # messages: the `tools` column of the rows
 
     @property
     def text_bytes(self) -> int:
-        parts = (self.roles, self.contents, *self.fields)
+        parts = (self.roles, self.contents, *self.fields, *self.turn_fields, self.tools)
         return len(self.values) + sum(part.text_bytes for part in parts if part is not None)
 
 
@@ -1344,6 +1461,22 @@ def _string_chunk(encoded: list[bytes]) -> EncodedRows:
     return EncodedRows(len(encoded), offsets, values, digest.digest())
 
 
+def _nullable_chunk(strings: list[str | None]) -> EncodedRows:
+    """A string array chunk whose None entries are nulls (most tool fields: one bitmap of zeros, no loop)."""
+    if not any(value is not None for value in strings):
+        validity = bytes((len(strings) + 7) // 8)
+        chunk = _string_chunk([b""] * len(strings))
+    else:
+        bitmap = bytearray((len(strings) + 7) // 8)
+        for index, value in enumerate(strings):
+            if value is not None:
+                bitmap[index >> 3] |= 1 << (index & 7)
+        validity = bytes(bitmap)
+        chunk = _string_chunk([b"" if value is None else _utf8([value])[0][0] for value in strings])
+    digest = hashlib.blake2b(chunk.digest + validity, digest_size=16).digest()
+    return EncodedRows(chunk.count, chunk.offsets, chunk.values, digest, validity=validity)
+
+
 def encode_rows(rows: list[str]) -> tuple[list[EncodedRows], int]:
     """(Arrow-layout chunks of `rows`, number of rows whose lone surrogates were replaced by U+FFFD)."""
     encoded, replaced = _utf8(rows)
@@ -1351,19 +1484,34 @@ def encode_rows(rows: list[str]) -> tuple[list[EncodedRows], int]:
     return [_string_chunk(encoded[first:last]) for first, last in zip(bounds, bounds[1:], strict=False)], replaced
 
 
-def _messages_chunk(conversations: list[Conversation], contents: list[bytes]) -> EncodedRows:
-    """One `messages` chunk of `conversations`, whose contents are already UTF-8 (`contents`, in order)."""
-    roles = _string_chunk([role.encode() for conversation in conversations for role, _ in conversation])
+def _messages_chunk(conversations: list[Turns], contents: list[bytes], with_tools: bool = True) -> EncodedRows:
+    """One `messages` chunk of `conversations`, whose contents are already UTF-8 (`contents`, in order); a chat
+    chunk (`with_tools`) with the turns' tool fields and the rows' tools, a preference column's without."""
+    roles = _string_chunk([turn[0].encode() for conversation in conversations for turn in conversation])
     texts = _string_chunk(contents)
     offsets = array(_INT32, accumulate(map(len, conversations), initial=0)).tobytes()
-    digest = hashlib.blake2b(offsets + roles.digest + texts.digest, digest_size=16).digest()
-    return EncodedRows(len(conversations), offsets, b"", digest, "messages", roles, texts)
+    turn_fields: tuple[EncodedRows, ...] = ()
+    tools = None
+    if with_tools:
+        tool_turns = [
+            turn if isinstance(turn, ToolTurn) else None for conversation in conversations for turn in conversation
+        ]
+        turn_fields = tuple(
+            _nullable_chunk([None if turn is None else getattr(turn, name) for turn in tool_turns])
+            for name in TURN_FIELDS
+        )
+        tools = _nullable_chunk([getattr(conversation, "tools", None) for conversation in conversations])
+    parts = b"".join(part.digest for part in (roles, texts, *turn_fields, *([tools] if tools else [])))
+    digest = hashlib.blake2b(offsets + parts, digest_size=16).digest()
+    return EncodedRows(
+        len(conversations), offsets, b"", digest, "messages", roles, texts, turn_fields=turn_fields, tools=tools
+    )
 
 
-def _encoded_contents(conversations: list[Conversation]) -> tuple[list[bytes], list[int], int]:
+def _encoded_contents(conversations: list[Turns]) -> tuple[list[bytes], list[int], int]:
     """(UTF-8 of every content, index of each conversation's first content and one past the end, number of
     contents whose lone surrogates were replaced)."""
-    contents, replaced = _utf8([content for conversation in conversations for _, content in conversation])
+    contents, replaced = _utf8([turn[1] for conversation in conversations for turn in conversation])
     return contents, list(accumulate(map(len, conversations), initial=0)), replaced
 
 
@@ -1390,7 +1538,7 @@ def encode_pairs(pairs: list[PreferencePair]) -> tuple[list[EncodedRows], int]:
     chunks = []
     for first, last in zip(bounds, bounds[1:], strict=False):
         fields = tuple(
-            _messages_chunk(conversations[first:last], contents[ends[first] : ends[last]])
+            _messages_chunk(conversations[first:last], contents[ends[first] : ends[last]], with_tools=False)
             for conversations, (contents, ends, _) in zip(columns, encoded, strict=True)
         )
         digest = hashlib.blake2b(b"".join(part.digest for part in fields), digest_size=16).digest()
@@ -1549,19 +1697,22 @@ class SplitWriter:
             self._close_shard()
 
     def _arrays(self, chunk: EncodedRows) -> list[pa.Array]:
-        """The chunk's columns, in schema order: one array, or a preference chunk's three."""
-        parts = chunk.fields or (chunk,)
+        """The chunk's columns, in schema order: one array, a chat chunk's messages and tools, or a preference
+        chunk's three."""
+        parts = chunk.fields or ((chunk, chunk.tools) if chunk.tools is not None else (chunk,))
         return [self._array(part, schema_field.type) for part, schema_field in zip(parts, self.schema, strict=True)]
+
+    def _strings(self, chunk: EncodedRows) -> pa.Array:
+        pa = self._pa
+        bitmap = None if chunk.validity is None else pa.py_buffer(chunk.validity)
+        return pa.StringArray.from_buffers(chunk.count, pa.py_buffer(chunk.offsets), pa.py_buffer(chunk.values), bitmap)
 
     def _array(self, chunk: EncodedRows, list_type: pa.DataType) -> pa.Array:
         """The chunk's buffers wrapped as an Arrow array, without a copy."""
         pa = self._pa
         if chunk.roles is None or chunk.contents is None:
-            return pa.StringArray.from_buffers(chunk.count, pa.py_buffer(chunk.offsets), pa.py_buffer(chunk.values))
-        turns = [
-            pa.StringArray.from_buffers(part.count, pa.py_buffer(part.offsets), pa.py_buffer(part.values))
-            for part in (chunk.roles, chunk.contents)
-        ]
+            return self._strings(chunk)
+        turns = [self._strings(part) for part in (chunk.roles, chunk.contents, *chunk.turn_fields)]
         messages = pa.StructArray.from_arrays(turns, fields=list(list_type.value_type))
         offsets = pa.Array.from_buffers(pa.int32(), chunk.count + 1, [None, pa.py_buffer(chunk.offsets)])
         return pa.ListArray.from_arrays(offsets, messages, type=list_type)
@@ -1600,26 +1751,34 @@ class SplitWriter:
         (folder / "dataset_info.json").write_text(json.dumps(info_template, indent=2, sort_keys=True) + "\n")
 
 
+def _turn_names(column: str) -> tuple[str, ...]:
+    """The fields of a turn: role and content, and for chat rows the tool fields (fsdp_lib/tool_calls.py)."""
+    return ("role", "content", *TURN_FIELDS) if column == "messages" else ("role", "content")
+
+
 def arrow_type(column: str) -> pa.DataType:
-    """The Arrow type of a column: `text` a string; `messages` (and a preference dataset's `prompt`, `chosen`,
-    `rejected`) list<struct<role: string, content: string>>, the type datasets gives
-    Features({"messages": [{"role": Value("string"), "content": Value("string")}]})."""
+    """The Arrow type of a column: `text` and `tools` a string; `messages` list<struct<role, content, tool_calls,
+    name, tool_call_id: string>>; a preference dataset's `prompt`, `chosen`, `rejected` list<struct<role: string,
+    content: string>>: the types datasets gives the features of column_features."""
     import pyarrow as pa
 
-    if column == "text":
+    if column in ("text", "tools"):
         return pa.string()
-    return pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
+    return pa.list_(pa.struct([pa.field(name, pa.string()) for name in _turn_names(column)]))
 
 
 def column_features(column: str) -> datasets.Features:
-    """The datasets features of a dataset of the kind `column` ("text", "messages" or "preference": the columns
-    prompt, chosen and rejected, each typed like messages)."""
+    """The datasets features of a dataset of the kind `column` ("text"; "messages": messages and tools; or
+    "preference": the columns prompt, chosen and rejected, lists of role/content turns)."""
     import datasets
 
-    if column == "text":
-        return datasets.Features({"text": datasets.Value("string")})
-    turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-    return datasets.Features({name: datasets.List(turn) for name in DATASET_COLUMNS[column]})
+    features = {}
+    for name in DATASET_COLUMNS[column]:
+        if name in ("text", "tools"):
+            features[name] = datasets.Value("string")
+        else:
+            features[name] = datasets.List({field: datasets.Value("string") for field in _turn_names(name)})
+    return datasets.Features(features)
 
 
 def _metadata_templates(scratch: Path, splits: list[str], column: str = "text") -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.tool_calls import ToolFormatError, template_messages, template_tools, to_json
 
 
 class ChatFormatError(ValueError):
@@ -38,9 +39,14 @@ class ChatEncoder:
     never a wrong mask. A conversation that starts with an assistant turn trains that turn's answer only: the
     span starts after the template's empty generation prompt where it renders one, else at the answer's text.
 
-    A row batch is rendered in two apply_chat_template calls (every prefix without, then with, the generation
-    prompt): one call per render costs ~40% more (bench/bench_chat_tokenize.py). When a batched call raises,
-    the batch is rendered conversation by conversation, so a conversation the template refuses is one counted skip.
+    Tool use (fsdp_lib/tool_calls.py): every render of a conversation gets its tools (apply_chat_template(tools=));
+    an assistant turn that calls tools is an assistant turn like any other, its calls trained as the template
+    renders them; tool results (role "tool") are context, never trained.
+
+    A row batch is rendered in two apply_chat_template calls per distinct tool list (every prefix without, then
+    with, the generation prompt): one call per render costs ~40% more (bench/bench_chat_tokenize.py). When a
+    batched call raises, the batch is rendered conversation by conversation, so a conversation the template refuses
+    is one counted skip.
     """
 
     tokenizer: Any
@@ -50,10 +56,10 @@ class ChatEncoder:
 
     VERSION = 2  # of the masks this class writes: part of the token cache key
 
-    def render(self, conversations: list[list[dict]], generation_prompt: bool) -> list[str]:
+    def render(self, conversations: list[list[dict]], generation_prompt: bool, tools: list | None = None) -> list[str]:
         try:
             return self.tokenizer.apply_chat_template(
-                conversations, tokenize=False, add_generation_prompt=generation_prompt
+                conversations, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, templates raise their own messages
             raise ChatFormatError(f"the chat template refused it ({str(exc)[:120]})") from exc
@@ -68,27 +74,33 @@ class ChatEncoder:
         needed.discard((0, True))  # the empty conversation's prompt: the same for all, rendered once (empty_prompt)
         return sorted(needed)
 
-    def render_prefixes(self, conversations: list[list[dict]]) -> list[dict[tuple[int, bool], str]]:
-        """Every prefix render of every conversation, batched; per conversation (a ChatFormatError in its place)
-        when the template refuses one of them."""
-        wanted = [
-            (row, n, prompt) for row, messages in enumerate(conversations) for n, prompt in self.prefixes(messages)
-        ]
+    def render_prefixes(
+        self, conversations: list[list[dict]], tools: list[list | None] | None = None
+    ) -> list[dict[tuple[int, bool], str] | ChatFormatError]:
+        """Every prefix render of every conversation (with its `tools`), batched per tool list; per conversation
+        (a ChatFormatError in its place) when the template refuses one of them."""
+        tools = tools or [None] * len(conversations)
+        groups: dict[str, list[int]] = {}
+        for row, offered in enumerate(tools):
+            groups.setdefault(to_json(offered), []).append(row)
         rendered: list[dict[tuple[int, bool], str] | ChatFormatError] = [{} for _ in conversations]
-        try:
-            for prompt in (False, True):
-                keys = [(row, n) for row, n, p in wanted if p == prompt]
-                if keys:
-                    texts = self.render([conversations[row][:n] for row, n in keys], prompt)
-                    for (row, n), text in zip(keys, texts):
-                        rendered[row][(n, prompt)] = text
-        except ChatFormatError:
-            for row, messages in enumerate(conversations):
-                try:
-                    for n, prompt in self.prefixes(messages):
-                        rendered[row][(n, prompt)] = self.render([messages[:n]], prompt)[0]
-                except ChatFormatError as exc:
-                    rendered[row] = exc
+        for rows in groups.values():
+            wanted = [(row, n, prompt) for row in rows for n, prompt in self.prefixes(conversations[row])]
+            try:
+                for prompt in (False, True):
+                    keys = [(row, n) for row, n, p in wanted if p == prompt]
+                    if keys:
+                        texts = self.render([conversations[row][:n] for row, n in keys], prompt, tools[rows[0]])
+                        for (row, n), text in zip(keys, texts):
+                            rendered[row][(n, prompt)] = text
+            except ChatFormatError:
+                for row in rows:
+                    try:
+                        rendered[row] = {}
+                        for n, prompt in self.prefixes(conversations[row]):
+                            rendered[row][(n, prompt)] = self.render([conversations[row][:n]], prompt, tools[row])[0]
+                    except ChatFormatError as exc:
+                        rendered[row] = exc
         return rendered
 
     def empty_prompt(self) -> str | None:
@@ -130,15 +142,23 @@ class ChatEncoder:
         return [(renders[(i + 1, False)], [span]) for i, span in zip(turns, spans)]
 
     def encode(
-        self, conversations: list[list[dict]], skipped: dict[str, int], first_skipped: dict[str, int] | None = None
+        self,
+        conversations: list[list[dict]],
+        skipped: dict[str, int],
+        first_skipped: dict[str, int] | None = None,
+        tools: list[object] | None = None,
     ) -> list[tuple[list[int], np.ndarray]]:
         """(token ids, trained mask) per sample, in conversation order (one per conversation, or one per assistant
-        turn, see samples()); a conversation that cannot be encoded is counted in skipped by reason, and
-        first_skipped records the index of the first conversation skipped for each reason."""
-        conversations = [list(messages) for messages in conversations]
+        turn, see samples()); `tools`: each conversation's `tools` value (a `tools` column). A conversation that
+        cannot be encoded is counted in skipped by reason, and first_skipped records the index of the first
+        conversation skipped for each reason."""
+        conversations, offered, unreadable = _readable(conversations, tools)
         texts, all_spans = [], []
-        for row, (messages, renders) in enumerate(zip(conversations, self.render_prefixes(conversations))):
+        renders_of = self.render_prefixes(conversations, offered)
+        for row, (messages, renders) in enumerate(zip(conversations, renders_of)):
             try:
+                if row in unreadable:
+                    raise unreadable[row]
                 if isinstance(renders, ChatFormatError):
                     raise renders
                 for text, spans in self.samples(messages, renders):
@@ -165,13 +185,103 @@ class ChatEncoder:
         return mask
 
 
+def _readable(
+    conversations: list[list[dict]], tools: list[object] | None
+) -> tuple[list[list[dict]], list[list | None], dict[int, ChatFormatError]]:
+    """(messages as templates read them, each row's tool list, rows that cannot be read: an empty conversation in
+    their place and the error, so they become counted skips)."""
+    messages_of, offered, unreadable = [], [], {}
+    for row, messages in enumerate(conversations):
+        try:
+            messages_of.append(template_messages(list(messages)))
+            offered.append(template_tools(tools[row]) if tools is not None else None)
+        except ToolFormatError as exc:
+            messages_of.append([])
+            offered.append(None)
+            unreadable[row] = ChatFormatError(f"unreadable tool use ({exc.detail[:120]})")
+    return messages_of, offered, unreadable
+
+
+# A conversation that uses every part of tool use, to see whether a chat template renders them (check_tool_support).
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe_lookup",
+            "description": "probe tool description",
+            "parameters": {
+                "type": "object",
+                "properties": {"probe_key": {"type": "string"}},
+                "required": ["probe_key"],
+            },
+        },
+    }
+]
+_PROBE = [
+    {"role": "user", "content": "probe question"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call12345", "type": "function",
+     "function": {"name": "probe_lookup", "arguments": {"probe_key": "probe argument value"}}}]},
+    {"role": "tool", "name": "probe_lookup", "tool_call_id": "call12345", "content": "probe tool result"},
+    {"role": "assistant", "content": "probe answer"},
+]  # fmt: skip
+_PROBE_PARTS = {
+    "the tools offered": "probe tool description",
+    "the assistant's tool calls": "probe argument value",
+    "the tool results": "probe tool result",
+}
+
+
+def check_tool_support(tokenizer: Any, where: str) -> None:
+    """Refuse a chat template that cannot render tool use (it would drop the calls, and the model would learn
+    empty answers): it must render a probe conversation's tools, tool call and tool result."""
+    try:
+        text = tokenizer.apply_chat_template(_PROBE, tools=_PROBE_TOOLS, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - templates raise their own errors
+        text, refused = "", f" (it raised: {str(exc)[:160]})"
+    else:
+        refused = ""
+    missing = [part for part, marker in _PROBE_PARTS.items() if marker not in text]
+    if missing:
+        raise TrainError(
+            f"{where} holds tool-calling conversations, but the chat template does not render "
+            f"{', '.join(missing)}{refused}; pass --chat-template FILE with a template that supports tools "
+            f"(apply_chat_template(..., tools=...)), e.g. the one of a tool-calling instruct model"
+        )
+
+
+def uses_tools(split: Any) -> bool:
+    """Whether a conversation split offers tools or has tool turns or tool calls, read from its Arrow columns
+    (no rows decoded)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = split.data.table if hasattr(split, "data") else split
+    if "tools" in table.column_names and table.column("tools").null_count < len(table):
+        return True
+    if "messages" not in table.column_names:
+        return False
+    for chunk in table.column("messages").chunks:
+        turns = pc.list_flatten(chunk)
+        if not len(turns) or not pa.types.is_struct(turns.type):
+            continue
+        names = {turns.type.field(i).name for i in range(turns.type.num_fields)}
+        if "role" in names and pc.any(pc.equal(turns.field("role"), "tool")).as_py():
+            return True
+        if "tool_calls" in names and turns.field("tool_calls").null_count < len(turns):
+            calls = turns.field("tool_calls")
+            if not pa.types.is_list(calls.type) or pc.any(pc.greater(pc.list_value_length(calls), 0)).as_py():
+                return True
+    return False
+
+
 def chat_template_hash(tokenizer: Any) -> str:
     template = json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
     return hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
-def chat_encoder(cfg: TrainConfig, tokenizer: Any, columns: list[str]) -> ChatEncoder | None:
-    """A ChatEncoder when the dataset holds conversations (a `messages` column), after checking the template."""
+def chat_encoder(cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False) -> ChatEncoder | None:
+    """A ChatEncoder when the dataset holds conversations (a `messages` column), after checking the template (and
+    its tool support when the dataset uses tools)."""
     if "messages" not in columns:
         return None
     if cfg.chat_template:
@@ -184,4 +294,6 @@ def chat_encoder(cfg: TrainConfig, tokenizer: Any, columns: list[str]) -> ChatEn
         )
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise TrainError(f"--model-name {cfg.model_name}: chat training needs a fast (Rust) tokenizer, tokenizer.json")
+    if tools:
+        check_tool_support(tokenizer, f"--dataset-name {cfg.dataset_name}")
     return ChatEncoder(tokenizer, cfg.loss_on)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lib.batch import Batch
-from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash
+from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash, uses_tools
 from fsdp_lib.config import TrainConfig, changed_dpo_flags, parse_data_slice
 from fsdp_lib.dataset import load_text_dataset
 from fsdp_lib.errors import TrainError
@@ -90,7 +90,7 @@ def tokenize_to_file(
         for batch in dataset.iter(batch_size=batch_rows):
             if chat is not None:
                 in_batch: dict[str, int] = {}
-                encoded = chat.encode(batch["messages"], skipped, in_batch)
+                encoded = chat.encode(batch["messages"], skipped, in_batch, batch.get("tools"))
                 for reason, row in in_batch.items():
                     first_skipped.setdefault(reason, rows + row)
                 rows += len(batch["messages"])
@@ -417,7 +417,8 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         )
     objective = resolve_objective(cfg, train_split.column_names)
     columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too
-    chat = chat_encoder(cfg, tokenizer, columns)
+    tools = objective != "dpo" and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
+    chat = chat_encoder(cfg, tokenizer, columns, tools)
     pairs = None
     if objective == "dpo":
         pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None

@@ -16,6 +16,7 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.probes import reshard_all
+from fsdp_lib.tool_calls import template_messages, template_tools
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -28,8 +29,8 @@ class SamplePrompt:
 
 def load_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
     """The prompts of --sample-prompts: plain lines (one prompt each, blank lines skipped), or, in a .jsonl file,
-    one conversation per line (a list of messages, or {"messages": [...]}) rendered with the chat template and its
-    generation prompt. None without the flag."""
+    one conversation per line (a list of messages, or {"messages": [...], "tools": [...]} with tool use as
+    data_hf.py reads it) rendered with the chat template and its generation prompt. None without the flag."""
     if not cfg.sample_prompts:
         return []
     path = Path(cfg.sample_prompts)
@@ -46,8 +47,9 @@ def load_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-            messages = record["messages"] if isinstance(record, dict) else record
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            messages = template_messages(record["messages"] if isinstance(record, dict) else record)
+            tools = template_tools(record.get("tools")) if isinstance(record, dict) else None
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - any bad line is the user's to fix, named with its number
             raise TrainError(
                 f"--sample-prompts {path}, line {number}: not a conversation the chat template can render "

@@ -527,8 +527,15 @@ def turns(*pairs: str) -> tuple[tuple[str, str], ...]:
     return tuple(zip(pairs[::2], pairs[1::2], strict=True))
 
 
+NO_TOOLS = dict.fromkeys(data_hf.TURN_FIELDS)  # the tool fields of a turn without tool use: null
+
+
 def messages_of(conversation: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
-    return [{"role": role, "content": content} for role, content in conversation]
+    return [{"role": role, "content": content, **NO_TOOLS} for role, content in conversation]
+
+
+def without_nulls(rows: list[list[dict]]) -> list[list[dict]]:
+    return [[{key: value for key, value in turn.items() if value is not None} for turn in row] for row in rows]
 
 
 @pytest.mark.parametrize(
@@ -576,7 +583,8 @@ BAD_RECORDS = [
     ({"messages": "hi"}, "bad_message"),
     ({"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}, "bad_message"),
     ({"messages": ["user: hi", {"role": "assistant", "content": "a"}]}, "bad_message"),
-    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "a"}]}, "unknown_role"),
+    ({"messages": [{"role": "critic", "content": "x"}, {"role": "assistant", "content": "a"}]}, "unknown_role"),
+    ({"messages": [{"role": 3, "content": "x"}, {"role": "assistant", "content": "a"}]}, "unknown_role"),
     ({"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "a"}]}, "unknown_role"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "a"}]},
      "non_string_content"),
@@ -611,6 +619,125 @@ def test_content_given_as_a_list_of_text_parts_is_joined() -> None:
     assert data_hf.parse_conversation(sharegpt) == (("user", "hi"), ("assistant", "hello"))
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+# One tool-calling exchange in each shape people have; every one reads as the same turns (ids where given).
+TOOL_RECORDS = {
+    "openai": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
+        {"role": "assistant", "content": "20 degrees."}], "tools": [WEATHER]},
+    "hf": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "name": "get_weather", "content": {"temp": 20}},
+        {"role": "assistant", "content": "20 degrees."}], "tools": [WEATHER]},
+    "openai_legacy": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": '{"temp": 20}'},
+        {"role": "assistant", "content": "20 degrees."}], "tools": [WEATHER["function"]]},
+    "glaive": {"conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+        {"from": "observation", "value": '{"temp": 20}'},
+        {"from": "gpt", "value": "20 degrees."}], "tools": json.dumps([WEATHER["function"]])},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", TOOL_RECORDS)
+def test_tool_calls_in_every_shape_read_as_one_schema(shape: str) -> None:
+    conversation = data_hf.parse_conversation(TOOL_RECORDS[shape])
+    call = dict(CALL, id="call_1") if shape == "openai" else CALL
+    result_id = "call_1" if shape == "openai" else None
+    assert list(conversation) == [
+        ("user", "Weather in Paris?"),
+        data_hf.ToolTurn("assistant", "", json.dumps([call], separators=(",", ":"))),
+        data_hf.ToolTurn("tool", '{"temp":20}' if shape == "hf" else '{"temp": 20}', None, "get_weather", result_id),
+        ("assistant", "20 degrees."),
+    ]
+    assert json.loads(conversation.tools) == [WEATHER]
+
+
+def test_parallel_calls_answer_in_order_and_plain_conversations_have_no_tools() -> None:
+    """A function_call turn holding two calls; each observation takes the name of the next call unanswered."""
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]
+    record = {"conversations": [
+        {"from": "human", "value": "Weather and time?"}, {"from": "function_call", "value": json.dumps(calls)},
+        {"from": "observation", "value": "sunny"}, {"from": "observation", "value": "noon"},
+        {"from": "gpt", "value": "Sunny at noon."}]}  # fmt: skip
+    turns = data_hf.parse_conversation(record)
+    assert [json.loads(turns[1].tool_calls)[i]["function"]["arguments"] for i in (0, 1)] == [{"city": "Paris"}, {}]
+    assert [(turn.name, turn.content) for turn in turns[2:4]] == [("get_weather", "sunny"), ("get_time", "noon")]
+    assert turns.tools is None and data_hf.parse_conversation(GOOD[0]).tools is None
+
+
+BAD_TOOL_RECORDS = [
+    ({"messages": [{"role": "user", "content": "q"},
+                   {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "bad_tool_call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"arguments": {}}]}]},
+     "bad_tool_call"),
+    ({"messages": [{"role": "user", "content": "q"},
+                   {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}]},
+     "bad_tool_call"),
+    ({"messages": [{"role": "user", "content": "q", "tool_calls": [CALL]}, {"role": "assistant", "content": "a"}]},
+     "bad_tool_call"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "call f"}]},
+     "bad_tool_call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "tools": "[oops"},
+     "bad_tools"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "tools": [{"description": "no name"}]}, "bad_tools"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "name": "f"},
+                   {"role": "assistant", "content": "a"}]}, "bad_message"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": None},
+                   {"role": "assistant", "content": "a"}]}, "non_string_content"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("record", "reason"), BAD_TOOL_RECORDS)
+def test_bad_tool_use_is_a_counted_skip_with_its_reason(record: object, reason: str) -> None:
+    with pytest.raises(data_hf.BadRecord) as caught:
+        data_hf.parse_conversation(record)
+    assert caught.value.reason == reason and reason in data_hf.REASONS
+
+
+def test_format_chat_writes_tool_calls_and_tools_that_the_trainer_reads_back(tmp_path: Path) -> None:
+    from fsdp_lib.tool_calls import template_messages, template_tools
+
+    lines = [json.dumps(record) for record in (*TOOL_RECORDS.values(), GOOD[0], BAD_TOOL_RECORDS[0][0])]
+    data = write_files(tmp_path / "data", {"tools.jsonl": "\n".join(lines) + "\n"})
+    assert convert(data, tmp_path / "out", "--format", "chat") == 0
+    loaded = load_from_disk(str(tmp_path / "out"))
+    assert loaded.features == CHAT_FEATURES and len(loaded) == 5
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"bad_tool_call": 1}
+    for row in loaded.select(range(4)):
+        messages = template_messages(row["messages"])
+        assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [messages[1]["tool_calls"][0]]}
+        assert {key: value for key, value in messages[1]["tool_calls"][0].items() if key != "id"} == CALL
+        assert messages[2]["role"] == "tool" and messages[2]["name"] == "get_weather"
+        assert template_tools(row["tools"]) == [WEATHER]
+    assert (
+        loaded[4]["tools"] is None
+        and template_messages(loaded[4]["messages"])
+        == without_nulls([messages_of(data_hf.parse_conversation(GOOD[0]))])[0]
+    )
+    # the split hash covers the tool fields and tools: a conversation and its copy without tools may part ways
+    with_tools = data_hf.parse_conversation(TOOL_RECORDS["hf"])
+    assert '"tools"' in data_hf.conversation_json(with_tools)
+    assert data_hf.conversation_json(data_hf.parse_conversation(GOOD[0])).startswith('[{"role":"user"')
+
+
 def test_chat_conversion_keeps_conversations_with_text_parts_and_counts_non_text_ones(tmp_path: Path) -> None:
     parts = {"role": "user", "content": [{"type": "text", "text": "q"}]}
     image = {"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "q"}]}
@@ -619,7 +746,7 @@ def test_chat_conversion_keeps_conversations_with_text_parts_and_counts_non_text
     data = write_files(tmp_path / "data", {"parts.jsonl": "\n".join(lines) + "\n"})
     assert convert(data, tmp_path / "out", "--format", "chat") == 0
     messages = load_from_disk(str(tmp_path / "out"))["messages"][:]
-    assert messages == [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]] * 2
+    assert without_nulls(messages) == [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]] * 2
     assert summary_of(tmp_path / "out")["counts_by_reason"] == {"non_text_content": 1}
 
 
@@ -630,10 +757,20 @@ def test_parse_conversation_rejects_bad_records_with_their_reason(record: object
     assert caught.value.reason == reason and reason in data_hf.REASONS
 
 
+CHAT_FEATURES = Features(
+    {
+        "messages": [{name: Value("string") for name in ("role", "content", *data_hf.TURN_FIELDS)}],
+        "tools": Value("string"),
+    }
+)
+
+
 def test_messages_column_has_the_arrow_type_datasets_gives_conversations() -> None:
-    features = Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
-    assert data_hf.arrow_type("messages") == features.arrow_schema.field("messages").type
-    assert str(data_hf.arrow_type("messages")) == "list<item: struct<role: string, content: string>>"
+    assert data_hf.arrow_type("messages") == CHAT_FEATURES.arrow_schema.field("messages").type
+    assert str(data_hf.arrow_type("messages")) == (
+        "list<item: struct<role: string, content: string, tool_calls: string, name: string, tool_call_id: string>>"
+    )
+    assert data_hf.arrow_type("tools") == CHAT_FEATURES.arrow_schema.field("tools").type
 
 
 GOOD = [
@@ -668,11 +805,11 @@ def test_format_chat_writes_one_messages_row_per_conversation(tmp_path: Path, ca
     out = tmp_path / "chat"
     assert convert(data, out, "--format", "chat") == 0
     loaded = load_from_disk(str(out))
-    assert loaded.features == Features({"messages": [{"role": Value("string"), "content": Value("string")}]})
-    assert loaded.column_names == ["messages"]
+    assert loaded.features == CHAT_FEATURES
+    assert loaded.column_names == ["messages", "tools"] and loaded["tools"] == [None] * len(loaded)
     expected = [messages_of(data_hf.parse_conversation(record)) for record in CHAT_ROWS]
     assert loaded["messages"][:] == expected
-    assert loaded[2]["messages"][0] == {"role": "system", "content": "You add."}
+    assert loaded[2]["messages"][0] == {"role": "system", "content": "You add.", **NO_TOOLS}
     summary = summary_of(out)
     reasons_expected = Counter(reason for _, reason in BAD_RECORDS)
     reasons_expected.update(["text_file_in_chat_run", "invalid_jsonl_line"])
@@ -685,7 +822,7 @@ def test_format_chat_writes_one_messages_row_per_conversation(tmp_path: Path, ca
     assert (first_bad["line"], first_bad["reason"]) == (2, BAD_RECORDS[0][1])  # JSON Lines problems carry the line
     assert "8 conversations" in capsys.readouterr().out
     train, validation = load_text_dataset(out)
-    assert train.column_names == ["messages"] and validation is None
+    assert train.column_names == ["messages", "tools"] and validation is None
 
 
 def test_bad_records_of_a_json_array_are_numbered(tmp_path: Path) -> None:
@@ -720,7 +857,7 @@ def test_chat_val_fraction_is_a_stable_split_by_conversation(tmp_path: Path) -> 
     assert convert(data, tmp_path / "a", "--format", "chat", "--val-fraction", "0.25") == 0
     assert convert(data, tmp_path / "b", "--format", "chat", "--val-fraction", "0.25") == 0
     first, second = load_from_disk(str(tmp_path / "a")), load_from_disk(str(tmp_path / "b"))
-    assert isinstance(first, DatasetDict) and first["validation"].column_names == ["messages"]
+    assert isinstance(first, DatasetDict) and first["validation"].column_names == ["messages", "tools"]
     assert first["train"]["messages"][:] == second["train"]["messages"][:]
     validation = first["validation"]["messages"][:]
     assert 60 < len(validation) < 140
@@ -748,7 +885,7 @@ def test_auto_writes_conversations_when_every_record_is_one(tmp_path: Path, caps
     assert "--format auto: every record read is a conversation" in capsys.readouterr().out
     assert convert(data, tmp_path / "split", "--val-fraction", "0.5") == 0  # the choice counts every split's rows
     split = load_from_disk(str(tmp_path / "split"))
-    assert split["train"].column_names == split["validation"].column_names == ["messages"]
+    assert split["train"].column_names == split["validation"].column_names == ["messages", "tools"]
     assert len(split["train"]) + len(split["validation"]) == len(GOOD)
 
 
