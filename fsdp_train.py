@@ -37,13 +37,23 @@ from fsdp_lib.adapters import export_adapter, merged_state_dict
 from fsdp_lib.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.config import TrainConfig, load_config, resolve_model_dir, resolve_precision, validate_config
-from fsdp_lib.data import Batch, PackedBlocks, Prefetcher, TrainData, build_data, evaluation_shares, total_steps
+from fsdp_lib.data import (
+    Batch,
+    PackedBlocks,
+    Prefetcher,
+    TrainData,
+    build_data,
+    describe_datasets,
+    evaluation_shares,
+    total_steps,
+)
 from fsdp_lib.dpo import DPOObjective, build_objective, reference_flops_per_token
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError
 from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.hf_weights import export_hf_model
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
+from fsdp_lib.mixture import MixedBlocks
 from fsdp_lib.model import ModelBundle, build_model, dry_run, peft_problems
 from fsdp_lib.optim import BadStepGuard, build_optimizer, lr_at
 from fsdp_lib.runtime import (
@@ -151,11 +161,27 @@ def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(totals[1].item())}
 
 
+def evaluate_mixture(train_forward: nn.Module, blocks: MixedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+    """A mixture's validation: each dataset's held-out loss (val_loss/NAME) and the loss of them all together."""
+    results = {name: evaluate(train_forward, part, cfg, d) for name, part in zip(blocks.names, blocks.parts)}
+    tokens = sum(r["val_tokens"] for r in results.values())
+    loss = sum(r["val_loss"] * r["val_tokens"] for r in results.values() if r["val_tokens"]) / max(1, tokens)
+    figures = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
+    for name, result in results.items():
+        figures.update({f"val_loss/{name}": result["val_loss"], f"val_tokens/{name}": result["val_tokens"]})
+    return figures
+
+
 def validate(
-    bundle: ModelBundle, objective: DPOObjective | None, blocks: PackedBlocks, cfg: TrainConfig, d: Dist
+    bundle: ModelBundle, objective: DPOObjective | None, blocks: PackedBlocks | MixedBlocks, cfg: TrainConfig, d: Dist
 ) -> dict[str, float]:
-    """The validation figures: the loss (and perplexity) of the held-out tokens, or DPO's on the held-out pairs."""
-    return objective.evaluate(blocks, cfg, d) if objective else evaluate(bundle.train_forward, blocks, cfg, d)
+    """The validation figures: the loss (and perplexity) of the held-out tokens (per dataset too, for a mixture),
+    or DPO's on the held-out pairs."""
+    if objective is not None:
+        return objective.evaluate(blocks, cfg, d)
+    if isinstance(blocks, MixedBlocks):
+        return evaluate_mixture(bundle.train_forward, blocks, cfg, d)
+    return evaluate(bundle.train_forward, blocks, cfg, d)
 
 
 def write_samples(
@@ -285,7 +311,9 @@ def train_loop(
     grad_norm = torch.zeros(())
     while state.step < last_step:
         with metrics.timer.phase("data"):
-            micro_batches, trained = prefetch.get(state.epoch, state.samples_in_epoch // plan.global_batch)
+            step_in_epoch = state.samples_in_epoch // plan.global_batch
+            micro_batches, trained = prefetch.get(state.epoch, step_in_epoch)
+            sources = prefetch.sources(state.epoch, step_in_epoch)
         loss_sum, aux_loss = forward_backward(
             step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
         )
@@ -294,7 +322,7 @@ def train_loop(
             grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
         state.advance(plan.global_batch, plan.steps_per_epoch)
 
-        metrics.record(loss_sum, trained, aux_loss, objective.take_stats() if objective else None)
+        metrics.record(loss_sum, trained, aux_loss, objective.take_stats() if objective else None, sources)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard.sync(state))
         if evaluation_due(cfg, state.step, last_step):
@@ -335,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(str(exc), 1)
     try:
         if cfg.dry_run:
+            describe_datasets(cfg)
             return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if ENV_RANK == 0:  # before any process group, so a refused launch touches nothing
             lock.acquire()

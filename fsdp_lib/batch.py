@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,3 +29,10 @@ class Batch:
     def tensors(self) -> list[torch.Tensor | None]:
         """The fields in order (dataclasses.astuple would deep-copy every tensor)."""
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def stack_blocks(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> Batch:
+    """A Batch of blocks given as (inputs, labels, position ids or None)."""
+    inputs, labels = (torch.from_numpy(np.stack([p[k] for p in parts])) for k in (0, 1))
+    positions = None if parts[0][2] is None else torch.from_numpy(np.stack([p[2] for p in parts]))
+    return Batch(inputs, labels, positions)

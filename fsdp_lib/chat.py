@@ -279,21 +279,24 @@ def chat_template_hash(tokenizer: Any) -> str:
     return hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
-def chat_encoder(cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False) -> ChatEncoder | None:
+def chat_encoder(
+    cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False, dataset: str = ""
+) -> ChatEncoder | None:
     """A ChatEncoder when the dataset holds conversations (a `messages` column), after checking the template (and
     its tool support when the dataset uses tools)."""
     if "messages" not in columns:
         return None
+    dataset = dataset or cfg.datasets_label
     if cfg.chat_template:
         tokenizer.chat_template = Path(cfg.chat_template).read_text()
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError(
-            f"--dataset-name {cfg.dataset_name} holds conversations, but the tokenizer of --model-name "
+            f"--dataset-name {dataset} holds conversations, but the tokenizer of --model-name "
             f"{cfg.model_name} has no chat template; pass --chat-template FILE (a Jinja chat template, e.g. the one "
             f"of the model's instruct version)"
         )
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise TrainError(f"--model-name {cfg.model_name}: chat training needs a fast (Rust) tokenizer, tokenizer.json")
     if tools:
-        check_tool_support(tokenizer, f"--dataset-name {cfg.dataset_name}")
+        check_tool_support(tokenizer, f"--dataset-name {dataset}")
     return ChatEncoder(tokenizer, cfg.loss_on)

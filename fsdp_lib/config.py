@@ -31,11 +31,20 @@ class TrainConfig:
     """Every setting of a run. YAML keys (--config) are these names, with dashes or underscores."""
 
     experiment_name: str = _opt("", "folder name under --save-dir for checkpoints, metrics and export", short="-e")
-    dataset_name: str = _opt(
+    dataset_name: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "folder written by data_hf.py (Dataset or DatasetDict with train/validation), or a hub dataset "
+            "ORG/NAME already in the offline cache (model_download.py --dataset ORG/NAME); give it several times (a "
+            "YAML list) to train on a mixture, see --data-weights",
+            "choices": None,
+            "short": "-d",
+        },
+    )
+    data_weights: str = _opt(
         "",
-        "folder written by data_hf.py (Dataset or DatasetDict with train/validation), or a hub dataset ORG/NAME "
-        "already in the offline cache (model_download.py --dataset ORG/NAME)",
-        short="-d",
+        "a mixture's proportions, one per -d in order, e.g. 0.7,0.3 (normalised); default: each dataset's share "
+        "of the blocks (every dataset once per epoch)",
     )
     text_column: str = _opt("", "use this column of the dataset as the text (default: 'text' or 'messages')")
     model_name: str = _opt("", "local model folder, or a hub id already in the offline cache (HF_HOME)", short="-m")
@@ -191,9 +200,18 @@ class TrainConfig:
     export_only: bool = _opt(False, "export outputs/EXP/final from the newest checkpoint and exit")
     dry_run: bool = _opt(False, "print the resolved config, model size, sharding plan and memory estimate; exit")
 
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset_name, str):  # one dataset, as code (not the parser) may give it
+            self.dataset_name = [self.dataset_name] if self.dataset_name else []
+
     @property
     def experiment_dir(self) -> Path:
         return Path(self.save_dir) / self.experiment_name
+
+    @property
+    def datasets_label(self) -> str:
+        """-d as the messages name it: the dataset, or the mixture's datasets."""
+        return " + ".join(self.dataset_name)
 
 
 class _ArgParser(argparse.ArgumentParser):
@@ -241,6 +259,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help_text = f.metadata["help"] + ("" if f.name in REQUIRED_FLAGS else f" (default: {f.default})")
         if f.type in ("bool", bool):
             group.add_argument(*names, dest=f.name, action="store_true", help=help_text)
+        elif str(f.type) == "list[str]":
+            group.add_argument(*names, dest=f.name, action="append", help=help_text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             group.add_argument(*names, dest=f.name, type=kind, choices=f.metadata.get("choices"), help=help_text)
@@ -252,6 +272,12 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
     f = {x.name: x for x in dataclasses.fields(TrainConfig)}[name]
     if f.metadata.get("choices") == ON_OFF and isinstance(value, bool):
         return "on" if value else "off"
+    if str(f.type) == "list[str]":
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in values):
+            errors.append(f"{source}: key '{name}' has value {value!r}; expected a string or a list of strings")
+            return []
+        return values
     expected = {"int": int, "float": (int, float), "bool": bool, "str": (str, int, float)}[str(f.type)]
     if not isinstance(value, expected) or (str(f.type) == "int" and isinstance(value, bool)):
         errors.append(f"{source}: key '{name}' has value {value!r}; expected {str(f.type)}")
@@ -369,8 +395,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         problems += _wandb_problems()
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
-    if cfg.dataset_name:
-        problems += _dataset_problems(cfg.dataset_name)
+    for name in cfg.dataset_name:
+        problems += _dataset_problems(name)
+    problems += _mixture_problems(cfg)
     if cfg.model_name:
         problems += _model_problems(cfg)
     return problems
@@ -483,6 +510,39 @@ def parse_data_slice(text: str) -> tuple[int, int | None] | None:
     if not sep or not all(part.strip().isdigit() for part in (start, end) if part.strip()):
         return None
     return int(start or 0), (int(end) if end.strip() else None)
+
+
+def parse_data_weights(text: str) -> list[float] | None:
+    """--data-weights as numbers, or None when it does not parse."""
+    try:
+        return [float(item) for item in text.split(",")]
+    except ValueError:
+        return None
+
+
+def _mixture_problems(cfg: TrainConfig) -> list[str]:
+    """-d given several times: a mixture. Its weights must match the datasets; some settings take one dataset."""
+    if cfg.data_weights and len(cfg.dataset_name) < 2:
+        return [f"--data-weights {cfg.data_weights} needs two or more datasets (-d given several times)"]
+    if len(cfg.dataset_name) < 2:
+        return []
+    problems = []
+    if len(set(cfg.dataset_name)) < len(cfg.dataset_name):
+        problems.append(f"-d/--dataset-name names a dataset twice ({', '.join(cfg.dataset_name)}); raise its weight")
+    if cfg.data_weights:
+        weights = parse_data_weights(cfg.data_weights)
+        if weights is None or len(weights) != len(cfg.dataset_name):
+            problems.append(
+                f"--data-weights {cfg.data_weights}: expected {len(cfg.dataset_name)} numbers separated by commas, "
+                f"one per -d in order (e.g. {','.join(['1'] * len(cfg.dataset_name))})"
+            )
+        elif not all(math.isfinite(w) and w > 0 for w in weights):
+            problems.append(f"--data-weights {cfg.data_weights}: every weight must be a positive number")
+    if cfg.objective == "dpo":
+        problems.append("--objective dpo trains on one preference dataset; give -d once")
+    if cfg.data_slice:
+        problems.append(f"--data-slice {cfg.data_slice} selects rows of one dataset; give -d once")
+    return problems
 
 
 def _dataset_problems(name: str) -> list[str]:

@@ -17,12 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fsdp_lib.batch import Batch
+from fsdp_lib.batch import Batch, stack_blocks
 from fsdp_lib.chat import ChatEncoder, chat_encoder, chat_template_hash, uses_tools
-from fsdp_lib.config import TrainConfig, changed_dpo_flags, parse_data_slice
+from fsdp_lib.config import TrainConfig, changed_dpo_flags, parse_data_slice, parse_data_weights
 from fsdp_lib.dataset import load_text_dataset
 from fsdp_lib.errors import TrainError
 from fsdp_lib.integrity import commit_files, recorded_problems, staged, staged_writes
+from fsdp_lib.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.preference import PairBlocks, PairEncoder, is_preference_split, tokenize_pairs_to_file
 from fsdp_lib.runtime import Dist, log
 
@@ -153,10 +154,7 @@ class PackedBlocks:
         return window[:-1], labels, positions
 
     def gather(self, indices: list[int]) -> Batch:
-        parts = [self.block(i) for i in indices]
-        inputs, labels = (torch.from_numpy(np.stack([p[k] for p in parts])) for k in (0, 1))
-        positions = None if self.doc_ends is None else torch.from_numpy(np.stack([p[2] for p in parts]))
-        return Batch(inputs, labels, positions)
+        return stack_blocks([self.block(i) for i in indices])
 
     def trained_tokens(self, indices: list[int]) -> int:
         """Targets that carry loss in these blocks: what the loss of a global batch is averaged over."""
@@ -291,20 +289,31 @@ class DataPlan:
     just (epoch, samples consumed), and a final partial global batch is always dropped.
     """
 
-    blocks: PackedBlocks
+    blocks: PackedBlocks | MixedBlocks
     seed: int
     global_batch: int
     micro_batch: int
     world_size: int
     rank: int
+    mixture: Mixture | None = None  # several datasets (fsdp_lib/mixture.py): their proportions define the epoch
+
+    @property
+    def epoch_blocks(self) -> int:
+        return sum(self.mixture.counts) if self.mixture else len(self.blocks)
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.blocks) // self.global_batch
+        return self.epoch_blocks // self.global_batch
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
+        if self.mixture is not None:
+            return self.mixture.epoch_order(self.seed, epoch)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.blocks), generator=g)
+
+    def step_sources(self, order: torch.Tensor, step_in_epoch: int) -> list[int] | None:
+        """A mixture's global batch: how many blocks come from each dataset (None for one dataset)."""
+        return self.mixture.sources(self.step_blocks(order, step_in_epoch)) if self.mixture else None
 
     def step_blocks(self, order: torch.Tensor, step_in_epoch: int) -> list[int]:
         start = step_in_epoch * self.global_batch
@@ -350,6 +359,10 @@ class Prefetcher:
             batches = [Batch(*(None if t is None else t.pin_memory() for t in b.tensors())) for b in batches]
         return batches, self.plan.trained_tokens(order, step)
 
+    def sources(self, epoch: int, step: int) -> list[int] | None:
+        """A mixture's global batch at (epoch, step in epoch): blocks per dataset (None for one dataset)."""
+        return self.plan.step_sources(self._order(epoch), step) if self.plan.mixture else None
+
     def get(self, epoch: int, step: int) -> tuple[list[Batch], int]:
         """This rank's micro-batches of (epoch, step in epoch) and the global batch's trained-token count."""
         if self.pending is not None and self.pending[0] == (epoch, step):
@@ -382,12 +395,26 @@ class Prefetcher:
 @dataclass
 class TrainData:
     train: DataPlan
-    validation: PackedBlocks | None
+    validation: PackedBlocks | MixedBlocks | None  # a mixture's: its datasets' validation blocks, reported apart
     tokenizer: Any
     tokenizer_hash: str
     dataset_fingerprint: str
     data_format: str  # what turns rows into trained tokens: text or chat (template, --loss-on), document masking
     objective: str = "lm"  # lm or dpo (--objective, resolved against the dataset)
+
+
+@dataclass
+class Source:
+    """One -d dataset, tokenised and packed."""
+
+    name: str  # as given with -d
+    train: PackedBlocks | PairBlocks
+    validation: PackedBlocks | PairBlocks | None
+    rows: int
+    tokens: int
+    fingerprint: str
+    data_format: str
+    objective: str
 
 
 def slice_rows(split: Any, text: str) -> Any:
@@ -402,53 +429,72 @@ def slice_rows(split: Any, text: str) -> Any:
 
 
 def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
+    """The tokenizer, every -d dataset tokenised into its cache and packed, and the plan of global batches: one
+    dataset's blocks in a seeded permutation per epoch, or a mixture's in their proportions (fsdp_lib/mixture.py)."""
     from transformers import AutoTokenizer
 
-    try:
-        train_split, val_split = load_text_dataset(cfg.dataset_name, cfg.text_column or None)
-    except ValueError as exc:
-        raise TrainError(f"--dataset-name: {exc}") from exc
-    if cfg.data_slice:
-        train_split = slice_rows(train_split, cfg.data_slice)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if tokenizer.eos_token_id is None:
         raise TrainError(
             f"--model-name {cfg.model_name}: the tokenizer has no EOS token, needed between packed documents"
         )
-    objective = resolve_objective(cfg, train_split.column_names)
-    columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too
-    tools = objective != "dpo" and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
-    chat = chat_encoder(cfg, tokenizer, columns, tools)
-    pairs = None
-    if objective == "dpo":
-        pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None
     tok_hash = tokenizer_hash(model_dir)
-    data_format = f"chat:{chat_template_hash(tokenizer)}:loss-on-{cfg.loss_on}" if chat else "text"
-    if pairs is not None:
-        data_format = f"pairs:{chat_template_hash(tokenizer)}"
-    train_blocks = load_token_stream(train_split, "train", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat, pairs)
+    sources = [load_source(cfg, name, tokenizer, tok_hash, d) for name in cfg.dataset_name]
     global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
-    plan = DataPlan(train_blocks, cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank)
+    if len(sources) == 1:
+        source = sources[0]
+        plan = DataPlan(source.train, cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank)
+        validation, fingerprint, data_format = source.validation, source.fingerprint, source.data_format
+    else:
+        plan, validation = mixture_plan(cfg, sources, global_batch, d)
+        fingerprint = "|".join(source.fingerprint for source in sources)
+        data_format = f"mixture[{'; '.join(s.data_format for s in sources)}]:weights-{plan.mixture.weights}"
     if plan.steps_per_epoch == 0:
         raise TrainError(
-            f"--dataset-name {cfg.dataset_name}: {len(plan.blocks)} packed blocks of {cfg.seq_length} tokens are fewer "
-            f"than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
+            f"--dataset-name {cfg.datasets_label}: {plan.epoch_blocks} packed blocks of {cfg.seq_length} tokens per "
+            f"epoch are fewer than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
             f"lower --seq-length, --batch-size or --grad-accum-steps"
         )
-    validation = None
-    if val_split is not None and len(val_split):
-        validation = load_token_stream(
-            val_split, "validation", tokenizer, f"{tok_hash}|{data_format}", cfg, d, chat, pairs
-        )
-        if len(validation) == 0:
-            log("validation split is shorter than one block; validation is skipped")
-            validation = None
-    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
     log(
-        f"data: {len(plan.blocks):,} train blocks of {cfg.seq_length} tokens, global batch {global_batch} "
+        f"data: {plan.epoch_blocks:,} train blocks of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
         f"({d.world_size} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
         f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
     )
+    data_format += f":document-masking-{cfg.document_masking}"
+    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
+
+
+def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: Dist) -> Source:
+    """One dataset: its splits read, its kind resolved (text, conversations, preference pairs), tokenised once
+    into the token cache and packed."""
+    try:
+        train_split, val_split = load_text_dataset(name, cfg.text_column or None)
+    except ValueError as exc:
+        raise TrainError(f"--dataset-name: {exc}") from exc
+    if cfg.data_slice:
+        train_split = slice_rows(train_split, cfg.data_slice)
+    objective = resolve_objective(cfg, train_split.column_names, name)
+    if objective == "dpo" and len(cfg.dataset_name) > 1:
+        raise TrainError(
+            f"--dataset-name {name} holds preference pairs, which train alone (--objective dpo); give -d once"
+        )
+    columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too
+    tools = objective != "dpo" and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
+    chat = chat_encoder(cfg, tokenizer, columns, tools, name)
+    pairs = None
+    if objective == "dpo":
+        pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None
+    data_format = f"chat:{chat_template_hash(tokenizer)}:loss-on-{cfg.loss_on}" if chat else "text"
+    if pairs is not None:
+        data_format = f"pairs:{chat_template_hash(tokenizer)}"
+    key = f"{tok_hash}|{data_format}"
+    train_blocks = load_token_stream(train_split, "train", tokenizer, key, cfg, d, chat, pairs)
+    validation = None
+    if val_split is not None and len(val_split):
+        validation = load_token_stream(val_split, "validation", tokenizer, key, cfg, d, chat, pairs)
+        if len(validation) == 0:
+            log(f"the validation split of {name} is shorter than one block; its validation is skipped")
+            validation = None
     if pairs is not None:
         used = float(np.sum(train_blocks.lengths)) / max(1, len(train_blocks) * cfg.seq_length)
         log(
@@ -460,41 +506,90 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     if chat is not None:
         share = float(np.mean(train_blocks.trained)) if len(train_blocks.trained) else 0.0
         log(
-            f"SFT on conversations (a 'messages' column): chat template {chat_template_hash(tokenizer)}, loss on "
-            f"{cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
+            f"SFT on conversations (a 'messages' column) of {name}: chat template {chat_template_hash(tokenizer)}, "
+            f"loss on {cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
         )
-    data_format += f":document-masking-{cfg.document_masking}"
-    return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, objective)
+    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
+    tokens = len(train_blocks.tokens) if isinstance(train_blocks, PackedBlocks) else int(np.sum(train_blocks.lengths))
+    return Source(name, train_blocks, validation, len(train_split), tokens, fingerprint, data_format, objective)
 
 
-def resolve_objective(cfg: TrainConfig, columns: list[str]) -> str:
+def mixture_plan(
+    cfg: TrainConfig, sources: list[Source], global_batch: int, d: Dist
+) -> tuple[DataPlan, MixedBlocks | None]:
+    """The plan of a mixture and its validation blocks (the datasets that have a validation split), logged per
+    dataset: rows, tokens, blocks, weight, blocks per epoch and how often each block is seen per epoch."""
+    names = short_names([source.name for source in sources])
+    sizes = [len(source.train) for source in sources]
+    empty = [source.name for source, size in zip(sources, sizes) if size == 0]
+    if empty:
+        raise TrainError(f"--dataset-name {', '.join(empty)}: shorter than one block of --seq-length {cfg.seq_length}")
+    raw = parse_data_weights(cfg.data_weights) if cfg.data_weights else [float(size) for size in sizes]
+    mixture = Mixture(names, sizes, [w / sum(raw) for w in raw])
+    plan = DataPlan(
+        MixedBlocks([s.train for s in sources], names), cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank,
+        mixture,
+    )  # fmt: skip
+    lines = [
+        f"  {name}: {source.name}, {source.rows:,} rows, {source.tokens:,} tokens, {size:,} blocks, weight "
+        f"{weight:.3f} -> {count:,} blocks per epoch ({count / size:.2f} passes)"
+        for name, source, size, weight, count in zip(names, sources, sizes, mixture.weights, mixture.counts)
+    ]
+    log(f"mixture of {len(sources)} datasets (--data-weights {cfg.data_weights or 'by size'}):\n" + "\n".join(lines))
+    held_out = [(name, source.validation) for name, source in zip(names, sources) if source.validation is not None]
+    validation = MixedBlocks([v for _, v in held_out], [n for n, _ in held_out]) if held_out else None
+    return plan, validation
+
+
+def describe_datasets(cfg: TrainConfig) -> None:
+    """--dry-run: each -d dataset's splits, rows and kind, and a mixture's weights (its tokens and blocks are
+    counted when the run tokenises them)."""
+    weights = parse_data_weights(cfg.data_weights) if cfg.data_weights else None
+    lines = []
+    for i, name in enumerate(cfg.dataset_name):
+        try:
+            train_split, val_split = load_text_dataset(name, cfg.text_column or None)
+        except ValueError as exc:
+            raise TrainError(f"--dataset-name: {exc}") from exc
+        kind = "preference pairs" if is_preference_split(train_split.column_names) else (
+            "conversations" if "messages" in train_split.column_names else "text"
+        )  # fmt: skip
+        held_out = f", {len(val_split):,} validation rows" if val_split is not None else ""
+        share = f", weight {weights[i] / sum(weights):.3f}" if weights else ""
+        lines.append(f"  {name}: {kind}, {len(train_split):,} train rows{held_out}{share}")
+    mixture = " (a mixture: shares by --data-weights, else by size in blocks)" if len(lines) > 1 else ""
+    log(f"data{mixture}:\n" + "\n".join(lines))
+
+
+def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> str:
     """--objective as lm or dpo: auto follows the dataset; an explicit choice must fit it."""
+    name = name or cfg.datasets_label
     preference = is_preference_split(columns)
     if cfg.objective == "dpo" and not preference:
         raise TrainError(
-            f"--objective dpo: --dataset-name {cfg.dataset_name} has the columns {columns}, not prompt, chosen and "
+            f"--objective dpo: --dataset-name {name} has the columns {columns}, not prompt, chosen and "
             f"rejected; convert preference pairs with: python data_hf.py --format preference ..."
         )
     if cfg.objective == "lm" and preference:
         raise TrainError(
-            f"--objective lm: --dataset-name {cfg.dataset_name} holds preference pairs (prompt, chosen, rejected); "
+            f"--objective lm: --dataset-name {name} holds preference pairs (prompt, chosen, rejected); "
             f"train them with --objective dpo (or auto), or convert the chosen conversations with --format chat"
         )
     if not preference:
         if changed_dpo_flags(cfg):
             raise TrainError(
-                f"{', '.join(changed_dpo_flags(cfg))} apply to preference data; --dataset-name {cfg.dataset_name} "
+                f"{', '.join(changed_dpo_flags(cfg))} apply to preference data; --dataset-name {name} "
                 f"has the columns {columns}"
             )
         return "lm"
     if cfg.document_masking == "off":
         raise TrainError(
-            f"--dataset-name {cfg.dataset_name} holds preference pairs: --objective dpo packs a pair's sequences as "
+            f"--dataset-name {name} holds preference pairs: --objective dpo packs a pair's sequences as "
             f"separate documents and needs --document-masking on"
         )
     if cfg.loss_on != "assistant":
         raise TrainError(
-            f"--loss-on {cfg.loss_on}: --dataset-name {cfg.dataset_name} holds preference pairs, whose log-probabilities "
+            f"--loss-on {cfg.loss_on}: --dataset-name {name} holds preference pairs, whose log-probabilities "
             f"are those of the responses' assistant turns; leave --loss-on at its default"
         )
     return "dpo"

@@ -140,6 +140,7 @@ class Metrics:
         """steps: the optimizer steps this run trains (first..last): the progress bar starts at the first."""
         self.cfg, self.d = cfg, d
         self.global_batch, self.steps_per_epoch = plan.global_batch, plan.steps_per_epoch
+        self.mixture_names = plan.mixture.names if plan.mixture is not None else None
         self.tokens_per_step = plan.global_batch * cfg.seq_length
         self.flops_per_token, self.peak = flops_per_token, peak_tflops(cfg, precision)
         self.path = cfg.experiment_dir / "metrics.jsonl"
@@ -165,6 +166,7 @@ class Metrics:
         self.window_loss = torch.zeros((), device=self.d.device, dtype=torch.float64)
         self.window_steps = self.window_trained = 0
         self.window_stats: torch.Tensor | None = None  # --objective dpo: dpo.PAIR_STATS summed over the window
+        self.window_sources: list[int] | None = None  # a mixture: blocks per dataset over the window
         self.window_start = time.perf_counter()
         self.timer.reset()
         reset_peak_memory(self.d.device)
@@ -179,11 +181,15 @@ class Metrics:
         trained_tokens: int,
         aux_loss: torch.Tensor | None = None,
         stats: torch.Tensor | None = None,
+        sources: list[int] | None = None,
     ) -> None:
         """trained_tokens: the global batch's targets that carry loss (the same number on every rank; for DPO its
         pairs); aux_loss: the step's MoE router loss (weighted; not part of `loss`), or None; stats: the step's
-        preference figures on this rank (dpo.PAIR_STATS), or None."""
+        preference figures on this rank (dpo.PAIR_STATS), or None; sources: a mixture's global batch, blocks per
+        dataset (the same on every rank), or None."""
         self.last_aux = aux_loss
+        if sources is not None:
+            self.window_sources = [a + b for a, b in zip(self.window_sources or [0] * len(sources), sources)]
         if stats is not None:
             self.window_stats = stats if self.window_stats is None else self.window_stats + stats
         self.window_loss += local_loss_sum.detach().double()
@@ -222,6 +228,8 @@ class Metrics:
             record["pairs_per_s"] = figures["pairs"] / elapsed
             record["trained_tokens"] = int(figures["response_tokens"])
             record["trained_tokens_per_s"] = figures["response_tokens"] / elapsed
+        if self.window_sources is not None and self.mixture_names:  # samples (blocks) per dataset
+            record.update({f"samples/{n}": c for n, c in zip(self.mixture_names, self.window_sources)})
         record.update(self.timer.averages(self.window_steps))
         record.update(self.memory_over_ranks())
         if self.last_aux is not None:
