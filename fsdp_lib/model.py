@@ -141,6 +141,10 @@ def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, prec
     # Pinned host memory speeds up the GPU copies; without a GPU there is nothing to pin for (and it fails).
     offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload == "on" else OffloadPolicy()
     reshard = cfg.sharding != "grad-op"
+    # A shard group of one process (one GPU, --sharding none): torch's FSDP2 then skips the all-gather and keeps only
+    # the first of a parameter's all-gather inputs, which breaks NF4 (three: scales, factors, codes). Sharding over
+    # one process does nothing, so FSDP leaves the frozen NF4 weights alone.
+    ignored = {p for p in root.parameters() if is_nf4(p)} if d.mesh.size(-1) == 1 else set()
     wrappers = {id(m._checkpoint_wrapped_module): m for m in root.modules() if hasattr(m, "_checkpoint_wrapped_module")}
     for i, layer in enumerate(layers):
         unit = wrappers.get(id(layer), layer)  # shard the checkpoint wrapper, so recompute sees FSDP's hooks
@@ -148,8 +152,22 @@ def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, prec
             unit.compile()
         # The last layer's backward comes right after the loss: resharding it after forward would only regather it.
         last = i == len(layers) - 1
-        fully_shard(unit, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard and not last)
-    fully_shard(root, mesh=d.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(
+            unit,
+            mesh=d.mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard and not last,
+            ignored_params=ignored or None,
+        )
+    fully_shard(
+        root,
+        mesh=d.mesh,
+        mp_policy=mp,
+        offload_policy=offload,
+        reshard_after_forward=reshard,
+        ignored_params=ignored or None,
+    )
 
 
 def materialize(model: nn.Module, d: Dist, cfg: TrainConfig) -> None:

@@ -291,3 +291,19 @@ def test_adapter_of_another_base_exits_2_and_writes_nothing(peft_inputs, lora_ru
     assert proc.returncode == 2, output_of(proc)
     assert "--adapter" in output_of(proc) and "another base" in output_of(proc)
     assert not (tmp_path / "out").exists()
+
+
+def test_qlora_on_one_process_trains_and_resumes_on_two(peft_inputs, tmp_path):
+    """A shard group of one process (one GPU): FSDP2 skips the all-gather there, which NF4 cannot take, so its
+    frozen weights are left out of FSDP; the checkpoint (adapters and optimizer) then resumes on two processes."""
+    dataset, model_dir = peft_inputs
+    args = [*trainer_args("q1", dataset, model_dir, tmp_path), "--peft", "qlora", "--lora-rank", "4"]
+    args += ["--ckpt-freq", "3", "--global-batch-size", "2"]  # accumulation 2 on one process, 1 on two
+    first = run_trainer([*args, "--max-steps", "3"], nproc=1)
+    assert first.returncode == 0, output_of(first)
+    assert "frozen base stored as float32+nf4" in output_of(first)
+    resumed = run_trainer([*args, "--max-steps", "5"])
+    out = output_of(resumed)
+    assert resumed.returncode == 0, out
+    assert "world size changed (1 -> 2)" in out and (tmp_path / "q1" / "final" / "adapter_config.json").is_file()
+    assert sorted(losses_by_step(tmp_path / "q1")) == [1, 2, 3, 4, 5]
