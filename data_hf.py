@@ -485,10 +485,12 @@ class Conversation(tuple):
     offers (None: none). Equal to the plain tuple of its turns."""
 
     tools: str | None
+    uses_tools: bool  # offers tools or has a tool turn: written with its tool fields (else all null, fast)
 
     def __new__(cls, turns: Iterable[tuple[str, str] | ToolTurn], tools: str | None = None) -> Conversation:
         self = super().__new__(cls, turns)
         self.tools = tools
+        self.uses_tools = tools is not None or any(isinstance(turn, ToolTurn) for turn in self)
         return self
 
 
@@ -501,6 +503,10 @@ def _turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list
     result: list[tuple[str, str]] = []
     unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
     for number, turn in enumerate(turns, 1):
+        plain = _plain_turn(turn)
+        if plain is not None:  # the common turn, checked cheaply: a standard role, string content, no tool use
+            result.append(plain)
+            continue
         where = f"turn {number} of {key!r}"
         role_key = "role" if isinstance(turn, dict) and "role" in turn else "from"
         content_key = "content" if isinstance(turn, dict) and "content" in turn else "value"
@@ -535,6 +541,18 @@ def _turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list
             raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
         result.append((ROLE_ALIASES[role], _content_text(turn[content_key], where)))
     return result
+
+
+def _plain_turn(turn: object) -> tuple[str, str] | None:
+    """(role, content) of a turn with a standard role (or alias) and string content that calls no tool; None for
+    any other turn (read by the full checks of _turns_of_list)."""
+    if type(turn) is not dict or "tool_calls" in turn or "function_call" in turn:
+        return None
+    role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
+    if type(role) is not str or type(content) is not str:
+        return None
+    mapped = ROLE_ALIASES.get(role) or ROLE_ALIASES.get(role.strip().lower())
+    return (mapped, content) if mapped is not None else None
 
 
 def _calls_tools(turn: dict) -> bool:
@@ -1049,8 +1067,10 @@ def row_chars(row: Row) -> int:
         return len(row)
     if isinstance(row, PreferencePair):
         return row.chars
-    calls = sum(len(_tool_calls(turn) or "") for turn in row)
-    return sum(len(turn[1]) for turn in row) + calls + len(getattr(row, "tools", None) or "")
+    chars = sum(len(turn[1]) for turn in row)
+    if not getattr(row, "uses_tools", False):
+        return chars
+    return chars + sum(len(_tool_calls(turn) or "") for turn in row) + len(row.tools or "")
 
 
 class ConversationText(str):
@@ -1461,11 +1481,17 @@ def _string_chunk(encoded: list[bytes]) -> EncodedRows:
     return EncodedRows(len(encoded), offsets, values, digest.digest())
 
 
+def _null_chunk(count: int) -> EncodedRows:
+    """A string array chunk of `count` nulls: zero offsets, no values, a bitmap of zeros."""
+    offsets, validity = bytes(4 * (count + 1)), bytes((count + 7) // 8)
+    digest = hashlib.blake2b(offsets + validity, digest_size=16).digest()
+    return EncodedRows(count, offsets, b"", digest, validity=validity)
+
+
 def _nullable_chunk(strings: list[str | None]) -> EncodedRows:
-    """A string array chunk whose None entries are nulls (most tool fields: one bitmap of zeros, no loop)."""
+    """A string array chunk whose None entries are nulls."""
     if not any(value is not None for value in strings):
-        validity = bytes((len(strings) + 7) // 8)
-        chunk = _string_chunk([b""] * len(strings))
+        return _null_chunk(len(strings))
     else:
         bitmap = bytearray((len(strings) + 7) // 8)
         for index, value in enumerate(strings):
@@ -1492,7 +1518,10 @@ def _messages_chunk(conversations: list[Turns], contents: list[bytes], with_tool
     offsets = array(_INT32, accumulate(map(len, conversations), initial=0)).tobytes()
     turn_fields: tuple[EncodedRows, ...] = ()
     tools = None
-    if with_tools:
+    if with_tools and not any(getattr(conversation, "uses_tools", False) for conversation in conversations):
+        turn_fields = tuple(_null_chunk(roles.count) for _ in TURN_FIELDS)
+        tools = _null_chunk(len(conversations))
+    elif with_tools:
         tool_turns = [
             turn if isinstance(turn, ToolTurn) else None for conversation in conversations for turn in conversation
         ]

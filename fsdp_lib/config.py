@@ -384,6 +384,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
                 f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
             )
+        if cfg.peft == "qlora" and shard > 1:  # NF4's all-gather asks the mesh for one group; a 2-D mesh has two
+            problems.append(
+                f"--peft qlora with --sharding hybrid (shard groups of {shard}): torchao's NF4 weights shard over a "
+                f"1-D mesh only; use --sharding full (or none: one copy of the 4-bit base per process)"
+            )
     problems += _peft_problems(cfg)
     problems += _dpo_problems(cfg)
     problems += _batch_problems(cfg, world_size)
