@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -121,6 +122,17 @@ def wait_for_step(exp_dir: Path, step: int, proc, timeout: float = 120) -> None:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached")
+
+
+def killed_at_step(
+    args: list[str], exp_dir: Path, step: int, delay_s: str = "0.3", nproc: int = 2, timeout: float = 120
+) -> str:
+    """Launch the trainer with steps slowed by `delay_s`, kill -9 torchrun and its workers once exp_dir has logged
+    `step` (no chance to clean up), and return what the run printed."""
+    proc = run_trainer(args, nproc=nproc, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": delay_s})
+    wait_for_step(exp_dir, step, proc, timeout)
+    kill_tree(proc.pid, signal.SIGKILL)
+    return proc.communicate()[0]
 
 
 def wait_until(

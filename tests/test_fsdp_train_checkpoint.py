@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fsdp_helpers import (
-    kill_tree,
+    killed_at_step,
     losses_by_step,
     output_of,
     run_trainer,
@@ -56,10 +56,7 @@ def checkpoints(save: Path, exp: str = "run") -> list[str]:
 
 
 def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_path):
-    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
-    wait_for_step(tmp_path / "run", 6, proc)
-    kill_tree(proc.pid, signal.SIGKILL)  # torchrun and both workers, no chance to clean up
-    proc.wait()
+    killed_at_step(flags(inputs, tmp_path), tmp_path / "run", 6, delay_s="0.25")
     assert checkpoints(tmp_path) == ["step_00000004"]
     rerun = run_trainer(flags(inputs, tmp_path))
     assert rerun.returncode == 0, output_of(rerun)

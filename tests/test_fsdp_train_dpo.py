@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +20,11 @@ from fsdp_lib.chat import ChatEncoder
 from fsdp_lib.dpo import disable_dropout, pair_losses, sequence_sums
 from fsdp_lib.loss import ChunkedTokenLogProbs, token_log_probs
 from fsdp_lib.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
-from fsdp_lib.testing import kill_tree, llama_sizes
+from fsdp_lib.testing import llama_sizes
 from tests.fsdp_helpers import (
     REPO_ROOT,
     fact_pairs,
+    killed_at_step,
     losses_by_step,
     make_chat_model,
     make_dataset,
@@ -33,7 +33,6 @@ from tests.fsdp_helpers import (
     run_trainer,
     save_pairs,
     trainer_args,
-    wait_for_step,
 )
 
 WORKERS = REPO_ROOT / "tests" / "workers"
@@ -326,10 +325,7 @@ def test_export_only_computes_no_reference(dpo_inputs, dpo_run):
 def test_kill9_rerun_is_bit_identical_and_reads_the_stored_reference(dpo_inputs, dpo_run, tmp_path):
     args = dpo_args("run", dpo_inputs, *RUN_FLAGS)
     args[args.index("--save-dir") + 1] = str(tmp_path)  # its own token cache: this run computes the reference
-    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.3"})
-    wait_for_step(tmp_path / "run", 5, proc)
-    kill_tree(proc.pid, signal.SIGKILL)
-    first_log = proc.communicate()[0]
+    first_log = killed_at_step(args, tmp_path / "run", 5)
     assert "computed by the starting model" in first_log
     rerun = run_trainer(args)
     log = output_of(rerun)

@@ -4,8 +4,6 @@ count, the flags' checks, and a real mixed text + chat run that resumes after ki
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ from fsdp_lib.config import TrainConfig, load_config, validate_config
 from fsdp_lib.data import DataPlan
 from fsdp_lib.mixture import MixedBlocks, Mixture, short_names
 from tests.fsdp_helpers import (
-    kill_tree,
+    killed_at_step,
     losses_by_step,
     make_chat_dataset,
     make_chat_model,
@@ -152,13 +150,7 @@ def test_mixture_run_reports_per_dataset_and_resumes_after_kill9_on_another_proc
     expected = losses_by_step(tmp_path / "ref" / "mix")
 
     args = mix_flags(mix_inputs, tmp_path / "run")
-    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
-    deadline = time.monotonic() + 180
-    while max(losses_by_step(tmp_path / "run" / "mix"), default=0) < 6:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-        time.sleep(0.05)
-    kill_tree(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killed_at_step(args, tmp_path / "run" / "mix", 6, delay_s="0.25", timeout=180)
     resumed = run_trainer(mix_flags(mix_inputs, tmp_path / "run", nproc=1), nproc=1)
     assert resumed.returncode == 0, output_of(resumed)
     assert "at step 4" in output_of(resumed) and "world size changed (2 -> 1)" in output_of(resumed)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from fsdp_lib.testing import llama_sizes, save_model, tiny_config
 from tests.fsdp_helpers import (
     REPO_ROOT,
-    kill_tree,
+    killed_at_step,
     launch_env,
     losses_by_step,
     make_chat_dataset,
@@ -29,7 +28,6 @@ from tests.fsdp_helpers import (
     read_metrics,
     run_trainer,
     trainer_args,
-    wait_for_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -101,10 +99,7 @@ def test_only_adapters_train_and_the_checkpoint_holds_only_them(lora_run):
 
 def test_kill9_then_rerun_is_bit_identical(peft_inputs, lora_run, tmp_path):
     args = lora_args(peft_inputs, tmp_path)
-    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.3"})
-    wait_for_step(tmp_path / "run", 5, proc)
-    kill_tree(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killed_at_step(args, tmp_path / "run", 5)
     rerun = run_trainer(args)
     assert rerun.returncode == 0, output_of(rerun)
     assert "at step 4" in output_of(rerun)

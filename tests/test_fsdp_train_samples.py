@@ -5,21 +5,19 @@ kill -9 and rerun; conversations rendered with the chat template; a missing file
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_lib.testing import kill_tree
 from tests.fsdp_helpers import (
+    killed_at_step,
     make_chat_dataset,
     make_chat_model,
     make_model,
     output_of,
     run_trainer,
     trainer_args,
-    wait_for_step,
 )
 from tests.test_fsdp_train_wandb import OFFLINE, read_offline_run
 
@@ -82,10 +80,7 @@ def test_samples_at_every_evaluation_equal_transformers_generate(sample_inputs, 
 @pytest.mark.slow
 def test_samples_are_the_same_after_a_kill_and_rerun(sample_inputs, prompts, sampled_run, tmp_path):
     args = [*trainer_args("run", *sample_inputs, tmp_path), *RUN, "--sample-prompts", str(prompts)]
-    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.3"})
-    wait_for_step(tmp_path / "run", 6, proc)
-    kill_tree(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    killed_at_step(args, tmp_path / "run", 6)
     rerun = run_trainer(args)
     assert rerun.returncode == 0, output_of(rerun)
     assert "resumed from" in output_of(rerun)

@@ -15,6 +15,7 @@ from fsdp_lib.data import PackedBlocks
 from tests.fsdp_helpers import (
     CHAT_TEMPLATES,
     arithmetic_conversations,
+    killed_at_step,
     losses_by_step,
     make_chat_dataset,
     make_chat_model,
@@ -343,19 +344,8 @@ def sft_reference(chat_dataset, chat_models, tmp_path_factory) -> dict[int, floa
 
 
 def test_sft_kill9_then_rerun_is_bit_identical(chat_dataset, chat_models, sft_reference, tmp_path):
-    import signal
-    import time
-
-    from tests.fsdp_helpers import kill_tree
-
     args = sft_flags(chat_dataset, chat_models["llama3"], tmp_path)
-    proc = run_trainer(args, background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
-    deadline = time.monotonic() + 180
-    while max(losses_by_step(tmp_path / "run"), default=0) < 6:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-        time.sleep(0.05)
-    kill_tree(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killed_at_step(args, tmp_path / "run", 6, delay_s="0.25", timeout=180)
     rerun = run_trainer(args)
     assert rerun.returncode == 0, output_of(rerun)
     assert "at step 4" in output_of(rerun)
