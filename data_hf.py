@@ -1492,13 +1492,12 @@ def _nullable_chunk(strings: list[str | None]) -> EncodedRows:
     """A string array chunk whose None entries are nulls."""
     if not any(value is not None for value in strings):
         return _null_chunk(len(strings))
-    else:
-        bitmap = bytearray((len(strings) + 7) // 8)
-        for index, value in enumerate(strings):
-            if value is not None:
-                bitmap[index >> 3] |= 1 << (index & 7)
-        validity = bytes(bitmap)
-        chunk = _string_chunk([b"" if value is None else _utf8([value])[0][0] for value in strings])
+    bitmap = bytearray((len(strings) + 7) // 8)
+    for index, value in enumerate(strings):
+        if value is not None:
+            bitmap[index >> 3] |= 1 << (index & 7)
+    validity = bytes(bitmap)
+    chunk = _string_chunk(_utf8(["" if value is None else value for value in strings])[0])
     digest = hashlib.blake2b(chunk.digest + validity, digest_size=16).digest()
     return EncodedRows(chunk.count, chunk.offsets, chunk.values, digest, validity=validity)
 

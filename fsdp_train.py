@@ -142,9 +142,9 @@ def optimizer_step(
 
 
 @torch.no_grad()
-def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
-    """Validation loss weighted by trained target tokens. Every rank runs the same number of micro-batches (padded with
-    weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
+def evaluation_totals(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> tuple[float, int]:
+    """(loss sum, trained target tokens) of the held-out blocks over all ranks. Every rank runs the same number of
+    micro-batches (padded with weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
     train_forward.eval()
     count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
     totals = torch.zeros(2, device=d.device, dtype=torch.float64)  # loss sum, tokens
@@ -157,18 +157,25 @@ def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d
         totals[1] += (batch.labels != -100).sum()
     dist.all_reduce(totals)
     train_forward.train()
-    loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(totals[1].item())}
+    return totals[0].item(), int(totals[1].item())
+
+
+def loss_figures(loss_sum: float, tokens: int) -> dict[str, float]:
+    """Validation loss weighted by trained target tokens, its perplexity and the token count."""
+    loss = loss_sum / tokens if tokens > 0 else float("nan")
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
+
+
+def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+    return loss_figures(*evaluation_totals(train_forward, blocks, cfg, d))
 
 
 def evaluate_mixture(train_forward: nn.Module, blocks: MixedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
     """A mixture's validation: each dataset's held-out loss (val_loss/NAME) and the loss of them all together."""
-    results = {name: evaluate(train_forward, part, cfg, d) for name, part in zip(blocks.names, blocks.parts)}
-    tokens = sum(r["val_tokens"] for r in results.values())
-    loss = sum(r["val_loss"] * r["val_tokens"] for r in results.values() if r["val_tokens"]) / max(1, tokens)
-    figures = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
-    for name, result in results.items():
-        figures.update({f"val_loss/{name}": result["val_loss"], f"val_tokens/{name}": result["val_tokens"]})
+    totals = {name: evaluation_totals(train_forward, part, cfg, d) for name, part in zip(blocks.names, blocks.parts)}
+    figures = loss_figures(sum(s for s, _ in totals.values()), sum(t for _, t in totals.values()))
+    for name, (loss_sum, tokens) in totals.items():
+        figures.update({f"val_loss/{name}": loss_figures(loss_sum, tokens)["val_loss"], f"val_tokens/{name}": tokens})
     return figures
 
 

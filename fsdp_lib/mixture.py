@@ -105,7 +105,12 @@ class MixedBlocks:
         return stack_blocks([self.block(i) for i in indices])
 
     def trained_tokens(self, indices: list[int]) -> int:
-        return int(sum((self.block(i)[1] != -100).sum() for i in indices))
+        """Each part counts its own blocks (PackedBlocks.trained_tokens, with its shortcut for unmasked text)."""
+        local: list[list[int]] = [[] for _ in self.parts]
+        for index in indices:
+            part, block = self.locate(index)
+            local[part].append(block)
+        return sum(part.trained_tokens(blocks) for part, blocks in zip(self.parts, local) if blocks)
 
 
 def short_names(paths: list[str]) -> list[str]:
