@@ -193,12 +193,12 @@ def _readable(
     messages_of, offered, unreadable = [], [], {}
     for row, messages in enumerate(conversations):
         try:
-            messages_of.append(template_messages(list(messages)))
-            offered.append(template_tools(tools[row]) if tools is not None else None)
+            readable = template_messages(list(messages)), template_tools(tools[row]) if tools is not None else None
         except ToolFormatError as exc:
-            messages_of.append([])
-            offered.append(None)
+            readable = [], None
             unreadable[row] = ChatFormatError(f"unreadable tool use ({exc.detail[:120]})")
+        messages_of.append(readable[0])
+        offered.append(readable[1])
     return messages_of, offered, unreadable
 
 

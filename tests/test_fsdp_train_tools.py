@@ -171,3 +171,17 @@ def test_run_on_tool_calls_trains_and_a_template_without_tools_stops_it(tmp_path
     refused = run_trainer(trainer_args("no_tools", tool_dataset, tool_models["qwen2.5"], tmp_path), nproc=1)
     out = output_of(refused)
     assert refused.returncode != 0 and "tool-calling conversations" in out and "--chat-template" in out
+
+
+def test_unreadable_tool_use_skips_only_its_own_conversation(tool_models):
+    """A datasets-native row with tool calls or tools that are not JSON (data_hf.py never writes one) is a counted
+    skip; the rows after it keep their own tools."""
+    tokenizer = _tokenizer(tool_models["qwen2.5_tools"])
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    bad_call = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": "{oops"}]
+    skipped: dict[str, int] = {}
+    tools = ["[oops", None, json.dumps([WEATHER]), None]
+    encoded = ChatEncoder(tokenizer, "assistant").encode([plain, bad_call, plain, plain], skipped, None, tools)
+    assert len(encoded) == 2 and sum(skipped.values()) == 2 and all("unreadable tool use" in r for r in skipped)
+    with_tools, without = (tokenizer.decode(ids) for ids, _ in encoded)
+    assert "The temperature of a city" in with_tools and "The temperature of a city" not in without
