@@ -25,7 +25,7 @@ Text rows, one per extracted string (--json-mode records: one per record):
 Bad input never crashes the run and never disappears silently: each skipped file, line or piece is counted by
 reason in the summary printed at the end and saved as `data_hf_summary.json` inside the dataset folder.
 The dataset is written to a hidden temporary folder beside --save_dir and renamed into place only when complete.
-Loading a saved dataset (a data_hf.py folder or a cached hub dataset) is fsdp_lib/dataset.py, shared with the
+Loading a saved dataset (a data_hf.py folder or a cached hub dataset) is fsdp_lib/records/dataset.py, shared with the
 trainer; this module imports it from there.
 """
 
@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import yaml
 from tqdm import tqdm
 
-from fsdp_lib.dataset import load_text_dataset
-from fsdp_lib.tool_calls import TURN_FIELDS, ToolFormatError, normalize_calls, normalize_tools, to_json
+from fsdp_lib.records.dataset import load_text_dataset
+from fsdp_lib.records.tool_calls import TURN_FIELDS, ToolFormatError, normalize_calls, normalize_tools, to_json
 
 # pyarrow and datasets are imported inside the functions of the parent process that use them: every spawned worker
 # imports this module, and pyarrow alone would add ~45 MB to each (datasets ~80 MB more, and a second of start-up).
@@ -470,7 +470,7 @@ def _text_field(record: dict, key: str) -> str:
 
 
 class ToolTurn(NamedTuple):
-    """A turn of tool use (fsdp_lib/tool_calls.py has the schema): an assistant turn that calls tools (`tool_calls`,
+    """A turn of tool use (fsdp_lib/records/tool_calls.py has the schema): an assistant turn that calls tools (`tool_calls`,
     JSON) or a tool's result (role "tool", with the function's `name` and the call's `tool_call_id` when known)."""
 
     role: str
@@ -561,7 +561,7 @@ def _calls_tools(turn: dict) -> bool:
 
 
 def _tool_calls_of(turn: dict, role: str, content_key: str, where: str) -> list[dict]:
-    """The calls of a turn that calls tools, normalized (fsdp_lib/tool_calls.normalize_calls)."""
+    """The calls of a turn that calls tools, normalized (fsdp_lib/records/tool_calls.normalize_calls)."""
     if role in TOOL_CALL_ROLES:
         if content_key not in turn:
             raise BadRecord("bad_message", f"{where} is a {role} turn without the call")
@@ -642,7 +642,7 @@ def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
 
 def parse_conversation(record: object) -> Conversation:
     """The turns of one conversation record, in any of CONVERSATION_SHAPES, with a top-level `system` string
-    prepended as a system turn, and its top-level `tools` (tool use: fsdp_lib/tool_calls.py has the schema).
+    prepended as a system turn, and its top-level `tools` (tool use: fsdp_lib/records/tool_calls.py has the schema).
     Raises BadRecord with the reason when it cannot be used as a chat row."""
     shape = conversation_shape(record)
     if shape is None or not isinstance(record, dict):
@@ -1780,7 +1780,7 @@ class SplitWriter:
 
 
 def _turn_names(column: str) -> tuple[str, ...]:
-    """The fields of a turn: role and content, and for chat rows the tool fields (fsdp_lib/tool_calls.py)."""
+    """The fields of a turn: role and content, and for chat rows the tool fields (fsdp_lib/records/tool_calls.py)."""
     return ("role", "content", *TURN_FIELDS) if column == "messages" else ("role", "content")
 
 

@@ -33,29 +33,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
-from fsdp_lib.adapters import export_adapter, merged_state_dict
-from fsdp_lib.checkpoint import Checkpointer, resume_fingerprint
-from fsdp_lib.checkpoint_verify import latest_intact_checkpoint
-from fsdp_lib.config import TrainConfig, load_config, resolve_model_dir, resolve_precision, validate_config
-from fsdp_lib.data import (
-    Batch,
-    PackedBlocks,
-    Prefetcher,
-    TrainData,
-    build_data,
-    describe_datasets,
-    evaluation_shares,
-    total_steps,
-)
-from fsdp_lib.dpo import DPOObjective, build_objective, reference_flops_per_token
+from fsdp_lib.config import TrainConfig, load_config, resolve_precision, validate_config
+from fsdp_lib.data.batch import Batch
+from fsdp_lib.data.cache import PackedBlocks
+from fsdp_lib.data.mixture import MixedBlocks
+from fsdp_lib.data.plan import Prefetcher, TrainData, build_data, describe_datasets, evaluation_shares, total_steps
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError
 from fsdp_lib.faults import install_step_hooks
-from fsdp_lib.hf_weights import export_hf_model
 from fsdp_lib.lock import ExperimentLock
-from fsdp_lib.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
-from fsdp_lib.mixture import MixedBlocks
-from fsdp_lib.model import ModelBundle, build_model, dry_run, peft_problems
-from fsdp_lib.optim import BadStepGuard, build_optimizer, lr_at
+from fsdp_lib.model.adapters import export_adapter, merged_state_dict
+from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
+from fsdp_lib.model.hf_weights import export_hf_model
+from fsdp_lib.offline import resolve_model_dir
 from fsdp_lib.runtime import (
     ENV_RANK,
     Dist,
@@ -67,8 +56,13 @@ from fsdp_lib.runtime import (
     seed_everything,
     setup_distributed,
 )
-from fsdp_lib.samples import SAMPLES_FILE, SamplePrompt, generate_samples, load_sample_prompts
 from fsdp_lib.state import TrainState
+from fsdp_lib.train.checkpoint import Checkpointer, resume_fingerprint
+from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
+from fsdp_lib.train.dpo import DPOObjective, build_objective, reference_flops_per_token
+from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
+from fsdp_lib.train.optim import BadStepGuard, build_optimizer, lr_at
+from fsdp_lib.train.samples import SAMPLES_FILE, SamplePrompt, generate_samples, load_sample_prompts
 
 # -- the step -------------------------------------------------------------------------------------
 
@@ -248,7 +242,8 @@ def run(cfg: TrainConfig) -> int:
     flops = bundle.flops_per_token
     if objective is not None:
         flops += reference_flops_per_token(bundle, objective.reference, cfg.seq_length)
-    metrics = Metrics(cfg, d, data.train, flops, precision, steps)
+    window_figures = objective.window_figures if objective is not None else None
+    metrics = Metrics(cfg, d, data.train, flops, precision, steps, window_figures)
     if d.is_main:
         for path in (metrics.path, metrics.path.with_name(SAMPLES_FILE)):  # from scratch: no line, not even step 0
             trim_metrics_file(path, state.step if state.step else -1)

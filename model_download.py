@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_lib.hf_files import BIN_INDEX, SAFETENSORS_INDEX, hf_weight_files, shards_from_index
-from fsdp_lib.memory_plan import (
+from fsdp_lib.model.hf_files import BIN_INDEX, SAFETENSORS_INDEX, hf_weight_files, shards_from_index
+from fsdp_lib.model.memory_plan import (
     format_bytes,
     format_count,
     format_memory_plan,
@@ -571,7 +571,7 @@ def decoder_linear_params(model: Any, rank: int) -> tuple[int, int]:
     sizes of fsdp_train.py's --peft qlora base and --peft lora adapters, counted by the trainer's own rules;
     (0, 0) when the trainer would not find the decoder layers (the --peft table is then left out)."""
     from fsdp_lib.errors import TrainError
-    from fsdp_lib.model import find_decoder_layers, peft_sizes
+    from fsdp_lib.model.anatomy import find_decoder_layers, peft_sizes
 
     try:
         return peft_sizes(model, find_decoder_layers(model), rank)
@@ -890,7 +890,7 @@ def download_dataset(repo_id: str, revision: str, token: str | None, force: bool
 DATASET_CHECK = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from fsdp_lib.dataset import load_hub_dataset_dict
+from fsdp_lib.records.dataset import load_hub_dataset_dict
 try:
     loaded = load_hub_dataset_dict(sys.argv[2], sys.argv[3])
 except ValueError as exc:

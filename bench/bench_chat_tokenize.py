@@ -122,16 +122,16 @@ def load_tokenizer(folder: Path, template: str) -> Any:
 
 
 def fsdp_train_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str, Any]:
-    from fsdp_lib.chat import ChatEncoder
-    from fsdp_lib.data import PackedBlocks, _stream_paths, _token_dtype, tokenize_to_file
+    from fsdp_lib.data.cache import PackedBlocks, stream_paths, token_dtype, tokenize_to_file
+    from fsdp_lib.data.chat import ChatEncoder
 
     out_dir.mkdir(parents=True)
     path = out_dir / "train.tokens"
     with Stopwatch() as watch:
         tokenize_to_file(dataset, tokenizer, path, batch_rows=BATCH_ROWS, chat=ChatEncoder(tokenizer, "assistant"))
-        files = _stream_paths(path)
+        files = stream_paths(path)
         blocks = PackedBlocks(
-            np.memmap(path, dtype=_token_dtype(len(tokenizer)), mode="r"),
+            np.memmap(path, dtype=token_dtype(len(tokenizer)), mode="r"),
             seq,
             trained=np.memmap(files["mask"], dtype=np.uint8, mode="r"),
             doc_ends=np.memmap(files["docs"], dtype=np.int64, mode="r"),
@@ -216,10 +216,10 @@ def compare_routes(fsdp_dir: Path, trl_dir: Path, tokenizer: Any) -> dict[str, A
     document is the i-th conversation."""
     import datasets
 
-    from fsdp_lib.data import _stream_paths, _token_dtype
+    from fsdp_lib.data.cache import stream_paths, token_dtype
 
-    files = _stream_paths(fsdp_dir / "train.tokens")
-    tokens = np.fromfile(files["tokens"], dtype=_token_dtype(len(tokenizer))).astype(np.int64)
+    files = stream_paths(fsdp_dir / "train.tokens")
+    tokens = np.fromfile(files["tokens"], dtype=token_dtype(len(tokenizer))).astype(np.int64)
     mask = np.fromfile(files["mask"], dtype=np.uint8)
     doc_ends = np.fromfile(files["docs"], dtype=np.int64)
     reference = datasets.Dataset.from_file(str(trl_dir / "tokenized.arrow"))

@@ -91,13 +91,13 @@ def throughput_worker(model_dir: str, save_dir: str, reps: int, out: str) -> Non
     import torch
     import torch.distributed as dist
 
-    from fsdp_lib.checkpoint import Checkpointer, step_dir_name
     from fsdp_lib.config import TrainConfig
-    from fsdp_lib.data import Batch
-    from fsdp_lib.model import build_model
-    from fsdp_lib.optim import build_optimizer
+    from fsdp_lib.data.batch import Batch
+    from fsdp_lib.model.build import build_model
     from fsdp_lib.runtime import setup_distributed
     from fsdp_lib.state import TrainState
+    from fsdp_lib.train.checkpoint import Checkpointer, step_dir_name
+    from fsdp_lib.train.optim import build_optimizer
 
     cfg = TrainConfig(experiment_name="ckpt", save_dir=save_dir, model_name=model_dir, precision="fp32", keep_last=1000)
     cfg.activation_checkpointing = "off"

@@ -101,7 +101,8 @@ def loading_worker(mode: str, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from fsdp_lib.config import TrainConfig
-    from fsdp_lib.model import build_model, find_decoder_layers, shard_model
+    from fsdp_lib.model.anatomy import find_decoder_layers
+    from fsdp_lib.model.build import build_model, shard_model
     from fsdp_lib.runtime import setup_distributed
 
     cfg = TrainConfig(model_name=model_dir, precision="fp32")

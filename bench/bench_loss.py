@@ -83,7 +83,7 @@ def build(p: dict[str, Any], seq: int, device: Any) -> tuple[Any, Any]:
     import torch
     import transformers as tf
 
-    from fsdp_lib.data import Batch
+    from fsdp_lib.data.batch import Batch
     from fsdp_lib.testing import llama_sizes
 
     config = tf.LlamaConfig(
@@ -102,8 +102,8 @@ def build(p: dict[str, Any], seq: int, device: Any) -> tuple[Any, Any]:
 def loss_worker(p: dict[str, Any], seq: int, side: str) -> dict[str, Any]:
     import torch
 
-    from fsdp_lib.loss import CausalLMLoss
-    from fsdp_lib.model import find_decoder_layers
+    from fsdp_lib.model.anatomy import find_decoder_layers
+    from fsdp_lib.model.loss import CausalLMLoss
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, batch = build(p, seq, device)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", default="", help="--loss-chunk-tokens of the chunked side (default: auto)")
     args = parser.parse_args(argv)
     p = dict(QUICK if args.quick else FULL)
-    from fsdp_lib.loss import loss_chunk_tokens
+    from fsdp_lib.model.loss import loss_chunk_tokens
 
     p["chunk"] = loss_chunk_tokens(args.chunk or p["chunk"], p["vocab"])
     if args.seqs:

@@ -87,7 +87,7 @@ def prepare(work: Path, p: dict[str, Any]) -> tuple[Path, Path]:
 
 def flops_per_token(model_dir: Path, seq: int) -> float:
     """fsdp_train.py's own estimate, on a meta-device model (nothing allocated)."""
-    from fsdp_lib.model import build_model_skeleton, flops_per_token
+    from fsdp_lib.model.build import build_model_skeleton, flops_per_token
 
     model = build_model_skeleton(model_dir)
     return flops_per_token(model, model.config, seq)

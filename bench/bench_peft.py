@@ -149,7 +149,7 @@ GOALS = {  # ratio key -> (comparison, bound, description)
     "lora_over_full_tokens_per_s": (">=", 0.95, "LoRA / full fine-tuning, tokens/s"),
 }
 GIB = 2**30
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}  # fsdp_lib.memory_plan.format_bytes: powers of 1000
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}  # fsdp_lib.model.memory_plan.format_bytes: powers of 1000
 BASE_LINE = re.compile(r"frozen base stored as (\S+), ([\d.]+) (B|KB|MB|GB|TB) on this rank")
 PEFT_LINE = re.compile(r"--peft \w+: ([\d,]+) trainable of ([\d,]+) parameters")
 MODEL_LINE = re.compile(r"model \S+: ([\d,]+) parameters")
@@ -172,7 +172,7 @@ def trainer_worker(out_prefix: str, argv: list[str]) -> int:
     metric window, so the peak is read just before each reset and at exit (ru_maxrss alone would miss a peak
     before the last reset)."""
     import fsdp_train as ft
-    from fsdp_lib import metrics
+    from fsdp_lib.train import metrics
 
     idle = status_bytes("VmRSS")
     peaks = [idle]
@@ -227,7 +227,8 @@ def non_linear_params(model_dir: Path) -> tuple[int, int]:
     on the meta model. QLoRA stores only the decoder Linear weights as NF4."""
     import torch.nn as nn
 
-    from fsdp_lib.model import build_model_skeleton, find_decoder_layers
+    from fsdp_lib.model.anatomy import find_decoder_layers
+    from fsdp_lib.model.build import build_model_skeleton
 
     model = build_model_skeleton(model_dir)
     total = sum(p.numel() for p in model.parameters())

@@ -52,13 +52,13 @@ BATCH_ROWS = 1000  # both routes' row batch: tokenize_to_file's default and data
 
 
 def fsdp_train_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict[str, Any]:
-    from fsdp_lib.data import PackedBlocks, _token_dtype, tokenize_to_file
+    from fsdp_lib.data.cache import PackedBlocks, token_dtype, tokenize_to_file
 
     out_dir.mkdir(parents=True)
     path = out_dir / "train.tokens"
     with Stopwatch() as watch:
         tokenize_to_file(dataset, tokenizer, path, batch_rows=BATCH_ROWS)
-        blocks = PackedBlocks(np.memmap(path, dtype=_token_dtype(len(tokenizer)), mode="r"), seq)
+        blocks = PackedBlocks(np.memmap(path, dtype=token_dtype(len(tokenizer)), mode="r"), seq)
         n_blocks = len(blocks)
     return watch.result(tokens=len(blocks.tokens), blocks=n_blocks, trained_tokens=n_blocks * seq)
 
@@ -100,7 +100,7 @@ def run_clm_route(dataset: Any, tokenizer: Any, out_dir: Path, seq: int) -> dict
 
 
 def tokenizer_floor(dataset: Any, tokenizer: Any) -> dict[str, Any]:
-    from fsdp_lib.data import encode_batch
+    from fsdp_lib.data.cache import encode_batch
 
     tokens = 0
     with Stopwatch() as watch:
@@ -115,9 +115,9 @@ def check_token_streams(fsdp_dir: Path, clm_dir: Path, tokenizer: Any) -> dict[s
     tokens at the end of every 1000-row map batch."""
     import datasets
 
-    from fsdp_lib.data import _token_dtype
+    from fsdp_lib.data.cache import token_dtype
 
-    stream = np.fromfile(fsdp_dir / "train.tokens", dtype=_token_dtype(len(tokenizer)))
+    stream = np.fromfile(fsdp_dir / "train.tokens", dtype=token_dtype(len(tokenizer)))
     eos = tokenizer.eos_token_id
     tokenized = datasets.Dataset.from_file(str(clm_dir / "tokenized.arrow"))
     parts = [np.asarray(ids, dtype=np.int64) for ids in tokenized["input_ids"]]

@@ -120,7 +120,7 @@ def minimal_loop(model_dir: str, token_file: str, seq: int, batch: int, steps: i
 def trainer_worker(cpu_out: str, argv: list[str]) -> int:
     """fsdp_train.main(argv), noting rank 0's process CPU time at each metric line (one per window)."""
     import fsdp_train as ft
-    from fsdp_lib.metrics import Metrics
+    from fsdp_lib.train.metrics import Metrics
 
     marks: list[float] = []
     emit = Metrics.emit

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import yaml
 
-from fsdp_lib.dataset import hub_dataset_snapshot, is_hub_dataset_id
 from fsdp_lib.errors import ConfigError
+from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 ON_OFF = ("on", "off")
 
@@ -583,34 +583,6 @@ def _model_problems(cfg: TrainConfig) -> list[str]:
             f"lower --seq-length"
         ]
     return []
-
-
-def resolve_model_dir(model_name: str) -> Path:
-    """A local folder, or a hub id resolved from the offline cache; never touches the network."""
-    path = Path(model_name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model-name {model_name}: folder has no config.json")
-        return path
-    if path.exists():
-        raise FileNotFoundError(f"--model-name {model_name}: not a folder")
-    no_such_folder = (
-        f"--model-name {model_name}: no such folder (relative to {Path.cwd()}); check the path, or give a hub id "
-        f"as org/name"
-    )
-    if model_name.startswith((".", "~", "/")) or model_name.count("/") != 1:
-        raise FileNotFoundError(no_such_folder)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model_name, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
-        if path.parent.is_dir():  # e.g. models/typo while models/ exists: a mistyped folder, not a hub id
-            raise FileNotFoundError(no_such_folder) from exc
-        raise FileNotFoundError(
-            f"--model-name {model_name}: not in the local cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}). "
-            f"Run `python model_download.py --model-name {model_name}` on a machine with internet and copy HF_HOME here."
-        ) from exc
 
 
 def resolve_precision(cfg: TrainConfig) -> str:

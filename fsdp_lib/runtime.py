@@ -220,3 +220,13 @@ class StopRequest:
             raise KeyboardInterrupt  # a second Ctrl-C means now
         self.requested = True
         log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
+
+
+def reshard_all(root: torch.nn.Module) -> None:
+    """A no-grad forward leaves the FSDP units that do not reshard after forward (the last decoder layer) gathered,
+    with their unsharded parameters registered: the optimizer, built next, must see the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

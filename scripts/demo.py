@@ -100,7 +100,7 @@ def assistant_loss(model_dir: Path, conversations: list[list[dict]]) -> float:
     (ChatEncoder with configs/chatml.jinja)."""
     import torch
 
-    from fsdp_lib.chat import ChatEncoder
+    from fsdp_lib.data.chat import ChatEncoder
 
     tokenizer, model = load_model(model_dir)
     loss_sum, targets = 0.0, 0

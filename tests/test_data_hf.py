@@ -28,7 +28,7 @@ from data_hf import (
     read_file,
     split_long_text,
 )
-from fsdp_lib.dataset import load_text_dataset
+from fsdp_lib.records.dataset import load_text_dataset
 
 
 def write_files(root: Path, files: dict[str, str | bytes]) -> Path:
@@ -713,7 +713,7 @@ def test_bad_tool_use_is_a_counted_skip_with_its_reason(record: object, reason: 
 
 
 def test_format_chat_writes_tool_calls_and_tools_that_the_trainer_reads_back(tmp_path: Path) -> None:
-    from fsdp_lib.tool_calls import template_messages, template_tools
+    from fsdp_lib.records.tool_calls import template_messages, template_tools
 
     lines = [json.dumps(record) for record in (*TOOL_RECORDS.values(), GOOD[0], BAD_TOOL_RECORDS[0][0])]
     data = write_files(tmp_path / "data", {"tools.jsonl": "\n".join(lines) + "\n"})

@@ -13,7 +13,7 @@ from datasets import DatasetDict, Features, Value, load_from_disk
 
 import data_hf
 from data_hf import SUMMARY_NAME, PreferencePair, main, parse_preference
-from fsdp_lib.dataset import load_text_dataset
+from fsdp_lib.records.dataset import load_text_dataset
 
 Turns = tuple[tuple[str, str], ...]
 

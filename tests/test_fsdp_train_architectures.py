@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import fsdp_train as ft
-from fsdp_lib.data import Batch
+from fsdp_lib.data.batch import Batch
 from fsdp_lib.errors import TrainError
-from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem
-from fsdp_lib.metrics import PhaseTimer
-from fsdp_lib.model import build_model_skeleton
+from fsdp_lib.model.build import build_model_skeleton
+from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem
+from fsdp_lib.train.metrics import PhaseTimer
 from tests.fsdp_helpers import REPO_ROOT, losses_by_step, make_dataset, make_model, read_metrics, trainer_args
 
 MATRIX = [

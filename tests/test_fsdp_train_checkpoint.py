@@ -315,8 +315,8 @@ def test_garbage_rng_file_is_a_clear_error(inputs, tmp_path, checksum):
     rng_file = folder / "rng_rank00001.pt"
     rng_file.write_bytes(b"not a pickle at all " * 10)
     if checksum == "updated":
-        from fsdp_lib.checkpoint import CHECKSUM_FILE
         from fsdp_lib.integrity import file_checksum
+        from fsdp_lib.train.checkpoint import CHECKSUM_FILE
 
         recorded = json.loads((folder / CHECKSUM_FILE).read_text())
         recorded["files"][rng_file.name] = file_checksum(rng_file)

@@ -12,10 +12,11 @@ import torch
 
 import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config
-from fsdp_lib.data import DataPlan, PackedBlocks, _token_dtype, tokenize_to_file
+from fsdp_lib.data.cache import PackedBlocks, token_dtype, tokenize_to_file
+from fsdp_lib.data.plan import DataPlan
 from fsdp_lib.errors import ConfigError
 from fsdp_lib.integrity import recorded_problems
-from fsdp_lib.optim import lr_at
+from fsdp_lib.train.optim import lr_at
 from tests.fsdp_helpers import (
     REPO_ROOT,
     io_args,
@@ -379,7 +380,7 @@ def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, sc
     tokenizer = AutoTokenizer.from_pretrained(scratch_model)
     split = datasets.load_from_disk(str(dataset_dir))["train"]
     count = tokenize_to_file(split, tokenizer, tmp_path / "t.tokens", batch_rows=7)
-    stream = np.fromfile(tmp_path / "t.tokens", dtype=_token_dtype(len(tokenizer)))
+    stream = np.fromfile(tmp_path / "t.tokens", dtype=token_dtype(len(tokenizer)))
     expected = [i for text in split["text"] for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
     assert count == len(stream) and stream.tolist() == expected
     sums = tmp_path / "t.sums.json"  # size and CRC-32 of every file, recorded when written

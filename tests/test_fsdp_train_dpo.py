@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_lib.chat import ChatEncoder
-from fsdp_lib.dpo import disable_dropout, pair_losses, sequence_sums
-from fsdp_lib.loss import ChunkedTokenLogProbs, token_log_probs
-from fsdp_lib.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
+from fsdp_lib.data.chat import ChatEncoder
+from fsdp_lib.data.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
+from fsdp_lib.model.loss import ChunkedTokenLogProbs, token_log_probs
 from fsdp_lib.testing import llama_sizes
+from fsdp_lib.train.dpo import disable_dropout, pair_losses, sequence_sums
 from tests.fsdp_helpers import (
     REPO_ROOT,
     fact_pairs,

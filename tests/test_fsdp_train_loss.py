@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_lib.data import Batch, DataPlan, PackedBlocks, Prefetcher
-from fsdp_lib.loss import CausalLMLoss, ChunkedCrossEntropy, chunked_loss_problem, chunked_loss_sum
+from fsdp_lib.data.batch import Batch
+from fsdp_lib.data.cache import PackedBlocks
+from fsdp_lib.data.plan import DataPlan, Prefetcher
+from fsdp_lib.model.loss import CausalLMLoss, ChunkedCrossEntropy, chunked_loss_problem, chunked_loss_sum
 from tests.fsdp_helpers import make_dataset, make_model, output_of, read_metrics, run_trainer, tiny_config, trainer_args
 
 
@@ -96,7 +98,7 @@ def test_the_start_up_head_check_compares_the_chunked_head_with_the_models_own_l
     are transforms it does not apply: caught (the trainer then uses the model's own logits); the others agree."""
     import transformers as tf
 
-    from fsdp_lib.probes import HEAD_TOLERANCE, head_difference
+    from fsdp_lib.model.probes import HEAD_TOLERANCE, head_difference
 
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     model_config = getattr(tf, name)(**common, num_key_value_heads=1, eos_token_id=0, bos_token_id=0, **config)
@@ -232,7 +234,7 @@ def test_eager_attention_trains_like_sdpa(small_inputs, tmp_path):
 
 @pytest.mark.parametrize("vocab,expected", [(32000, 2048), (131072, 512), (151936, 384), (262144, 256), (10**7, 64)])
 def test_auto_loss_chunk_keeps_one_chunks_fp32_logits_within_the_budget(vocab, expected):
-    from fsdp_lib.loss import LOSS_CHUNK_BUDGET_BYTES, loss_chunk_tokens
+    from fsdp_lib.model.loss import LOSS_CHUNK_BUDGET_BYTES, loss_chunk_tokens
 
     chunk = loss_chunk_tokens("auto", vocab)
     assert chunk == expected and chunk % 64 == 0

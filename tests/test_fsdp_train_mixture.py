@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fsdp_lib.config import TrainConfig, load_config, validate_config
-from fsdp_lib.data import DataPlan
-from fsdp_lib.mixture import MixedBlocks, Mixture, short_names
+from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
+from fsdp_lib.data.plan import DataPlan
 from tests.fsdp_helpers import (
     killed_at_step,
     losses_by_step,

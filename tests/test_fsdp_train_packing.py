@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_lib.loss import CausalLMLoss, block_diagonal_mask
-from fsdp_lib.probes import ALONE_TOLERANCE, LEAK_TOLERANCE, document_leaks
+from fsdp_lib.model.loss import CausalLMLoss, block_diagonal_mask
+from fsdp_lib.model.probes import ALONE_TOLERANCE, LEAK_TOLERANCE, document_leaks
 from tests.fsdp_helpers import (
     REPO_ROOT,
     arithmetic_documents,
@@ -146,7 +146,7 @@ def test_every_family_of_the_matrix_keeps_packed_documents_apart(arch, attn):
     """Per family and kernel: the way the start-up probe would pick (the first of position ids, one row, block
     mask that isolates) exists, it is the expected one, and with it a changed document leaves the next one's
     logits unchanged and equal to the document alone."""
-    from fsdp_lib.probes import MASKING_MODES
+    from fsdp_lib.model.probes import MASKING_MODES
 
     model = tiny_model(arch, attn)
     chosen = next((mode for mode in MASKING_MODES if isolated(model, mode)), None)

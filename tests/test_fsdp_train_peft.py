@@ -213,8 +213,9 @@ def test_qlora_keeps_weights_that_are_not_whole_blocks_and_refuses_uneven_splits
     from transformers import AutoModelForCausalLM
 
     from fsdp_lib.errors import TrainError
-    from fsdp_lib.model import find_decoder_layers, parameters_on_meta
-    from fsdp_lib.quantize import quantize_linears_on_meta
+    from fsdp_lib.model.anatomy import find_decoder_layers
+    from fsdp_lib.model.build import parameters_on_meta
+    from fsdp_lib.model.quantize import quantize_linears_on_meta
 
     def layers():
         config = tiny_config("llama", 256, 0, sizes=llama_sizes(128, 1))  # q_proj 128 x 128 = 1 block; MLP 320 wide
@@ -236,7 +237,7 @@ def test_qlora_keeps_weights_that_are_not_whole_blocks_and_refuses_uneven_splits
 
 def config_problems(args: list[str]) -> list[str]:
     from fsdp_lib.config import load_config, validate_config
-    from fsdp_lib.model import peft_problems
+    from fsdp_lib.model.build import peft_problems
 
     cfg = load_config(args)
     return validate_config(cfg, 2) or peft_problems(cfg)

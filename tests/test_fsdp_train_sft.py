@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_lib.chat import ChatEncoder
-from fsdp_lib.data import PackedBlocks
+from fsdp_lib.data.cache import PackedBlocks
+from fsdp_lib.data.chat import ChatEncoder
 from tests.fsdp_helpers import (
     CHAT_TEMPLATES,
     arithmetic_conversations,
@@ -188,7 +188,7 @@ def test_tokens_that_straddle_a_span_boundary_are_trained_by_where_they_end(tmp_
 
 
 def test_skipped_conversations_warn_above_one_percent_and_stop_above_the_limit(capsys):
-    from fsdp_lib.data import report_skipped
+    from fsdp_lib.data.cache import report_skipped
     from fsdp_lib.errors import TrainError
 
     def skips(n: int) -> dict:

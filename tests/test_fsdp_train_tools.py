@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import data_hf
-from fsdp_lib.chat import ChatEncoder, check_tool_support, uses_tools
+from fsdp_lib.data.chat import ChatEncoder, check_tool_support, uses_tools
 from fsdp_lib.errors import TrainError
-from fsdp_lib.tool_calls import template_messages, template_tools
+from fsdp_lib.records.tool_calls import template_messages, template_tools
 from tests.fsdp_helpers import make_chat_model, output_of, read_metrics, run_trainer, trainer_args
 
 WEATHER = {"type": "function", "function": {

@@ -12,7 +12,7 @@ import pytest
 
 import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config, validate_config
-from fsdp_lib.metrics import start_wandb
+from fsdp_lib.train.metrics import start_wandb
 from tests.fsdp_helpers import output_of, run_trainer, trainer_args
 
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}

@@ -15,7 +15,7 @@ from hub_server import FakeHub
 from test_model_download import run_cli
 
 import model_download as md
-from fsdp_lib.dataset import load_text_dataset
+from fsdp_lib.records.dataset import load_text_dataset
 from tests.fsdp_helpers import arithmetic_documents, losses_by_step, make_model, output_of, run_trainer
 
 DOCS = arithmetic_documents(160)

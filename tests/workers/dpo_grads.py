@@ -15,15 +15,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # fsdp_train.py, a script at the repository root
 import fsdp_train  # noqa: E402
-from fsdp_lib.config import load_config, resolve_model_dir, resolve_precision  # noqa: E402
-from fsdp_lib.data import build_data  # noqa: E402
-from fsdp_lib.dpo import build_objective  # noqa: E402
-from fsdp_lib.hf_weights import clean_fqn  # noqa: E402
-from fsdp_lib.metrics import PhaseTimer  # noqa: E402
-from fsdp_lib.model import build_model  # noqa: E402
-from fsdp_lib.optim import BadStepGuard  # noqa: E402
+from fsdp_lib.config import load_config, resolve_precision  # noqa: E402
+from fsdp_lib.data.plan import build_data  # noqa: E402
+from fsdp_lib.model.anatomy import clean_fqn  # noqa: E402
+from fsdp_lib.model.build import build_model  # noqa: E402
+from fsdp_lib.offline import resolve_model_dir  # noqa: E402
 from fsdp_lib.runtime import setup_distributed  # noqa: E402
 from fsdp_lib.state import TrainState  # noqa: E402
+from fsdp_lib.train.dpo import build_objective  # noqa: E402
+from fsdp_lib.train.metrics import PhaseTimer  # noqa: E402
+from fsdp_lib.train.optim import BadStepGuard  # noqa: E402
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config
-from fsdp_lib.hf_weights import clean_fqn
-from fsdp_lib.model import ModelBundle
+from fsdp_lib.model.anatomy import clean_fqn
+from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.runtime import ENV_RANK, Dist
 
 PROBE = torch.arange(3, 19).remainder(100).view(1, 16)  # token ids below every tiny vocab size

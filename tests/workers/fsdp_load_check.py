@@ -10,8 +10,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.hf_weights import clean_fqn
-from fsdp_lib.model import build_model, check_still_tied
+from fsdp_lib.model.anatomy import clean_fqn
+from fsdp_lib.model.build import build_model, check_still_tied
 from fsdp_lib.runtime import setup_distributed
 
 

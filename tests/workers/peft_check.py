@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # fsdp_train.py, a script at the repository root
 import fsdp_train  # noqa: E402
-from fsdp_lib.data import Batch  # noqa: E402
-from fsdp_lib.quantize import is_nf4, resident_bytes  # noqa: E402
+from fsdp_lib.data.batch import Batch  # noqa: E402
+from fsdp_lib.model.quantize import is_nf4, resident_bytes  # noqa: E402
 
 FIXED_INPUTS = [[3, 17, 25, 9, 40, 11, 5, 60], [7, 8, 9, 10, 11, 12, 13, 14]]
 

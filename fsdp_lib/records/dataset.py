@@ -4,9 +4,10 @@ data_hf.py imports it, and its worker processes must stay small."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from fsdp_lib.offline import download_dataset_command, hub_dataset_snapshot, is_hub_dataset_id, set_offline
 
 if TYPE_CHECKING:
     import datasets
@@ -83,47 +84,19 @@ def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
 # --- Hub datasets, offline ----------------------------------------------------------------------------------
 
 
-def is_hub_dataset_id(name: str) -> bool:
-    """ORG/NAME that is not a local path: exactly one slash, not starting like a path, and no such file here."""
-    return (
-        name.count("/") == 1
-        and not name.startswith((".", "~", "/"))
-        and not Path(name).expanduser().exists()
-        and not Path(name).parent.is_dir()  # data/typo while data/ exists: a mistyped folder, not a hub id
-    )
-
-
-def download_dataset_command(repo_id: str) -> str:
-    return f"python model_download.py --dataset {repo_id}"
-
-
-def hub_dataset_snapshot(repo_id: str, revision: str | None = None) -> Path:
-    """The cached snapshot folder of a hub dataset repository; never touches the network."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
-        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
-        raise ValueError(
-            f"hub dataset {repo_id} is not in the local cache (HF_HOME={hf_home}), nor a folder in {Path.cwd()}; run "
-            f"`{download_dataset_command(repo_id)}` on a machine with internet and copy HF_HOME here"
-        ) from exc
-
-
 def load_hub_dataset_dict(repo_id: str, revision: str | None = None) -> datasets.DatasetDict:
     """Every split of a cached hub dataset, loaded from its snapshot folder with datasets' offline mode on: nothing
     here may reach the network. Split names come from the file names (train, validation, test) or the card."""
     import datasets
 
     folder = hub_dataset_snapshot(repo_id, revision)
-    saved = _set_offline()
+    saved = set_offline()
     try:
         return datasets.load_dataset(str(folder))
     except Exception as exc:  # noqa: BLE001 - datasets raises many types for unreadable files
         raise ValueError(f"hub dataset {repo_id}: the cached files in {folder} do not load ({exc})") from exc
     finally:
-        _set_offline(saved)
+        set_offline(saved)
 
 
 def load_hub_dataset(repo_id: str, revision: str | None = None) -> tuple[datasets.Dataset, datasets.Dataset | None]:
@@ -132,20 +105,3 @@ def load_hub_dataset(repo_id: str, revision: str | None = None) -> tuple[dataset
     if "train" not in loaded:
         raise ValueError(f"hub dataset {repo_id} has the splits {sorted(loaded)} but no 'train' split")
     return loaded["train"], loaded.get("validation", loaded.get("test"))
-
-
-def _set_offline(values: tuple[bool, ...] = (True, True, True)) -> tuple[bool, ...]:
-    """Set huggingface_hub's and datasets' offline switches (both read the environment once, at import); returns
-    the previous values, to restore."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    previous = (
-        huggingface_hub.constants.HF_HUB_OFFLINE,
-        datasets.config.HF_HUB_OFFLINE,
-        datasets.config.HF_DATASETS_OFFLINE,
-    )
-    huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = (
-        values
-    )
-    return previous

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_lib.data import Batch
+from fsdp_lib.data.batch import Batch
 from fsdp_lib.errors import TrainError
-from fsdp_lib.loss import CausalLMLoss
-from fsdp_lib.runtime import Dist, all_ranks_agree, log
+from fsdp_lib.model.loss import CausalLMLoss
+from fsdp_lib.runtime import Dist, all_ranks_agree, log, reshard_all
 
 ROWS, LENGTH, FIRST_DOCUMENT = 2, 32, 12  # probe rows of two documents: tokens [0, 12) and [12, 32)
 # Largest difference, relative to the largest logit, still taken as "the same": fp32 paths agree to ~1e-6; bf16
@@ -41,16 +41,6 @@ def probe_logits(
         reshard_all(train_forward)
     rows, length = ids.shape
     return own.reshape(rows, length, -1), None if ours is None else ours.reshape(rows, length, -1)
-
-
-def reshard_all(root: torch.nn.Module) -> None:
-    """A no-grad forward leaves the FSDP units that do not reshard after forward (the last decoder layer) gathered,
-    with their unsharded parameters registered: the optimizer, built next, must see the sharded ones."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

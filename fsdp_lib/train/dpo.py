@@ -17,15 +17,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.data import Batch, TrainData, evaluation_shares
+from fsdp_lib.data.batch import Batch
+from fsdp_lib.data.plan import TrainData, evaluation_shares
+from fsdp_lib.data.preference import PairBlocks, read_reference, reference_path, write_reference
 from fsdp_lib.errors import TrainError
-from fsdp_lib.hf_files import weights_identity
-from fsdp_lib.loss import CausalLMLoss
-from fsdp_lib.metrics import PAIR_STATS, pair_figures
-from fsdp_lib.model import ModelBundle, build_model, flops_per_token
-from fsdp_lib.preference import PairBlocks, read_reference, reference_path, write_reference
-from fsdp_lib.probes import reshard_all
-from fsdp_lib.runtime import Dist, log
+from fsdp_lib.model.build import ModelBundle, build_model, flops_per_token
+from fsdp_lib.model.hf_files import weights_identity
+from fsdp_lib.model.loss import CausalLMLoss
+from fsdp_lib.runtime import Dist, log, reshard_all
 
 
 def pair_losses(
@@ -140,6 +139,17 @@ class DPOObjective:
     def take_stats(self) -> torch.Tensor | None:
         stats, self.stats = self.stats, None
         return stats
+
+    @staticmethod
+    def window_figures(totals: torch.Tensor, elapsed: float) -> dict[str, float]:
+        """The log record's pair figures from PAIR_STATS summed over a window and the ranks; the trained tokens of
+        a preference run are its response tokens."""
+        figures = pair_figures(totals)
+        record = {k: v for k, v in figures.items() if k not in ("loss", "pairs", "response_tokens")}
+        record["pairs_per_s"] = figures["pairs"] / elapsed
+        record["trained_tokens"] = int(figures["response_tokens"])
+        record["trained_tokens_per_s"] = figures["response_tokens"] / elapsed
+        return record
 
     @torch.no_grad()
     def evaluate(self, blocks: PairBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
@@ -308,3 +318,28 @@ def disable_dropout(model: nn.Module) -> int:
 def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int) -> float:
     """A live reference adds one forward per token (a third of 6N + attention); a precomputed one nothing."""
     return 0.0 if mode == "precomputed" else flops_per_token(bundle.model, bundle.config, seq_length) / 3
+
+
+# --objective dpo: the sums dpo.DPOObjective keeps per step (over micro-batches; over ranks when a line is written).
+PAIR_STATS = (
+    "pairs",
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "sft_nll",
+    "response_tokens",
+)
+
+
+def pair_figures(totals: torch.Tensor) -> dict[str, float]:
+    """Means per pair of the summed figures; the chosen/rejected log-probs are per sequence sums, as TRL logs."""
+    values = dict(zip(PAIR_STATS, totals.tolist()))
+    pairs = max(1.0, values["pairs"])
+    out = {k: values[k] / pairs for k in PAIR_STATS if k not in ("pairs", "response_tokens")}
+    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    out["pairs"] = values["pairs"]
+    out["response_tokens"] = values["response_tokens"]
+    return out

@@ -18,35 +18,14 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
-from fsdp_lib.hf_files import weights_identity
-from fsdp_lib.hf_weights import clean_fqn, copy_into_shard, is_adapter_name, replace_folder
-from fsdp_lib.quantize import dequantized_local, is_nf4, quantize_linears_on_meta
+from fsdp_lib.model.anatomy import adaptable_modules, clean_fqn, default_targets
+from fsdp_lib.model.hf_files import weights_identity
+from fsdp_lib.model.hf_weights import copy_into_shard, is_adapter_name, replace_folder
+from fsdp_lib.model.quantize import dequantized_local, is_nf4, quantize_linears_on_meta
 from fsdp_lib.runtime import Dist, log
 
 ADAPTER = "default"  # peft's adapter name inside the modules; the files written never carry it
 BASE_FILE = "training_base.json"  # beside an exported adapter: the identity of the base it was trained on
-
-
-def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every Linear-like module peft can adapt (nn.Linear, transformers' Conv1D of GPT-2), by clean FQN."""
-    from transformers.pytorch_utils import Conv1D
-
-    return {clean_fqn(n): m for n, m in model.named_modules() if type(m) in (nn.Linear, Conv1D)}
-
-
-def default_targets(model: nn.Module, layers: list[nn.Module], config: Any) -> list[str]:
-    """--lora-target-modules auto: the names of the Linear layers inside the decoder layers (attention and MLP),
-    except routers and gates with one output per expert or a single output (MoE); stacked experts are not
-    Linear modules, so they stay frozen."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = {getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")} - {None}
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    names = []
-    for name, module in adaptable_modules(model).items():
-        out_features = module.weight.shape[0 if isinstance(module, nn.Linear) else 1]
-        if id(module) in inside and out_features not in experts | {1}:
-            names.append(name)
-    return names
 
 
 def resolve_targets(value: str, model: nn.Module, layers: list[nn.Module]) -> tuple[list[str] | str, str | None]:

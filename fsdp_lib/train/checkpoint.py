@@ -26,12 +26,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from fsdp_lib.adapters import target_names
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.data import TrainData
+from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
+from fsdp_lib.model.adapters import target_names
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
 

@@ -20,14 +20,10 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
-from fsdp_lib.hf_files import hf_weight_files
-from fsdp_lib.quantize import fill_nf4_shard, is_nf4
+from fsdp_lib.model.anatomy import clean_fqn
+from fsdp_lib.model.hf_files import hf_weight_files
+from fsdp_lib.model.quantize import fill_nf4_shard, is_nf4
 from fsdp_lib.runtime import Dist, log
-
-
-def clean_fqn(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
 
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B")
 

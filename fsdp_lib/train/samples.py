@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
-from fsdp_lib.probes import reshard_all
-from fsdp_lib.tool_calls import template_messages, template_tools
+from fsdp_lib.records.tool_calls import template_messages, template_tools
+from fsdp_lib.runtime import reshard_all
 
 SAMPLES_FILE = "samples.jsonl"
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lib.data import Batch
+from fsdp_lib.data.batch import Batch
 
 # --loss-chunk-tokens auto: one chunk's fp32 logits (softmax and gradient are computed in place in them) stay within
 # this. At a 128k vocabulary that is 512 tokens: at 2,048 tokens per micro-batch the loss path's extra memory is

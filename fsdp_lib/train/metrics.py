@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,40 +19,15 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.data import DataPlan
+from fsdp_lib.data.plan import DataPlan
 from fsdp_lib.errors import TrainError
 from fsdp_lib.faults import fault_point
 from fsdp_lib.runtime import Dist, broadcast_object, log
-from fsdp_lib.samples import SAMPLES_FILE
 from fsdp_lib.state import TrainState
+from fsdp_lib.train.samples import SAMPLES_FILE
 
 # Dense bf16 tensor-core peak TFLOP/s per GPU (vendor datasheets), and fp32 (no TF32) peak.
 PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5)}
-
-
-# --objective dpo: the sums dpo.DPOObjective keeps per step (over micro-batches; over ranks when a line is written).
-PAIR_STATS = (
-    "pairs",
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "logps/chosen",
-    "logps/rejected",
-    "sft_nll",
-    "response_tokens",
-)
-
-
-def pair_figures(totals: torch.Tensor) -> dict[str, float]:
-    """Means per pair of the summed figures; the chosen/rejected log-probs are per sequence sums, as TRL logs."""
-    values = dict(zip(PAIR_STATS, totals.tolist()))
-    pairs = max(1.0, values["pairs"])
-    out = {k: values[k] / pairs for k in PAIR_STATS if k not in ("pairs", "response_tokens")}
-    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    out["pairs"] = values["pairs"]
-    out["response_tokens"] = values["response_tokens"]
-    return out
 
 
 def peak_tflops(cfg: TrainConfig, precision: str) -> float | None:
@@ -136,9 +111,20 @@ class PhaseTimer:
 class Metrics:
     """Window accumulators on the device; one sync per log line. Writes stdout, metrics.jsonl, TensorBoard, W&B."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist, plan: DataPlan, flops_per_token: float, precision: str, steps: range):
-        """steps: the optimizer steps this run trains (first..last): the progress bar starts at the first."""
-        self.cfg, self.d = cfg, d
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        d: Dist,
+        plan: DataPlan,
+        flops_per_token: float,
+        precision: str,
+        steps: range,
+        window_figures: Callable[[torch.Tensor, float], dict[str, float]] | None = None,
+    ):
+        """steps: the optimizer steps this run trains (first..last): the progress bar starts at the first.
+        window_figures: an objective's (e.g. DPO's) rule that turns its figures summed over a window and over the
+        ranks, and the window's seconds, into fields of the log record; the sink knows no objective's vocabulary."""
+        self.cfg, self.d, self.window_figures = cfg, d, window_figures
         self.global_batch, self.steps_per_epoch = plan.global_batch, plan.steps_per_epoch
         self.mixture_names = plan.mixture.names if plan.mixture is not None else None
         self.tokens_per_step = plan.global_batch * cfg.seq_length
@@ -165,7 +151,7 @@ class Metrics:
     def _new_window(self) -> None:
         self.window_loss = torch.zeros((), device=self.d.device, dtype=torch.float64)
         self.window_steps = self.window_trained = 0
-        self.window_stats: torch.Tensor | None = None  # --objective dpo: dpo.PAIR_STATS summed over the window
+        self.window_stats: torch.Tensor | None = None  # the objective's figures summed over the window
         self.window_sources: list[int] | None = None  # a mixture: blocks per dataset over the window
         self.window_start = time.perf_counter()
         self.timer.reset()
@@ -185,7 +171,7 @@ class Metrics:
     ) -> None:
         """trained_tokens: the global batch's targets that carry loss (the same number on every rank; for DPO its
         pairs); aux_loss: the step's MoE router loss (weighted; not part of `loss`), or None; stats: the step's
-        preference figures on this rank (dpo.PAIR_STATS), or None; sources: a mixture's global batch, blocks per
+        objective's figures on this rank (summed over the window, turned into a record's fields by `window_figures`), or None; sources: a mixture's global batch, blocks per
         dataset (the same on every rank), or None."""
         self.last_aux = aux_loss
         if sources is not None:
@@ -220,14 +206,10 @@ class Metrics:
         record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed  # all tokens, trained or not
         record["trained_tokens"] = self.window_trained
         record["trained_tokens_per_s"] = self.window_trained / elapsed
-        if self.window_stats is not None:  # DPO: the window's pair figures; trained tokens = response tokens
+        if self.window_stats is not None and self.window_figures is not None:  # the objective's own figures
             stats = self.window_stats.to(self.d.device)
             dist.all_reduce(stats)
-            figures = pair_figures(stats)
-            record.update({k: v for k, v in figures.items() if k not in ("loss", "pairs", "response_tokens")})
-            record["pairs_per_s"] = figures["pairs"] / elapsed
-            record["trained_tokens"] = int(figures["response_tokens"])
-            record["trained_tokens_per_s"] = figures["response_tokens"] / elapsed
+            record.update(self.window_figures(stats, elapsed))
         if self.window_sources is not None and self.mixture_names:  # samples (blocks) per dataset
             record.update({f"samples/{n}": c for n, c in zip(self.mixture_names, self.window_sources)})
         record.update(self.timer.averages(self.window_steps))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fsdp_lib.batch import Batch, stack_blocks
+from fsdp_lib.data.batch import Batch, stack_blocks
 
 
 @dataclass

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_lib.checkpoint import CHECKSUM_FILE, step_dirs
 from fsdp_lib.errors import CheckpointError
 from fsdp_lib.integrity import checksum_problems
 from fsdp_lib.runtime import Dist, broadcast_object, log
+from fsdp_lib.train.checkpoint import CHECKSUM_FILE, step_dirs
 
 
 def latest_intact_checkpoint(root: Path, d: Dist) -> Path | None:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_lib.batch import Batch
-from fsdp_lib.chat import ChatEncoder, ChatFormatError
+from fsdp_lib.data.batch import Batch
+from fsdp_lib.data.chat import ChatEncoder, ChatFormatError
 from fsdp_lib.integrity import commit_files, staged, staged_writes
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")

@@ -14,7 +14,7 @@ import numpy as np
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
-from fsdp_lib.tool_calls import ToolFormatError, template_messages, template_tools, to_json
+from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
 
 
 class ChatFormatError(ValueError):
@@ -39,7 +39,7 @@ class ChatEncoder:
     never a wrong mask. A conversation that starts with an assistant turn trains that turn's answer only: the
     span starts after the template's empty generation prompt where it renders one, else at the answer's text.
 
-    Tool use (fsdp_lib/tool_calls.py): every render of a conversation gets its tools (apply_chat_template(tools=));
+    Tool use (fsdp_lib/records/tool_calls.py): every render of a conversation gets its tools (apply_chat_template(tools=));
     an assistant turn that calls tools is an assistant turn like any other, its calls trained as the template
     renders them; tool results (role "tool") are context, never trained.
 

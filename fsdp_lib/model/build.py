@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 import yaml
 
-from fsdp_lib.adapters import (
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.errors import TrainError
+from fsdp_lib.model.adapters import (
     PeftSetup,
-    adaptable_modules,
     adapter_problems,
-    default_targets,
     init_adapters,
     inject_adapters,
     load_adapter,
@@ -30,14 +30,19 @@ from fsdp_lib.adapters import (
     resolve_targets,
     target_names,
 )
-from fsdp_lib.config import TrainConfig, resolve_model_dir
-from fsdp_lib.errors import TrainError
-from fsdp_lib.hf_files import weights_identity
-from fsdp_lib.hf_weights import clean_fqn, export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
-from fsdp_lib.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens
-from fsdp_lib.memory_plan import format_memory_plan, format_peft_memory_plan, peft_memory_plan, training_memory_plan
-from fsdp_lib.probes import run_start_up_checks
-from fsdp_lib.quantize import is_nf4, resident_bytes
+from fsdp_lib.model.anatomy import clean_fqn, find_decoder_layers, peft_sizes
+from fsdp_lib.model.hf_files import weights_identity
+from fsdp_lib.model.hf_weights import export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
+from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens
+from fsdp_lib.model.memory_plan import (
+    format_memory_plan,
+    format_peft_memory_plan,
+    peft_memory_plan,
+    training_memory_plan,
+)
+from fsdp_lib.model.probes import run_start_up_checks
+from fsdp_lib.model.quantize import is_nf4, resident_bytes
+from fsdp_lib.offline import resolve_model_dir
 from fsdp_lib.runtime import Dist, log
 
 
@@ -98,21 +103,6 @@ def build_model_skeleton(
         f"--attn-implementation {attn_implementation}: cannot build {config.architectures or config.model_type} "
         f"from {model_dir} ({problem}); try --attn-implementation auto or eager"
     )
-
-
-def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """Decoder layers, found from the model's own `_no_split_modules` so any architecture works."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        candidates = sorted(
-            {type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
-        )
-        raise TrainError(
-            f"cannot find decoder layers of {type(model).__name__}: _no_split_modules={sorted(names)} matches no "
-            f"submodule. Candidates (children of ModuleLists): {candidates}"
-        )
-    return layers
 
 
 def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], every_n: int) -> int:
@@ -302,7 +292,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
 
 def log_peft(peft: PeftSetup, model: nn.Module, cfg: TrainConfig) -> None:
     """What trains and what the frozen base costs on this rank."""
-    from fsdp_lib.memory_plan import format_bytes
+    from fsdp_lib.model.memory_plan import format_bytes
 
     frozen = [p for p in model.parameters() if not p.requires_grad]
     dtypes = sorted({"nf4" if is_nf4(p) else str(p.dtype).removeprefix("torch.") for p in frozen})
@@ -316,15 +306,6 @@ def log_peft(peft: PeftSetup, model: nn.Module, cfg: TrainConfig) -> None:
         + (f"; NF4 per layer: {', '.join(peft.quantized)}" if peft.quantized else "")
         + (f"; kept in the compute dtype (not whole NF4 blocks): {', '.join(peft.kept)}" if peft.kept else "")
     )
-
-
-def peft_sizes(model: nn.Module, layers: list[nn.Module], rank: int) -> tuple[int, int]:
-    """(weights of the decoder layers' Linear modules: what QLoRA stores as NF4, parameters of rank-`rank`
-    adapters on --lora-target-modules auto), counted on the meta model."""
-    linear = sum(m.weight.numel() for layer in layers for m in layer.modules() if type(m) is nn.Linear)
-    modules = adaptable_modules(model)
-    adapters = sum(rank * sum(modules[n].weight.shape) for n in default_targets(model, layers, model.config))
-    return linear, adapters
 
 
 def peft_problems(cfg: TrainConfig) -> list[str]:

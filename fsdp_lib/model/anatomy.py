@@ -1,0 +1,61 @@
+"""Model anatomy, read off a model (one built on the meta device too): its decoder layers, the Linear modules LoRA can
+adapt and the parameters adapters and NF4 weights would count. torch only: no process group, no weights, no FSDP;
+model_download.py uses it for its size report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_lib.errors import TrainError
+
+
+def clean_fqn(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Decoder layers, found from the model's own `_no_split_modules` so any architecture works."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        candidates = sorted(
+            {type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+        )
+        raise TrainError(
+            f"cannot find decoder layers of {type(model).__name__}: _no_split_modules={sorted(names)} matches no "
+            f"submodule. Candidates (children of ModuleLists): {candidates}"
+        )
+    return layers
+
+
+def peft_sizes(model: nn.Module, layers: list[nn.Module], rank: int) -> tuple[int, int]:
+    """(weights of the decoder layers' Linear modules: what QLoRA stores as NF4, parameters of rank-`rank`
+    adapters on --lora-target-modules auto), counted on the meta model."""
+    linear = sum(m.weight.numel() for layer in layers for m in layer.modules() if type(m) is nn.Linear)
+    modules = adaptable_modules(model)
+    adapters = sum(rank * sum(modules[n].weight.shape) for n in default_targets(model, layers, model.config))
+    return linear, adapters
+
+
+def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every Linear-like module peft can adapt (nn.Linear, transformers' Conv1D of GPT-2), by clean FQN."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {clean_fqn(n): m for n, m in model.named_modules() if type(m) in (nn.Linear, Conv1D)}
+
+
+def default_targets(model: nn.Module, layers: list[nn.Module], config: Any) -> list[str]:
+    """--lora-target-modules auto: the names of the Linear layers inside the decoder layers (attention and MLP),
+    except routers and gates with one output per expert or a single output (MoE); stacked experts are not
+    Linear modules, so they stay frozen."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = {getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")} - {None}
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    names = []
+    for name, module in adaptable_modules(model).items():
+        out_features = module.weight.shape[0 if isinstance(module, nn.Linear) else 1]
+        if id(module) in inside and out_features not in experts | {1}:
+            names.append(name)
+    return names

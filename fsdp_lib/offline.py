@@ -1,0 +1,80 @@
+"""Names resolved to cached folders, never the network: --model-name as a folder or as a hub id in the HF_HOME cache, a
+hub dataset id's snapshot folder, and the offline switches of huggingface_hub and datasets. No torch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def is_hub_dataset_id(name: str) -> bool:
+    """ORG/NAME that is not a local path: exactly one slash, not starting like a path, and no such file here."""
+    return (
+        name.count("/") == 1
+        and not name.startswith((".", "~", "/"))
+        and not Path(name).expanduser().exists()
+        and not Path(name).parent.is_dir()  # data/typo while data/ exists: a mistyped folder, not a hub id
+    )
+
+
+def download_dataset_command(repo_id: str) -> str:
+    return f"python model_download.py --dataset {repo_id}"
+
+
+def hub_dataset_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The cached snapshot folder of a hub dataset repository; never touches the network."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
+        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+        raise ValueError(
+            f"hub dataset {repo_id} is not in the local cache (HF_HOME={hf_home}), nor a folder in {Path.cwd()}; run "
+            f"`{download_dataset_command(repo_id)}` on a machine with internet and copy HF_HOME here"
+        ) from exc
+
+
+def set_offline(values: tuple[bool, ...] = (True, True, True)) -> tuple[bool, ...]:
+    """Set huggingface_hub's and datasets' offline switches (both read the environment once, at import); returns
+    the previous values, to restore."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    previous = (
+        huggingface_hub.constants.HF_HUB_OFFLINE,
+        datasets.config.HF_HUB_OFFLINE,
+        datasets.config.HF_DATASETS_OFFLINE,
+    )
+    huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = (
+        values
+    )
+    return previous
+
+
+def resolve_model_dir(model_name: str) -> Path:
+    """A local folder, or a hub id resolved from the offline cache; never touches the network."""
+    path = Path(model_name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model-name {model_name}: folder has no config.json")
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"--model-name {model_name}: not a folder")
+    no_such_folder = (
+        f"--model-name {model_name}: no such folder (relative to {Path.cwd()}); check the path, or give a hub id "
+        f"as org/name"
+    )
+    if model_name.startswith((".", "~", "/")) or model_name.count("/") != 1:
+        raise FileNotFoundError(no_such_folder)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_name, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
+        if path.parent.is_dir():  # e.g. models/typo while models/ exists: a mistyped folder, not a hub id
+            raise FileNotFoundError(no_such_folder) from exc
+        raise FileNotFoundError(
+            f"--model-name {model_name}: not in the local cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}). "
+            f"Run `python model_download.py --model-name {model_name}` on a machine with internet and copy HF_HOME here."
+        ) from exc
