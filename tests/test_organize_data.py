@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -14,7 +15,17 @@ from pathlib import Path
 import pytest
 
 import organize_data
-from organize_data import MANIFEST_NAME, SourceFile, find_source_files, parse_extensions, plan_split, split_names
+from fsdp_lib.organize.place import temp_path_for
+from fsdp_lib.organize.plan import (
+    DEFAULT_EXTENSIONS,
+    MANIFEST_NAME,
+    TMP_SUFFIX,
+    SourceFile,
+    find_source_files,
+    parse_extensions,
+    plan_split,
+    split_names,
+)
 
 # --------------------------------------------------------------------------------------------------------
 # Fixtures and helpers
@@ -176,7 +187,7 @@ def test_parse_extensions_accepts_commas_spaces_and_dots(values: list[str], expe
 
 
 def test_find_source_files_skips_hidden_and_other_extensions(src: Path) -> None:
-    found = [f.rel_path for f in find_source_files(src, organize_data.DEFAULT_EXTENSIONS).files]
+    found = [f.rel_path for f in find_source_files(src, DEFAULT_EXTENSIONS).files]
     assert found == sorted(found)
     assert "a/notes.txt" in found and "b/notes.txt" in found and "a/deep/doc07.md" in found
     assert not any(part.startswith(".") for name in found for part in name.split("/"))
@@ -257,7 +268,7 @@ def test_rerun_finishes_an_interrupted_run(
         calls.append(dest)
         if len(calls) == 5:
             # What a kill mid-copy leaves behind: a partial temp file, no file under the real name.
-            write(organize_data.temp_path_for(dest), b"partial")
+            write(temp_path_for(dest), b"partial")
             raise OSError(28, "No space left on device")
         real_place_file(source, dest, mode)
 
@@ -274,7 +285,7 @@ def test_rerun_finishes_an_interrupted_run(
     assert "4 already in place" in out
     placed = split_files(dst)
     assert content_hashes(placed) == content_hashes([src / n for n in expected_sources(src)])
-    assert not any(p.name.endswith(organize_data.TMP_SUFFIX) for p in placed)
+    assert not any(p.name.endswith(TMP_SUFFIX) for p in placed)
     assert manifest_of(dst)["complete"] is True
 
 
@@ -286,10 +297,10 @@ def test_a_failed_copy_leaves_no_file_under_the_real_name(
         Path(target).write_bytes(data[: len(data) // 2])
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(organize_data.shutil, "copy2", copy_half_then_fail)
+    monkeypatch.setattr(shutil, "copy2", copy_half_then_fail)
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "splits", "--num-dirs", "2")
     assert code == 1 and "Input/output error" in err
-    assert [p for p in split_files(tmp_path / "splits") if not p.name.endswith(organize_data.TMP_SUFFIX)] == []
+    assert [p for p in split_files(tmp_path / "splits") if not p.name.endswith(TMP_SUFFIX)] == []
 
 
 def test_same_input_gives_identical_manifests(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -1,0 +1,196 @@
+"""Placing files into the split folders: the destination checked against an earlier run's manifest (resume, refuse, or --overwrite of our own files only), the manifest written atomically, and each file copied, linked or moved under a temporary name and renamed into place, so a killed run never leaves a truncated file under a real name."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_lib.organize.plan import (
+    MANIFEST_NAME,
+    SPLIT_DIR_PATTERN,
+    TMP_SUFFIX,
+    OrganizeError,
+    describe_mismatch,
+    some_examples,
+)
+
+
+@dataclass
+class DestinationState:
+    resuming: bool  # dst_root already holds this exact plan (maybe unfinished)
+    to_delete: list[Path]  # earlier split folders (--overwrite), stray files in split folders, stale temp files
+
+
+def read_manifest(dst_root: Path) -> dict | None:
+    path = dst_root / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    unreadable = (
+        f"{path} is not a manifest this version of organize_data.py can read; if dst_root holds nothing you "
+        "need, delete it, else choose another --dst-root"
+    )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OrganizeError(f"{unreadable} ({exc})") from exc
+    if not (
+        isinstance(manifest, dict)
+        and isinstance(manifest.get("settings"), dict)
+        and isinstance(manifest.get("files"), dict)
+        and all(isinstance(v, dict) and {"source", "bytes"} <= v.keys() for v in manifest["files"].values())
+    ):
+        raise OrganizeError(unreadable)
+    return manifest
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())  # the manifest is what makes a rerun safe: it must not be lost in a crash
+    os.replace(tmp, path)
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def find_strays(dst_root: Path, manifest: dict) -> tuple[list[Path], list[Path]]:
+    """Entries in split folders that the manifest does not list: (user-visible strays, our stale temp files).
+
+    Stray files would be read as data by the next tool, so a resumed run must not leave them unnoticed.
+    """
+    planned_files = set(manifest["files"])
+    strays, stale = [], []
+    for name in sorted(os.listdir(dst_root)):
+        if not SPLIT_DIR_PATTERN.fullmatch(name):
+            continue  # anything else beside the splits was there before and is left alone
+        if name not in manifest["splits"]:
+            strays.append(dst_root / name)
+            continue
+        for root, dirnames, filenames in os.walk(dst_root / name):
+            strays += [Path(root) / d for d in sorted(dirnames) if os.path.islink(os.path.join(root, d))]
+            for filename in sorted(filenames):
+                path = Path(root) / filename
+                if _is_temp_name(filename):
+                    stale.append(path)
+                elif path.relative_to(dst_root).as_posix() not in planned_files:
+                    strays.append(path)
+    return strays, stale
+
+
+def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overwrite: bool) -> DestinationState:
+    """Decide whether dst_root may receive this plan and what has to go first; raise OrganizeError if not."""
+    if not dst_root.exists():
+        return DestinationState(resuming=False, to_delete=[])
+    if not dst_root.is_dir():
+        raise OrganizeError(f"--dst-root {dst_root} is a file; choose a folder path for --dst-root")
+    ours = {MANIFEST_NAME, MANIFEST_NAME + TMP_SUFFIX}
+    entries = sorted(name for name in os.listdir(dst_root) if name not in ours)
+    split_dirs = [name for name in entries if SPLIT_DIR_PATTERN.fullmatch(name)]
+    if earlier is None:
+        if not entries:
+            return DestinationState(resuming=False, to_delete=[])
+        if not overwrite:
+            raise OrganizeError(
+                f"--dst-root {dst_root} is not empty and has no {MANIFEST_NAME} from an earlier split "
+                f"(it holds {some_examples(entries)}); choose an empty or new --dst-root, or pass --overwrite to "
+                "write the split beside those files (they are left untouched)"
+            )
+        if split_dirs:
+            raise OrganizeError(
+                f"--dst-root {dst_root} holds {some_examples(split_dirs)} but no {MANIFEST_NAME}, so nothing records "
+                "what they contain (they may be the only copies of moved files); --overwrite does not delete "
+                "them: remove or rename them yourself, or choose another --dst-root"
+            )
+        return DestinationState(resuming=False, to_delete=[])
+    problems = describe_mismatch(earlier, planned)
+    if problems:
+        if not overwrite:
+            raise OrganizeError(
+                f"--dst-root {dst_root} holds a different earlier split: {'; '.join(problems)}. Rerun with the "
+                "earlier flags to keep it, pass --overwrite to replace it, or choose another --dst-root"
+            )
+        if earlier["settings"].get("mode") == "move":
+            raise OrganizeError(
+                f"--dst-root {dst_root} holds a split made with --mode move: its files are the only copies of "
+                "the moved sources, so --overwrite will not delete them. Choose another --dst-root, or move the "
+                f"files back first ({MANIFEST_NAME} maps every destination to its source path)"
+            )
+        return DestinationState(resuming=False, to_delete=[dst_root / name for name in split_dirs])
+    strays, stale = find_strays(dst_root, planned)
+    if strays and not overwrite:
+        shown = [p.relative_to(dst_root).as_posix() for p in strays]
+        raise OrganizeError(
+            f"--dst-root {dst_root} holds {len(strays)} file(s) in its split folders that are not part of the "
+            f"split in {MANIFEST_NAME}: {some_examples(shown)}; the next tool would read them as data. Remove them, "
+            "or pass --overwrite to delete them"
+        )
+    return DestinationState(resuming=True, to_delete=strays + stale)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)  # never follows symlinks: link targets (e.g. --mode symlink sources) survive
+    else:
+        path.unlink()
+
+
+def is_in_place(source: Path, dest: Path, mode: str) -> bool:
+    """Whether an earlier run already finished this file (anything unfinished has no file at dest)."""
+    if mode == "move":
+        return not os.path.lexists(source) and os.path.lexists(dest)
+    if mode == "symlink":
+        return dest.is_symlink() and os.readlink(dest) == str(source)
+    if dest.is_symlink() or not dest.is_file() or not source.exists():
+        return False
+    if mode == "link":
+        return os.path.samefile(source, dest)
+    # copy2 carries size and mtime over; a source edited since (same size) shows a newer mtime.
+    source_stat, dest_stat = source.stat(), dest.stat()
+    return source_stat.st_size == dest_stat.st_size and abs(source_stat.st_mtime - dest_stat.st_mtime) < 1.0
+
+
+def temp_path_for(dest: Path) -> Path:
+    """Hidden sibling of dest: never a planned name (hidden sources are skipped) and ignored by data tools."""
+    name = f".{dest.name}{TMP_SUFFIX}"
+    if len(name.encode()) > 255:  # NAME_MAX: a long source name must not make its temp name unusable
+        name = f".{hashlib.sha1(dest.name.encode()).hexdigest()}{TMP_SUFFIX}"
+    return dest.with_name(name)
+
+
+def place_file(source: Path, dest: Path, mode: str) -> None:
+    """Copy / hard-link / symlink / move source to dest, landing only by an atomic rename."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(dest)
+    if os.path.lexists(tmp):
+        tmp.unlink()
+    if mode == "move" and not source.is_symlink():
+        try:
+            os.replace(source, dest)  # same filesystem: one atomic rename, nothing copied
+            return
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+    if mode == "symlink":
+        os.symlink(source, tmp)
+    elif mode == "link":
+        os.link(source, tmp)
+    else:  # copy, or a move across filesystems / of a symlinked file (its content moves, the link goes)
+        shutil.copy2(source, tmp)
+    os.replace(tmp, dest)
+    if mode == "move":
+        source.unlink()  # only after the content is safely at dest: a crash before this just repeats the copy
+
+
+def device_of_nearest_existing(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    return path.stat().st_dev
