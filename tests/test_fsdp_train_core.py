@@ -352,24 +352,15 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_m
     (repo / "refs" / "main").write_text(commit)
     env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     args = ["-e", "hub", "-d", str(dataset_dir), "--seq-length", "32", "--dry-run"]
-    found = subprocess.run(
-        [sys.executable, "fsdp_train.py", *args, "-m", "acme/tiny-llama"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def dry_run(model_name: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "fsdp_train.py", *args, "-m", model_name]
+        return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    found = dry_run("acme/tiny-llama")
     assert found.returncode == 0, found.stdout + found.stderr
     assert f"snapshots/{commit}" in found.stdout
-    missing = subprocess.run(
-        [sys.executable, "fsdp_train.py", *args, "-m", "acme/other"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    missing = dry_run("acme/other")
     assert missing.returncode == 2 and "not in the local cache" in missing.stdout
 
 
