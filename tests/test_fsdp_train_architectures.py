@@ -1,4 +1,4 @@
-"""The architecture matrix: every family the README lists, loaded, trained and exported for real.
+"""The architecture matrix: every family docs/architectures.md lists, loaded, trained and exported for real.
 
 One torchrun launch (2 processes, gloo) per architecture runs the worker tests/workers/fsdp_arch_check.py:
 sharded load equals `from_pretrained` bit for bit, 3 training steps lower the loss, and `from_pretrained` of

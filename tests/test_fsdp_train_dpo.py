@@ -55,7 +55,7 @@ def test_pair_losses_are_the_papers_formulas():
     torch.testing.assert_close(reward_r, beta * (pr - rr))
     ipo, _, _ = pair_losses(pc, pr, rc, rr, beta, "ipo")
     torch.testing.assert_close(ipo, (h - 1 / (2 * beta)) ** 2)
-    # policy == reference: sigmoid is ln 2 (any smoothing), ipo is 1 / (4 beta^2) (documented in the README)
+    # policy == reference: sigmoid is ln 2 (any smoothing), ipo is 1 / (4 beta^2) (documented in docs/preference.md)
     same = pair_losses(pc, pr, pc, pr, beta, "sigmoid", eps)[0]
     assert torch.allclose(same, torch.full_like(same, LN2), atol=1e-12)
     assert torch.allclose(pair_losses(pc, pr, pc, pr, beta, "ipo")[0], torch.full_like(same, 1 / (4 * beta**2)))
