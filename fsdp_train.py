@@ -18,7 +18,8 @@ another number of GPUs (with --global-batch-size the accumulation adapts).
 
 This file is the recipe, top to bottom: the step (forward_backward, optimizer_step), evaluate, run (config ->
 distributed -> data -> model -> resume -> loop -> export, as calls), train_loop and main. Its parts live in
-fsdp_lib/, one concern per module (README.md, "Repository layout").
+fsdp_lib/: wings (records, data, model, train, and the helper tools' engines) over a ground of small modules,
+one concern per module (docs/layout.md).
 """
 
 from __future__ import annotations
