@@ -149,7 +149,7 @@ def chat_fine_tune(
     """Steps 7-8: the conversations into a `messages` dataset, a short SFT run of the text-trained model with
     the loss on the assistant turns, then the held-out conversations' loss and the demo questions' answers before
     and after. Returns the steps trained."""
-    from data_hf import load_text_dataset
+    from fsdp_lib.records.dataset import load_text_dataset
 
     py = sys.executable
     banner("7/8 data_hf.py --format chat: the conversations into a 'messages' dataset (two bad records are counted)")

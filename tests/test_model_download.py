@@ -22,7 +22,15 @@ from hub_server import FakeHub, closed_port
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+import fsdp_lib.hub.scratch as scratch
 import model_download as md
+from fsdp_lib.hub.console import ToolError
+from fsdp_lib.hub.download import check_free_space, explain_hub_error
+from fsdp_lib.hub.plan import glob_escape, plan_download
+from fsdp_lib.hub.presets import SIZE_PRESETS, preset_config_kwargs, preset_parameter_count
+from fsdp_lib.hub.verify import VERIFICATION_RECORD, read_verification_record
+from fsdp_lib.hub.weights import ExpectedTensor, TensorInfo, compare_weights, read_safetensors_header
+from fsdp_lib.model.memory_plan import format_memory_plan, training_memory_plan
 from tests.fsdp_helpers import wait_until
 
 REPO_ID = "org/tiny"
@@ -142,7 +150,7 @@ def test_download_fetches_training_files_only_then_verifies_offline(hub: FakeHub
         if record.method == "GET" and "/resolve/" in record.path
     }
     assert fetched == {path.name for path in served_model.iterdir()}  # not README, .bin or original/
-    record = md.read_verification_record(snapshot)
+    record = read_verification_record(snapshot)
     assert record is not None and record["source"]["commit"] == hub.repos[REPO_ID].commit
     assert f"parameters:   {record['num_params']:,}" in result.stdout
     assert "activations NOT included" in result.stdout and "with --cpu-offload" in result.stdout
@@ -165,7 +173,7 @@ def wide_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
     wide = {"hidden_size": 384, "intermediate_size": 1536, "num_attention_heads": 6}
     config = LlamaConfig(
-        **{**md.preset_config_kwargs(md.SIZE_PRESETS["tiny"], len(tokenizer)), **wide},
+        **{**preset_config_kwargs(SIZE_PRESETS["tiny"], len(tokenizer)), **wide},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -193,7 +201,7 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub: FakeHub, wide_m
     resumed_at = int(second.range.removeprefix("bytes=").rstrip("-"))
     assert 0 < resumed_at <= size * 2 // 3  # the bytes before it were kept, not fetched again
     assert_same_files(out, wide_model)
-    assert md.read_verification_record(out) is not None
+    assert read_verification_record(out) is not None
 
 
 @pytest.mark.slow
@@ -215,7 +223,7 @@ def test_killed_download_never_looks_complete_and_a_rerun_finishes_it(hub: FakeH
         process.communicate()
     hub.release.set()
 
-    assert md.read_verification_record(snapshot) is None
+    assert read_verification_record(snapshot) is None
     broken = run_cli(
         ["--model-name", REPO_ID, "--verify-only"], hf_home, f"http://127.0.0.1:{closed_port()}", offline=True
     )
@@ -225,7 +233,7 @@ def test_killed_download_never_looks_complete_and_a_rerun_finishes_it(hub: FakeH
     rerun = run_cli(["--model-name", REPO_ID], hf_home, hub.url)
     assert rerun.returncode == 0, rerun.stderr
     assert_same_files(snapshot, served_model)
-    assert md.read_verification_record(snapshot) is not None
+    assert read_verification_record(snapshot) is not None
     assert len(hub.file_gets(shard)) == 2
     for name in [*others, "config.json", "tokenizer.json"]:
         assert len(hub.file_gets(name)) == 1, f"{name} was fetched again"
@@ -313,7 +321,7 @@ def verify(folder: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
 def test_verification_passes_an_intact_folder_and_records_it(model_copy: Path, capsys):
     code, output = verify(model_copy, capsys)
     assert code == 0, output
-    record = md.read_verification_record(model_copy)
+    record = read_verification_record(model_copy)
     assert record is not None and set(record["weight_files"]) == {p.name for p in model_copy.glob("*.safetensors")}
     assert "float32 (20 tensors)" in output  # lm_head.weight is tied to the embedding, not stored: still passes
 
@@ -325,7 +333,7 @@ def test_verification_catches_a_truncated_shard(model_copy: Path, capsys):
     code, output = verify(model_copy, capsys)
     assert code == 1
     assert "model-00002-of-00003.safetensors" in output and "truncated" in output
-    assert not (model_copy / md.VERIFICATION_RECORD).exists()
+    assert not (model_copy / VERIFICATION_RECORD).exists()
 
 
 def test_verification_catches_a_missing_tensor(model_copy: Path, capsys):
@@ -355,12 +363,12 @@ def test_verification_catches_a_missing_shard_and_a_wrong_shape(model_copy: Path
 def test_a_stale_record_is_removed_when_verification_fails(model_copy: Path, capsys):
     assert verify(model_copy, capsys)[0] == 0
     (model_copy / "model-00001-of-00003.safetensors").write_bytes(b"\0" * 8)
-    assert md.read_verification_record(model_copy) is None  # sizes no longer match the record
+    assert read_verification_record(model_copy) is None  # sizes no longer match the record
     assert verify(model_copy, capsys)[0] == 1
-    assert not (model_copy / md.VERIFICATION_RECORD).exists()
+    assert not (model_copy / VERIFICATION_RECORD).exists()
 
 
-def test_verification_reads_pytorch_bin_checkpoints(tiny_model: Path, tmp_path: Path, capsys):
+def test_verification_reads_pytorch_bin_weights(tiny_model: Path, tmp_path: Path, capsys):
     folder = tmp_path / "bin"
     shutil.copytree(tiny_model, folder)
     (folder / "model.safetensors").unlink()
@@ -375,36 +383,36 @@ def test_verification_reads_pytorch_bin_checkpoints(tiny_model: Path, tmp_path: 
 
 def test_untied_lm_head_must_be_stored():
     expected = {
-        "model.embed_tokens.weight": md.ExpectedTensor((8, 4), True),
-        "lm_head.weight": md.ExpectedTensor((8, 4), True),
-        "model.rotary.cache": md.ExpectedTensor((2,), False),
+        "model.embed_tokens.weight": ExpectedTensor((8, 4), True),
+        "lm_head.weight": ExpectedTensor((8, 4), True),
+        "model.rotary.cache": ExpectedTensor((2,), False),
     }
-    found = {"model.embed_tokens.weight": md.TensorInfo((8, 4), "BF16", "model.safetensors")}
+    found = {"model.embed_tokens.weight": TensorInfo((8, 4), "BF16", "model.safetensors")}
     tied = [["model.embed_tokens.weight", "lm_head.weight"]]
-    assert md.compare_checkpoint(expected, tied, found)[0] == []
-    problems, notes = md.compare_checkpoint(expected, [], found)
+    assert compare_weights(expected, tied, found)[0] == []
+    problems, notes = compare_weights(expected, [], found)
     assert problems == ["1 parameter(s) missing from the checkpoint: lm_head.weight"]
     assert "model.rotary.cache" in notes[0]  # a missing buffer is only a note
 
 
-def test_base_model_checkpoint_keys_gain_the_prefix_and_int_dtypes_fail():
-    expected = {"transformer.wte.weight": md.ExpectedTensor((8, 4), True)}
-    found = {"wte.weight": md.TensorInfo((8, 4), "F16", "model.safetensors")}
-    assert md.compare_checkpoint(expected, [], found, "transformer") == ([], [])
-    quantized = {"wte.weight": md.TensorInfo((8, 4), "I8", "model.safetensors")}
-    assert "not a float type" in md.compare_checkpoint(expected, [], quantized, "transformer")[0][0]
+def test_base_model_weight_keys_gain_the_prefix_and_int_dtypes_fail():
+    expected = {"transformer.wte.weight": ExpectedTensor((8, 4), True)}
+    found = {"wte.weight": TensorInfo((8, 4), "F16", "model.safetensors")}
+    assert compare_weights(expected, [], found, "transformer") == ([], [])
+    quantized = {"wte.weight": TensorInfo((8, 4), "I8", "model.safetensors")}
+    assert "not a float type" in compare_weights(expected, [], quantized, "transformer")[0][0]
 
 
 def test_safetensors_header_with_trailing_bytes_or_garbage(tmp_path: Path):
     path = tmp_path / "model.safetensors"
     save_file({"w": torch.zeros(4, 4)}, path)
-    assert md.read_safetensors_header(path) == {"w": md.TensorInfo((4, 4), "F32", "model.safetensors")}
+    assert read_safetensors_header(path) == {"w": TensorInfo((4, 4), "F32", "model.safetensors")}
     path.write_bytes(path.read_bytes() + b"junk")
-    with pytest.raises(md.ToolError, match="trailing bytes"):
-        md.read_safetensors_header(path)
+    with pytest.raises(ToolError, match="trailing bytes"):
+        read_safetensors_header(path)
     path.write_bytes((10**9).to_bytes(8, "little") + b"{}")
-    with pytest.raises(md.ToolError, match="truncated"):
-        md.read_safetensors_header(path)
+    with pytest.raises(ToolError, match="truncated"):
+        read_safetensors_header(path)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -417,7 +425,7 @@ def test_plan_prefers_safetensors_and_skips_subfolders():
              "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
              "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "original/tokenizer.model",
              "consolidated.safetensors"]  # fmt: skip
-    plan = md.plan_download(files)
+    plan = plan_download(files)
     assert plan.weight_format == "safetensors" and plan.index_file == "model.safetensors.index.json"
     assert plan.metadata_files == [
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"
@@ -425,23 +433,23 @@ def test_plan_prefers_safetensors_and_skips_subfolders():
 
 
 def test_plan_falls_back_to_bin_and_refuses_repos_without_weights():
-    plan = md.plan_download(["config.json", "pytorch_model.bin", "tokenizer.model", "model.gguf"])
+    plan = plan_download(["config.json", "pytorch_model.bin", "tokenizer.model", "model.gguf"])
     assert (plan.weight_format, plan.index_file, plan.weight_files) == ("bin", None, ["pytorch_model.bin"])
     assert plan.metadata_files == ["config.json", "tokenizer.model"]
-    with pytest.raises(md.ToolError, match="no weights in safetensors or PyTorch .bin"):
-        md.plan_download(["config.json", "model.gguf"])
-    with pytest.raises(md.ToolError, match="no config.json"):
-        md.plan_download(["model.safetensors"])
+    with pytest.raises(ToolError, match="no weights in safetensors or PyTorch .bin"):
+        plan_download(["config.json", "model.gguf"])
+    with pytest.raises(ToolError, match="no config.json"):
+        plan_download(["model.safetensors"])
 
 
 def test_glob_escape_matches_only_the_file_itself():
-    pattern = md.glob_escape("weights[1]*.safetensors")
+    pattern = glob_escape("weights[1]*.safetensors")
     assert fnmatch.fnmatch("weights[1]*.safetensors", pattern)
     assert not fnmatch.fnmatch("weights1x.safetensors", pattern)
 
 
 def test_memory_plan_follows_the_stated_rule():
-    rows = md.training_memory_plan(7_000_000_000, largest_unit_params=200_000_000)
+    rows = training_memory_plan(7_000_000_000, largest_unit_params=200_000_000)
     by_key = {(row["world_size"], row["cpu_offload"]): row for row in rows}
     assert sorted(by_key) == [(w, o) for w in (1, 2, 4, 8) for o in (False, True)]
     unit = 200_000_000 * 4  # bf16 weights + bf16 grads of the largest unit
@@ -449,23 +457,23 @@ def test_memory_plan_follows_the_stated_rule():
     assert by_key[(8, False)]["optimizer_bytes"] == 8 * 7_000_000_000 // 8
     assert by_key[(8, True)]["gpu_total_bytes"] == unit
     assert by_key[(8, True)]["cpu_bytes_per_gpu"] == 16 * 7_000_000_000 // 8
-    assert "activations NOT included" in md.format_memory_plan(rows)
+    assert "activations NOT included" in format_memory_plan(rows)
 
 
 def test_hub_errors_map_to_actionable_messages():
     disk_full = OSError(errno.ENOSPC, "No space left on device")
     wrapped = RuntimeError("download failed")
     wrapped.__cause__ = disk_full
-    assert "disk full" in md.explain_hub_error(wrapped, REPO_ID, "main")
+    assert "disk full" in explain_hub_error(wrapped, REPO_ID, "main")
     refused = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
-    assert "cannot reach the hub" in md.explain_hub_error(refused, REPO_ID, "main")
-    assert md.explain_hub_error(ValueError("a bug"), REPO_ID, "main") is None
+    assert "cannot reach the hub" in explain_hub_error(refused, REPO_ID, "main")
+    assert explain_hub_error(ValueError("a bug"), REPO_ID, "main") is None
 
 
 def test_free_space_is_checked_before_downloading(tmp_path: Path):
-    md.check_free_space(10_000_000_000, 20_000_000_000, tmp_path)
-    with pytest.raises(md.ToolError, match="not enough disk space"):
-        md.check_free_space(10_000_000_000, 10_050_000_000, tmp_path)
+    check_free_space(10_000_000_000, 20_000_000_000, tmp_path)
+    with pytest.raises(ToolError, match="not enough disk space"):
+        check_free_space(10_000_000_000, 10_050_000_000, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -511,13 +519,13 @@ def test_flag_problems_exit_2_naming_the_flag(argv: list[str], message: str, cap
 KNOWN_COUNTS = {"7B": 6_738_415_616, "13B": 13_015_864_320, "30B": 32_528_943_616, "70B": 68_976_648_192}
 
 
-@pytest.mark.parametrize("size", list(md.SIZE_PRESETS))
+@pytest.mark.parametrize("size", list(SIZE_PRESETS))
 def test_preset_shapes_and_parameter_counts(size: str):
-    preset = md.SIZE_PRESETS[size]
+    preset = SIZE_PRESETS[size]
     vocab = 32000
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**md.preset_config_kwargs(preset, vocab)))
-    assert sum(p.numel() for p in model.parameters()) == md.preset_parameter_count(preset, vocab)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**preset_config_kwargs(preset, vocab)))
+    assert sum(p.numel() for p in model.parameters()) == preset_parameter_count(preset, vocab)
     layer = model.model.layers[0].self_attn
     head_dim = preset.hidden_size // preset.num_attention_heads
     assert len(model.model.layers) == preset.num_hidden_layers
@@ -525,7 +533,7 @@ def test_preset_shapes_and_parameter_counts(size: str):
     assert tuple(layer.k_proj.weight.shape) == (preset.num_key_value_heads * head_dim, preset.hidden_size)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == preset.tie_word_embeddings
     if size in KNOWN_COUNTS:
-        assert md.preset_parameter_count(preset, vocab) == KNOWN_COUNTS[size]
+        assert preset_parameter_count(preset, vocab) == KNOWN_COUNTS[size]
 
 
 # The counts stated in model_download.py's --init help and the README, with the default 32000 vocabulary.
@@ -534,7 +542,7 @@ STATED_COUNTS = {"20M": 21_730_176, "125M": 124_635_456}
 
 def test_small_presets_match_the_stated_counts():
     for size, count in STATED_COUNTS.items():
-        assert md.preset_parameter_count(md.SIZE_PRESETS[size], 32000) == count
+        assert preset_parameter_count(SIZE_PRESETS[size], 32000) == count
         assert f"{size} {count:,}" in " ".join(md.build_parser().format_help().split())
 
 
@@ -546,7 +554,7 @@ def test_size_flags_override_the_preset_in_the_written_config(tiny_model: Path, 
     config = json.loads((target / "config.json").read_text())
     fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
     assert tuple(config[f] for f in fields) == (3, 96, 6, 3, 200)
-    assert config["max_position_embeddings"] == md.SIZE_PRESETS["tiny"].max_position_embeddings, "the rest: preset's"
+    assert config["max_position_embeddings"] == SIZE_PRESETS["tiny"].max_position_embeddings, "the rest: preset's"
     model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
     assert tuple(model.model.layers[0].self_attn.k_proj.weight.shape) == (3 * 16, 96)
     assert tuple(model.model.layers[0].mlp.up_proj.weight.shape) == (200, 96)
@@ -612,7 +620,7 @@ def test_init_without_weights_holds_config_and_tokenizer_only(corpus: Path, tmp_
     argv = ["--init", "1B", "--tokenizer-from", str(corpus), "--vocab-size", "300", "--local-dir", str(target)]
     assert md.main(argv) == 0
     assert sorted(p.name for p in target.iterdir()) == [
-        "config.json", "generation_config.json", md.VERIFICATION_RECORD, "tokenizer.json", "tokenizer_config.json"
+        "config.json", "generation_config.json", VERIFICATION_RECORD, "tokenizer.json", "tokenizer_config.json"
     ]  # fmt: skip
     config = json.loads((target / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (16, 2048, 8)
@@ -623,7 +631,7 @@ def test_init_without_weights_holds_config_and_tokenizer_only(corpus: Path, tmp_
 
 
 def test_with_weights_refused_when_memory_is_short(corpus: Path, tmp_path: Path, monkeypatch, capsys):
-    monkeypatch.setattr(md, "available_memory_bytes", lambda: 50_000_000)
+    monkeypatch.setattr(scratch, "available_memory_bytes", lambda: 50_000_000)
     target = tmp_path / "tiny"
     argv = ["--init", "tiny", "--tokenizer-from", str(corpus), "--local-dir", str(target), "--with-weights"]
     assert md.main(argv) == 1

@@ -1,2 +1,3 @@
 """model_download.py's parts (no torch at import): size presets, the download plan, weight-file inspection, offline
-verification, hub download and from-scratch initialisation. No re-exports: import the modules."""
+verification, hub download (models and datasets), and from-scratch initialisation with a tokenizer trained on the
+user's corpus. No re-exports: import the modules."""

@@ -1,0 +1,231 @@
+"""Talking to the hub: fetching a model's training files into the HF_HOME cache or a plain folder (free space
+checked up front, complete files skipped on a rerun, interrupted ones resumed), finding a model already in the
+cache, and turning what huggingface_hub raises into a message that names the cause and the fix. No torch."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_lib.hub.console import ToolError, log
+from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
+from fsdp_lib.hub.verify import remove_verification_record
+from fsdp_lib.hub.weights import name_sample
+from fsdp_lib.model.hf_files import shards_from_index
+from fsdp_lib.model.memory_plan import format_bytes
+
+OFFLINE_HINT = "on an offline machine copy HF_HOME from one that has internet"
+
+
+def offline_mode_message(repo_id: str) -> str:
+    return (
+        f"HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so {repo_id} cannot be downloaded; unset it for the download"
+    )
+
+
+def explain_hub_error(exc: BaseException, repo_id: str, revision: str, flag: str = "--model-name") -> str | None:
+    """A message naming the cause and the fix for an exception raised while talking to the hub, or None.
+
+    Looks through the whole __cause__/__context__ chain: huggingface_hub often wraps the real error (a refused
+    connection inside LocalEntryNotFoundError, an ENOSPC inside its own OSError).
+    """
+    from huggingface_hub import errors as hub_errors
+
+    chain = _exception_chain(exc)
+    names = {cls.__name__ for error in chain for cls in type(error).__mro__}
+
+    def first(cls: type[BaseException]) -> Any:
+        return next((error for error in chain if isinstance(error, cls)), None)
+
+    http_error = first(hub_errors.HfHubHTTPError)
+    status = getattr(getattr(http_error, "response", None), "status_code", None)
+    if any(isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) for error in chain):
+        return (
+            f"disk full while downloading {repo_id} ({_first_line(exc)}); free space or point HF_HOME / --local-dir"
+            " at a larger disk, then rerun: files already complete are kept"
+        )
+    if "OfflineModeIsEnabled" in names:
+        return offline_mode_message(repo_id)
+    if first(hub_errors.GatedRepoError):
+        return (
+            f"{repo_id} is gated: accept its licence at https://huggingface.co/{repo_id} while logged in, then pass"
+            " a token with read access (HF_TOKEN=... or --token)"
+        )
+    if first(hub_errors.RevisionNotFoundError):
+        return f"revision {revision!r} not found in {repo_id}; check --revision (a branch, tag or commit hash)"
+    if first(hub_errors.RepositoryNotFoundError):
+        return (
+            f"repository {repo_id} not found, or it is private or gated and you are not authorised: check"
+            f" {flag}, and pass a token (HF_TOKEN=... or --token) if it is private or gated"
+        )
+    if status in (401, 403):
+        return (
+            f"not authorised to download {repo_id} (HTTP {status}): pass a valid token (HF_TOKEN=... or --token);"
+            " a fine-grained token needs read access to this repo, or to public gated repos"
+        )
+    if status is not None and status >= 500:
+        return f"the hub answered HTTP {status} for {repo_id} ({_first_line(http_error)}); retry later"
+    if names & {"ConnectError", "ConnectionError", "TimeoutException", "Timeout", "NetworkError", "ProxyError"}:
+        return (
+            f"cannot reach the hub ({_first_line(exc)}); {OFFLINE_HINT}. With internet, check HF_ENDPOINT and proxies"
+        )
+    if "RemoteProtocolError" in names or "Consistency check failed" in str(exc):
+        return f"the connection dropped while downloading {repo_id} ({_first_line(exc)}); rerun to resume"
+    if first(hub_errors.LocalEntryNotFoundError):
+        return f"cannot reach the hub ({_first_line(exc)}); {OFFLINE_HINT}"
+    if http_error is not None:
+        return f"the hub answered HTTP {status} for {repo_id} ({_first_line(http_error)})"
+    return None
+
+
+@contextlib.contextmanager
+def explained_hub_errors(repo_id: str, revision: str, flag: str = "--model-name") -> Iterator[None]:
+    """Raise what explain_hub_error can explain as a ToolError with its message; anything else passes unchanged."""
+    try:
+        yield
+    except ToolError:
+        raise
+    except Exception as exc:
+        message = explain_hub_error(exc, repo_id, revision, flag)
+        if message is None:
+            raise
+        raise ToolError(message) from exc
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def check_free_space(needed_bytes: int, free_bytes: int, where: Path) -> None:
+    """Refuse up front rather than fail at 90% of a 140 GB download; keeps 1% + 100 MB of slack."""
+    margin = needed_bytes // 100 + 100_000_000
+    if needed_bytes + margin > free_bytes:
+        raise ToolError(
+            f"not enough disk space in {where}: the download needs {format_bytes(needed_bytes)},"
+            f" {format_bytes(free_bytes)} free; free space or point HF_HOME / --local-dir at a larger disk"
+        )
+
+
+def free_disk_bytes(path: Path) -> int:
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+@dataclass
+class HubSnapshot:
+    """One download: where it goes and what the hub said about the repository."""
+
+    repo_id: str
+    revision: str
+    local_dir: Path | None
+    token: str | None
+    force: bool
+    commit: str
+    sizes: dict[str, int]
+    repo_type: str = "model"
+
+    def fetch(self, files: list[str]) -> Path:
+        """Download these files (skipping complete ones) and return the folder holding them."""
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            self.repo_id,
+            repo_type=self.repo_type,
+            revision=self.revision,
+            local_dir=self.local_dir,
+            token=self.token,
+            allow_patterns=[glob_escape(name) for name in files],
+            force_download=self.force,
+        )
+        return Path(folder)
+
+    def is_present(self, name: str) -> bool:
+        if self.local_dir is not None:
+            path = self.local_dir / name
+            return path.is_file() and path.stat().st_size == self.sizes[name]
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(self.repo_id, name, revision=self.commit, repo_type=self.repo_type)
+        return isinstance(cached, str)
+
+
+def download_model(repo_id: str, revision: str, local_dir: Path | None, token: str | None, force: bool) -> Path:
+    """Fetch config, tokenizer and weights; return the folder holding them (cache snapshot or local_dir).
+
+    Files already complete are skipped, so rerunning after an interruption fetches only what is missing;
+    a connection dropped mid-file is resumed with an HTTP Range request by huggingface_hub.
+    """
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ToolError(offline_mode_message(repo_id))
+    info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True)
+    sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
+    snapshot = HubSnapshot(repo_id, revision, local_dir, token, force, info.sha or revision, sizes)
+    plan = plan_download(sizes)
+    # Before the index is read, every weight file of the chosen format bounds what the shards need.
+    weight_bound = plan.weight_files or [name for name in sizes if is_weight_file(name, plan.weight_format)]
+    needed = sum(sizes[name] for name in plan.metadata_files + weight_bound if force or not snapshot.is_present(name))
+    target = local_dir or Path(constants.HF_HUB_CACHE)
+    check_free_space(needed, free_disk_bytes(target), target)
+
+    log(f"{repo_id} @ {revision} (commit {info.sha}): fetching {len(plan.metadata_files)} config/tokenizer files")
+    folder = snapshot.fetch(plan.metadata_files)
+    remove_verification_record(folder)  # from here until verification passes, the folder is not complete
+    weights = plan.weight_files
+    if plan.index_file:
+        try:
+            weights = shards_from_index(json.loads((folder / plan.index_file).read_text()), plan.index_file)
+        except ValueError as exc:  # json's decode error is a ValueError too
+            raise ToolError(f"{plan.index_file} of {repo_id} is not a valid index ({exc})") from exc
+        absent = [name for name in weights if name not in sizes]
+        if absent:
+            raise ToolError(f"{plan.index_file} of {repo_id} lists shards the repository lacks: {name_sample(absent)}")
+    weight_bytes = format_bytes(sum(sizes[name] for name in weights))
+    log(f"fetching {len(weights)} weight file(s), {weight_bytes} ({plan.weight_format})")
+    if snapshot.fetch(weights) != folder:
+        raise ToolError(f"{repo_id} @ {revision} moved to a new commit during the download; rerun")
+    note_partial_files(folder)
+    return folder
+
+
+def note_partial_files(folder: Path) -> None:
+    """huggingface_hub 2.x names partial files uniquely per attempt: one a killed run left is never reused."""
+    in_cache = folder.parent.name == "snapshots"
+    where = folder.parent.parent / "blobs" if in_cache else folder / ".cache" / "huggingface"
+    stale = [path for path in where.rglob("*.incomplete") if path.is_file()] if where.is_dir() else []
+    if stale:
+        total = format_bytes(sum(path.stat().st_size for path in stale))
+        log(f"note: {len(stale)} partial file(s), {total}, left by interrupted runs in {where}")
+        log("      safe to delete when no other download is running")
+
+
+def cached_model_folder(model_name: str, revision: str) -> Path:
+    """The cache snapshot of a model downloaded before; never touches the network."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(model_name, "config.json", revision=revision)
+    if not isinstance(cached, str):
+        raise ToolError(
+            f"{model_name} @ {revision} is not in the cache {constants.HF_HUB_CACHE}: run"
+            f" `python model_download.py --model-name {model_name}` where there is internet; {OFFLINE_HINT}"
+        )
+    return Path(cached).parent

@@ -1,0 +1,239 @@
+"""Inspection of an HF model folder's weight files without loading them: the tensors' names, shapes and dtypes
+(safetensors headers, checked against the file size; .bin archives memory-mapped), and their comparison with what
+an architecture expects, after the installed transformers' own key conversions. No torch at import."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_lib.hub.console import ToolError
+
+# bytes per element of each safetensors dtype tag (https://github.com/huggingface/safetensors format spec)
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str  # safetensors tag, e.g. "BF16"
+    file: str
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor shapes and dtypes from a safetensors file's header, checking that the data is all there.
+
+    Format: 8-byte little-endian header length N, N bytes of JSON, then the data; each tensor's data_offsets
+    are relative to byte 8 + N. A file shorter than the largest end offset was cut off mid-download.
+    """
+    file_size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ToolError(f"{path}: {file_size} bytes, too short to be a safetensors file (truncated)")
+        header_size = int.from_bytes(prefix, "little")
+        if header_size > file_size - 8:
+            raise ToolError(f"{path}: header claims {header_size} bytes but the file has {file_size} (truncated)")
+        try:
+            header = json.loads(handle.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ToolError(f"{path}: unreadable safetensors header ({exc}); the file is corrupt") from exc
+    if not isinstance(header, dict):
+        raise ToolError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
+    tensors: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape, dtype = tuple(int(dim) for dim in entry["shape"]), str(entry["dtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ToolError(f"{path}: malformed header entry for tensor {name!r}; the file is corrupt") from exc
+        expected_bytes = _numel(shape) * SAFETENSORS_DTYPE_BYTES.get(dtype, 0)
+        if dtype in SAFETENSORS_DTYPE_BYTES and end - begin != expected_bytes:
+            raise ToolError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape needs {expected_bytes}")
+        tensors[name] = TensorInfo(shape, dtype, path.name)
+        data_end = max(data_end, end)
+    expected_size = 8 + header_size + data_end
+    if file_size != expected_size:
+        verdict = "truncated" if file_size < expected_size else "has trailing bytes"
+        raise ToolError(f"{path}: {file_size} bytes on disk, the header says {expected_size}: the file {verdict}")
+    return tensors
+
+
+def read_bin_weights(path: Path) -> dict[str, TensorInfo]:
+    """Tensor shapes and dtypes of a PyTorch .bin weight file; mmap keeps the tensor data on disk."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError/pickle errors/EOFError for damaged archives
+        raise ToolError(f"{path}: cannot read PyTorch checkpoint ({exc}); the file is truncated or corrupt") from exc
+    tags = {"torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64"}
+    return {
+        name: TensorInfo(tuple(tensor.shape), tags.get(str(tensor.dtype), str(tensor.dtype)), path.name)
+        for name, tensor in state.items()
+    }
+
+
+def _numel(shape: Iterable[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def read_weights(folder: Path, files: list[str]) -> tuple[dict[str, TensorInfo], list[str]]:
+    """All tensors in the given weight files, plus one problem line per unreadable or truncated file."""
+    tensors: dict[str, TensorInfo] = {}
+    problems: list[str] = []
+    for name in files:
+        try:
+            reader = read_safetensors_header if name.endswith(".safetensors") else read_bin_weights
+            tensors.update(reader(folder / name))
+        except ToolError as exc:
+            problems.append(str(exc))
+    return tensors, problems
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    shape: tuple[int, ...]
+    is_parameter: bool
+
+
+def compare_weights(
+    expected: dict[str, ExpectedTensor],
+    tied_groups: list[list[str]],
+    found: dict[str, TensorInfo],
+    base_model_prefix: str = "",
+) -> tuple[list[str], list[str]]:
+    """(problems, notes) from comparing the tensors an architecture expects with those in the weight files.
+
+    A tied group (e.g. lm_head.weight and model.embed_tokens.weight) needs only one member stored. Missing
+    parameters and wrong shapes or non-float dtypes are problems; missing persistent buffers and extra tensors
+    are notes, because transformers recomputes or ignores those.
+    """
+    found = _align_prefix(found, set(expected), base_model_prefix)
+    tied_alias = {name: group for group in tied_groups for name in group}
+    problems: list[str] = []
+    notes: list[str] = []
+    missing_params, missing_buffers = [], []
+    for name, want in expected.items():
+        stored = next((alias for alias in tied_alias.get(name, [name]) if alias in found), None)
+        if stored is None:
+            (missing_params if want.is_parameter else missing_buffers).append(name)
+            continue
+        have = found[stored]
+        if have.shape != want.shape:
+            problems.append(
+                f"{stored} in {have.file}: shape {list(have.shape)}, the architecture needs {list(want.shape)}"
+            )
+        if want.is_parameter and have.dtype not in FLOAT_DTYPES:
+            problems.append(f"{stored} in {have.file}: dtype {have.dtype} is not a float type (quantized checkpoint?)")
+    if missing_params:
+        problems.append(
+            f"{len(missing_params)} parameter(s) missing from the checkpoint: {name_sample(missing_params)}"
+        )
+    if missing_buffers:
+        notes.append(
+            f"{len(missing_buffers)} buffer(s) not stored, transformers will recompute: {name_sample(missing_buffers)}"
+        )
+    extra = sorted(set(found) - {alias for name in expected for alias in tied_alias.get(name, [name])})
+    if extra:
+        notes.append(f"{len(extra)} tensor(s) in the checkpoint the architecture does not use: {name_sample(extra)}")
+    return problems, notes
+
+
+def _align_prefix(found: dict[str, TensorInfo], expected: set[str], prefix: str) -> dict[str, TensorInfo]:
+    """Base-model weight files (e.g. GPT-2's) omit the 'transformer.' prefix that the LM-head model adds."""
+    if not prefix or any(name in expected for name in found):
+        return found
+    return {f"{prefix}.{name}" if f"{prefix}.{name}" in expected else name: info for name, info in found.items()}
+
+
+def name_sample(names: list[str], limit: int = 5) -> str:
+    """The first `limit` names, and how many more there are."""
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def weights_dtype_summary(found: dict[str, TensorInfo]) -> str:
+    counts: dict[str, int] = {}
+    for info in found.values():
+        counts[info.dtype] = counts.get(info.dtype, 0) + 1
+    parts = [
+        f"{FLOAT_DTYPES.get(tag, tag)} ({count} tensors)"
+        for tag, count in sorted(counts.items(), key=lambda kv: -kv[1])
+    ]
+    return ", ".join(parts) or "no tensors"
+
+
+def compare_with_model(model: Any, found: dict[str, TensorInfo]) -> tuple[list[str], list[str]]:
+    """Name-by-name and shape-by-shape check of what from_pretrained would make of the weight files."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    groups: dict[int, list[str]] = {}
+    for name, param in parameters.items():
+        groups.setdefault(id(param), []).append(name)
+    tied_groups = [names for names in groups.values() if len(names) > 1]
+    state = model.state_dict()  # excludes non-persistent buffers such as rotary inv_freq
+    expected = {name: ExpectedTensor(tuple(tensor.shape), name in parameters) for name, tensor in state.items()}
+    converted, problems = converted_weights_layout(model, found)
+    compare_problems, notes = compare_weights(expected, tied_groups, converted, getattr(model, "base_model_prefix", ""))
+    return problems + compare_problems, notes
+
+
+def converted_weights_layout(model: Any, found: dict[str, TensorInfo]) -> tuple[dict[str, TensorInfo], list[str]]:
+    """The weight files' tensors as from_pretrained sees them: names and shapes after the installed transformers'
+    own key and layout conversions (e.g. Mixtral's per-expert w1/w3 stacked into mlp.experts.gate_up_proj).
+
+    The conversions run on meta tensors, so nothing is read from disk. Keys are routed as
+    transformers.core_model_loading does: all renamings, then at most one converter, then the base-model prefix.
+    """
+    import copy
+
+    import torch
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:  # transformers 4.x loads weight keys as they are
+        return found, []
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", "")
+    model_keys = dict.fromkeys(model.state_dict(), True)
+    layout: dict[str, TensorInfo] = {}
+    pending: dict[str, tuple[Any, TensorInfo]] = {}
+    for key in sorted(found, key=dot_natural_key):  # experts.2 before experts.10: the stacking order
+        target, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
+        if target not in model_keys:
+            target, pattern = rename_source_key(key, [], [], prefix, model_keys)
+        if pattern is None or target not in model_keys:
+            layout[target if pattern is None else key] = found[key]
+            continue
+        converter, first_info = pending.setdefault(target, (copy.deepcopy(by_pattern[pattern]), found[key]))
+        converter.add_tensor(target, key, pattern, torch.empty(found[key].shape, device="meta"))
+    problems = []
+    for target, (converter, info) in pending.items():
+        try:
+            produced = converter.convert(target, model=model, config=model.config)
+        except Exception as exc:  # noqa: BLE001 - e.g. experts of different shapes cannot be stacked
+            problems.append(f"{target}: transformers cannot build it from the checkpoint's tensors ({exc})")
+            continue
+        for name, tensor in produced.items():
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            layout[name] = TensorInfo(tuple(tensor.shape), info.dtype, info.file)
+    return layout, problems
