@@ -54,13 +54,18 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from tqdm import tqdm
 
+from fsdp_lib.records.conversation import Conversation, ToolTurn, calls_json, conversation_json, parse_conversation
 from fsdp_lib.records.dataset import load_text_dataset
-from fsdp_lib.records.tool_calls import TURN_FIELDS, ToolFormatError, normalize_calls, normalize_tools, to_json
+from fsdp_lib.records.preference import PreferencePair, parse_preference, preference_json, record_kind
+from fsdp_lib.records.reasons import RECORD_REASONS, BadRecord
+from fsdp_lib.records.schema import DATASET_COLUMNS, PREFERENCE_COLUMNS, Turns, turn_fields
+from fsdp_lib.records.text import extract_strings, split_long_text
+from fsdp_lib.records.tool_calls import TURN_FIELDS
 
 # pyarrow and datasets are imported inside the functions of the parent process that use them: every spawned worker
 # imports this module, and pyarrow alone would add ~45 MB to each (datasets ~80 MB more, and a second of start-up).
@@ -95,7 +100,8 @@ MAX_LISTED = 1000  # per list in the summary; the counts are always complete
 TMP_TAG = ".data_hf-tmp-"
 OLD_TAG = ".data_hf-old-"
 
-REASONS = {
+# Why a file, a line or a piece is skipped; a record's reasons are fsdp_lib/records/reasons.py's.
+FILE_REASONS = {
     "empty_file": "the file is empty or holds only whitespace",
     "binary": "NUL bytes: a binary file (or UTF-16/UTF-32 text: convert it to UTF-8)",
     "invalid_json": "malformed JSON; the values before the error are kept",
@@ -105,42 +111,10 @@ REASONS = {
     "too_deep": "nested deeper than the JSON/YAML parser's recursion limit",
     "no_text": "parsed, but holds no string values",
     "read_error": "could not be read (permissions, broken link, not a regular file)",
-    # Conversation records (--format chat, or auto): each bad record is skipped and counted, never fragmented.
-    "not_a_conversation": "a record with none of the conversation shapes (messages, conversations, instruction + "
-    "output, prompt + completion/response, question + answer)",
-    "bad_message": "a turn that is not an object with role/content (or ShareGPT from/value), or a messages or "
-    "conversations value that is not a list",
-    "unknown_role": "a role other than system/user/assistant/tool (or the aliases human, gpt, bot, model; "
-    "function_call, observation, function, ipython for tool use; tool roles in --format chat only)",
-    "non_string_content": "a turn, instruction, prompt, answer or system prompt that is not a string or a list of "
-    "text parts (e.g. null, a number, a tool call in a preference record)",
-    "bad_tool_call": "an assistant turn's tool call that is not a call object with a function name and arguments "
-    "(an object, or a JSON string of one)",
-    "bad_tools": "a `tools` value that is not a list of tool schemas with names (or a JSON string of one)",
-    "non_text_content": "a turn whose content parts include one that is not text (an image, audio, a file)",
-    "misplaced_system_turn": "a system turn that is not the first turn",
-    "no_assistant_turn": "a conversation without an assistant turn that has text: nothing to learn from",
-    "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
-    "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
     "text_file_in_chat_run": "a text file (not .json/.jsonl/.yaml) in a --format chat run: not read",
-    # Preference records (--format preference, or auto): the conversation reasons above apply to their turns too.
-    "not_a_preference_pair": "a record without both chosen and rejected keys (--format preference)",
-    "ambiguous_keys": "a preference record with two keys that differ only in case (e.g. chosen and Chosen)",
-    "bad_preference_value": "prompt, chosen or rejected that is not a string or a list of turns (or one turn "
-    "object), or, without a prompt, chosen and rejected that are not both lists of turns or both HH strings",
-    "malformed_hh_string": "chosen/rejected strings without a prompt that are not Anthropic HH dialogues "
-    "('\\n\\nHuman: ...\\n\\nAssistant: ...')",
-    "no_shared_prompt": "chosen and rejected as whole conversations that share no leading turns ending with a user "
-    "turn: there is no common prompt",
-    "prompt_not_ending_with_user": "a prompt without turns, or whose last turn is not a user turn (e.g. it ends "
-    "with an assistant turn)",
-    "no_assistant_response": "a chosen or rejected response that does not start and end with an assistant turn, or "
-    "has no assistant turn with text",
-    "identical_responses": "chosen and rejected responses that are the same (ignoring surrounding whitespace): "
-    "nothing to prefer",
-    "pair_too_long": "a pair (prompt + chosen + rejected) longer than --max-chars characters (a pair is never split)",
     "text_file_in_preference_run": "a text file (not .json/.jsonl/.yaml) in a --format preference run: not read",
 }
+REASONS = {**FILE_REASONS, **RECORD_REASONS}
 
 # Rows travel from workers as the two buffers of an Arrow string array: UTF-8 bytes and int32 offsets (Arrow's
 # little-endian layout, native on x86 and ARM). Chunks stay under 2 GiB so the offsets cannot overflow.
@@ -161,40 +135,10 @@ _YAML_DEEP_BLOCK = re.compile(rb"^(?:[ \t]|[-?:][ \t]){%d}" % (YAML_C_MAX_DEPTH 
 _FLOW_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
 
-# Turns of a preference pair: (role, content) with the standard roles; a list of {"role", "content"} structs.
-Turns = tuple[tuple[str, str], ...]
 DATA_FORMATS = ("auto", "text", "chat", "preference")
 # The formats whose every record is parsed as one row (no text is extracted), and the kind of dataset each writes.
 RECORD_FORMATS = {"chat": "messages", "preference": "preference"}
 JSON_MODES = ("strings", "records")
-# Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
-# Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool turns: TOOL_RESULT_ROLES and
-# TOOL_CALL_ROLES, in --format chat only (a preference record with them is an unknown_role skip).
-ROLE_ALIASES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "bot": "assistant",
-    "model": "assistant",
-}
-# A tool's result: OpenAI/HF "tool", OpenAI's legacy "function", ShareGPT/glaive "observation", Llama 3.1 "ipython".
-TOOL_RESULT_ROLES = ("tool", "function", "observation", "ipython")
-# ShareGPT/glaive: an assistant turn whose value is the call, a JSON object (or a list of them).
-TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
-# Record shapes, tried in this order: (shape, key groups); a record has the shape when it has one key of each group.
-CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
-    ("messages", (("messages",),)),
-    ("conversations", (("conversations",),)),
-    ("alpaca", (("instruction",), ("output",))),
-    ("prompt", (("prompt",), ("completion", "response"))),
-    ("question", (("question",), ("answer",))),
-)
-# The columns of a preference dataset, each a list of messages like `messages`; the trainer reads these names.
-PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
-# The columns of each kind of dataset ("column" in the summary names the kind).
-DATASET_COLUMNS = {"text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS}
 # Per piece of a file, the bad records listed with their detail; past this they are only counted.
 RECORD_PROBLEMS_LISTED = MAX_LISTED
 
@@ -263,53 +207,6 @@ class FileResult:
             listed.append(problem)
         else:
             unlisted[problem.reason] += 1
-
-
-def extract_strings(value: object, *, track_shared: bool = False, seen: set[int] | None = None) -> Iterator[str]:
-    """Every string value inside `value`, in document order. Dict keys are not text; numbers and booleans are not
-    strings. Iterative, so nesting of any depth is walked without recursion.
-
-    track_shared: visit each container object once. YAML aliases make one mapping or list appear in several
-    places, or even inside itself; visiting it once stops self-reference loops and "billion laughs" alias
-    bombs (an alias to a plain string still repeats the string). `seen`: share the visited set between calls (the
-    records of one YAML document).
-    """
-    seen = set() if seen is None else seen
-    stack: list[Iterator[object]] = [iter((value,))]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, str):
-                yield item
-            elif isinstance(item, (dict, list, tuple)):
-                if track_shared:
-                    if id(item) in seen:
-                        continue
-                    seen.add(id(item))
-                stack.append(iter(item.values()) if isinstance(item, dict) else iter(item))
-                break
-        else:
-            stack.pop()
-
-
-def split_long_text(text: str, max_chars: int) -> list[str]:
-    """Cut `text` into pieces of at most `max_chars` characters, after the last blank line that fits, else after the
-    last newline, else hard. Concatenating the pieces gives back `text` exactly."""
-    if len(text) <= max_chars:
-        return [text]
-    pieces = []
-    start = 0
-    while len(text) - start > max_chars:
-        limit = start + max_chars
-        blank_lf, blank_crlf = text.rfind("\n\n", start, limit), text.rfind("\n\r\n", start, limit)
-        if blank_lf >= 0 or blank_crlf >= 0:
-            cut = max(blank_lf + 2 if blank_lf >= 0 else 0, blank_crlf + 3 if blank_crlf >= 0 else 0)
-        else:
-            newline = text.rfind("\n", start, limit)
-            cut = newline + 1 if newline >= 0 else limit
-        pieces.append(text[start:cut])
-        start = cut
-    pieces.append(text[start:])
-    return pieces
 
 
 def assign_split(text: str, val_fraction: float) -> str:
@@ -440,436 +337,8 @@ def iter_json_values(read: Callable[[int], str], *, whole_objects: bool = False)
                 break
 
 
-# --- Conversations -----------------------------------------------------------------------------------------
-
-
-class BadRecord(Exception):
-    """A record that cannot be a conversation row; `reason` is a key of REASONS."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-def conversation_shape(record: object) -> str | None:
-    """The first of CONVERSATION_SHAPES whose keys `record` has ("messages", "alpaca", ...), else None."""
-    if not isinstance(record, dict):
-        return None
-    for shape, key_groups in CONVERSATION_SHAPES:
-        if all(any(key in record for key in group) for group in key_groups):
-            return shape
-    return None
-
-
-def _text_field(record: dict, key: str) -> str:
-    value = record[key]
-    if not isinstance(value, str):
-        raise BadRecord("non_string_content", f"{key!r} is {type(value).__name__}, not a string")
-    return value
-
-
-class ToolTurn(NamedTuple):
-    """A turn of tool use (fsdp_lib/records/tool_calls.py has the schema): an assistant turn that calls tools (`tool_calls`,
-    JSON) or a tool's result (role "tool", with the function's `name` and the call's `tool_call_id` when known)."""
-
-    role: str
-    content: str
-    tool_calls: str | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-
-
-class Conversation(tuple):
-    """One chat row: its turns, (role, content) pairs or ToolTurns, and `tools`, the JSON of the tool schemas it
-    offers (None: none). Equal to the plain tuple of its turns."""
-
-    tools: str | None
-    uses_tools: bool  # offers tools or has a tool turn: written with its tool fields (else all null, fast)
-
-    def __new__(cls, turns: Iterable[tuple[str, str] | ToolTurn], tools: str | None = None) -> Conversation:
-        self = super().__new__(cls, turns)
-        self.tools = tools
-        self.uses_tools = tools is not None or any(isinstance(turn, ToolTurn) for turn in self)
-        return self
-
-
-def _turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[tuple[str, str]]:
-    """(role, content) of a `messages` (role/content) or `conversations` (ShareGPT from/value) list; either key
-    pair is accepted in both, as real dumps mix them. With `tools_allowed` (chat rows), tool calls and results
-    become ToolTurns; each result without a name or id takes those of the next call still unanswered."""
-    if not isinstance(turns, list):
-        raise BadRecord("bad_message", f"{key!r} is {type(turns).__name__}, not a list of turns")
-    result: list[tuple[str, str]] = []
-    unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
-    for number, turn in enumerate(turns, 1):
-        plain = _plain_turn(turn)
-        if plain is not None:  # the common turn, checked cheaply: a standard role, string content, no tool use
-            result.append(plain)
-            continue
-        where = f"turn {number} of {key!r}"
-        role_key = "role" if isinstance(turn, dict) and "role" in turn else "from"
-        content_key = "content" if isinstance(turn, dict) and "content" in turn else "value"
-        if not isinstance(turn, dict) or role_key not in turn:
-            raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
-        if not isinstance(turn[role_key], str):
-            raise BadRecord("unknown_role", f"{where} has the role {turn[role_key]!r}")
-        role = turn[role_key].strip().lower()
-        try:
-            if tools_allowed and (role in TOOL_CALL_ROLES or (role in ROLE_ALIASES and _calls_tools(turn))):
-                calls = _tool_calls_of(turn, role, content_key, where)
-                content = "" if role in TOOL_CALL_ROLES else _optional_content(turn, content_key, where)
-                unanswered = list(calls)
-                result.append(ToolTurn("assistant", content, to_json(calls)))
-                continue
-            if tools_allowed and role in TOOL_RESULT_ROLES:
-                if content_key not in turn:
-                    raise BadRecord("bad_message", f"{where} is a tool result without content")
-                answered = unanswered.pop(0) if unanswered else {}
-                name = (
-                    turn.get("name") if isinstance(turn.get("name"), str) else answered.get("function", {}).get("name")
-                )
-                call_id = turn.get("tool_call_id") if isinstance(turn.get("tool_call_id"), str) else answered.get("id")
-                result.append(ToolTurn("tool", _result_text(turn[content_key], where), None, name, call_id))
-                continue
-        except ToolFormatError as err:
-            raise BadRecord(err.reason, err.detail) from None
-        if role not in ROLE_ALIASES:
-            hint = " (tool turns are read in --format chat only)" if role in TOOL_RESULT_ROLES + TOOL_CALL_ROLES else ""
-            raise BadRecord("unknown_role", f"{where} has the role {turn[role_key]!r}{hint}")
-        if content_key not in turn:
-            raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
-        result.append((ROLE_ALIASES[role], _content_text(turn[content_key], where)))
-    return result
-
-
-def _plain_turn(turn: object) -> tuple[str, str] | None:
-    """(role, content) of a turn with a standard role (or alias) and string content that calls no tool; None for
-    any other turn (read by the full checks of _turns_of_list)."""
-    if type(turn) is not dict or "tool_calls" in turn or "function_call" in turn:
-        return None
-    role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
-    if type(role) is not str or type(content) is not str:
-        return None
-    mapped = ROLE_ALIASES.get(role) or ROLE_ALIASES.get(role.strip().lower())
-    return (mapped, content) if mapped is not None else None
-
-
-def _calls_tools(turn: dict) -> bool:
-    """Whether an assistant turn calls tools: OpenAI/HF `tool_calls`, or OpenAI's legacy `function_call`."""
-    return bool(turn.get("tool_calls")) or bool(turn.get("function_call"))
-
-
-def _tool_calls_of(turn: dict, role: str, content_key: str, where: str) -> list[dict]:
-    """The calls of a turn that calls tools, normalized (fsdp_lib/records/tool_calls.normalize_calls)."""
-    if role in TOOL_CALL_ROLES:
-        if content_key not in turn:
-            raise BadRecord("bad_message", f"{where} is a {role} turn without the call")
-        return normalize_calls(turn[content_key], f"the {role} of {where}")
-    if ROLE_ALIASES.get(role) != "assistant":
-        raise BadRecord("bad_tool_call", f"{where} is a {role} turn with tool calls; only assistant turns call tools")
-    value = turn.get("tool_calls") or turn.get("function_call")
-    return normalize_calls(value, f"the tool calls of {where}")
-
-
-def _optional_content(turn: dict, content_key: str, where: str) -> str:
-    """The text of an assistant turn that calls tools: often null or absent (then "")."""
-    content = turn.get(content_key)
-    return "" if content is None else _content_text(content, where)
-
-
-def _result_text(content: object, where: str) -> str:
-    """A tool result's text: a string or text parts as is; an object or a list of values as its JSON."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(part, (str, dict)) and _is_text_part(part) for part in content):
-        return _content_text(content, where)
-    if isinstance(content, (dict, list, int, float, bool)):
-        return to_json(content)
-    raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content")
-
-
-def _is_text_part(part: object) -> bool:
-    return isinstance(part, str) or (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES)
-
-
-TEXT_PART_TYPES = ("text", "input_text", "output_text")  # OpenAI's chat and responses APIs name text parts so
-
-
-def _content_text(content: object, where: str) -> str:
-    """A turn's content: a string, or a list of parts (OpenAI/HF multimodal style) whose text parts,
-    {"type": "text", "text": ...} or with "value" instead of "text" (or plain strings), are joined with a newline.
-    A part that is not text (an image, audio, a file) makes the conversation a counted skip."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content")
-    texts = []
-    for number, part in enumerate(content, 1):
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
-        if kind not in TEXT_PART_TYPES:
-            raise BadRecord("non_text_content", f"{where}: content part {number} is {kind!r}, not text")
-        text = part.get("text", part.get("value"))
-        if not isinstance(text, str):
-            raise BadRecord("non_string_content", f"{where}: text part {number} has no string text or value")
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _alpaca_instruction(record: dict) -> str:
-    """The user turn of an Alpaca record: `instruction`, then a blank line and `input` if it is not empty."""
-    user = _text_field(record, "instruction")
-    extra = record.get("input")
-    if extra is not None and not isinstance(extra, str):
-        raise BadRecord("non_string_content", f"'input' is {type(extra).__name__}, not a string")
-    if extra and extra.strip():
-        user = f"{user}\n\n{extra}"
-    return user
-
-
-def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
-    """The user and assistant turns of the single-exchange shapes (Alpaca, prompt/completion, question/answer)."""
-    if shape == "alpaca":
-        return [("user", _alpaca_instruction(record)), ("assistant", _text_field(record, "output"))]
-    if shape == "prompt":
-        answer_key = "completion" if "completion" in record else "response"
-        return [("user", _text_field(record, "prompt")), ("assistant", _text_field(record, answer_key))]
-    return [("user", _text_field(record, "question")), ("assistant", _text_field(record, "answer"))]
-
-
-def parse_conversation(record: object) -> Conversation:
-    """The turns of one conversation record, in any of CONVERSATION_SHAPES, with a top-level `system` string
-    prepended as a system turn, and its top-level `tools` (tool use: fsdp_lib/records/tool_calls.py has the schema).
-    Raises BadRecord with the reason when it cannot be used as a chat row."""
-    shape = conversation_shape(record)
-    if shape is None or not isinstance(record, dict):
-        keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
-        raise BadRecord("not_a_conversation", f"{keys}; expected messages, conversations, instruction + output, "
-                        "prompt + completion/response or question + answer")  # fmt: skip
-    if shape in ("messages", "conversations"):
-        turns = _turns_of_list(record[shape], shape, tools_allowed=True)
-    else:
-        turns = _turns_of_pair(record, shape)
-    turns = _with_system(record, turns)
-    _check_system_turns(turns)
-    if not any(turn[0] == "assistant" and (turn[1].strip() or _tool_calls(turn)) for turn in turns):
-        raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text or a call")
-    try:
-        tools = normalize_tools(record.get("tools"))
-    except ToolFormatError as err:
-        raise BadRecord(err.reason, err.detail) from None
-    return Conversation(turns, to_json(tools) if tools else None)
-
-
-def _tool_calls(turn: tuple[str, str]) -> str | None:
-    return turn.tool_calls if isinstance(turn, ToolTurn) else None
-
-
-def _with_system(record: dict, turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """`turns` after the record's top-level `system` string as a system turn (an empty one is ignored)."""
-    if record.get("system") is None:
-        return turns
-    system = _text_field(record, "system")
-    return [("system", system), *turns] if system.strip() else turns
-
-
-def _check_system_turns(turns: list[tuple[str, str]], where: str = "") -> None:
-    """Only the first turn may be a system turn: chat templates put the system prompt first, or refuse it."""
-    for number, turn in enumerate(turns[1:], 2):
-        if turn[0] == "system":
-            raise BadRecord(
-                "misplaced_system_turn", f"turn {number}{where} is a system turn; only the first turn may be"
-            )
-
-
-def conversation_json(conversation: Conversation) -> str:
-    """The canonical JSON of a conversation, as HF writes messages (tool fields and tools only where present, so a
-    conversation without tool use hashes as before): what --val-fraction hashes."""
-    messages = [turn._asdict() if isinstance(turn, ToolTurn) else {"role": turn[0], "content": turn[1]}
-                for turn in conversation]  # fmt: skip
-    messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
-    tools = getattr(conversation, "tools", None)
-    value: object = messages if tools is None else {"messages": messages, "tools": tools}
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-# --- Preference pairs --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    """One row of a preference dataset (--format preference): the prompt turns, ending with a user turn, and the
-    two responses to it, each starting with an assistant turn. The trainer renders prompt + chosen and prompt +
-    rejected with the chat template, so the prompt is stored once and never repeated in the responses."""
-
-    prompt: Turns
-    chosen: Turns
-    rejected: Turns
-
-    @property
-    def chars(self) -> int:
-        return sum(len(content) for turns in (self.prompt, self.chosen, self.rejected) for _, content in turns)
-
-
 # What a task yields: a text row, a conversation (--format chat) or a preference pair (--format preference).
 Row = str | Conversation | PreferencePair
-# Anthropic HH dialogues: "\n\nHuman: ...\n\nAssistant: ..."; a turn marker starts the text or follows a blank line,
-# so "Human:" inside a line of a turn is text.
-_HH_TURN = re.compile(r"(?:\A\s*|\n\n)(Human|Assistant):")
-HH_ROLES = {"Human": "user", "Assistant": "assistant"}
-
-
-def is_preference_record(record: object) -> bool:
-    """Whether `record` is a preference record: an object with `chosen` and `rejected` keys, in any case. Checked
-    before the conversation shapes, which a ShareGPT preference record (conversations) also has."""
-    if not isinstance(record, dict):
-        return False
-    # len first: this runs on every record of an auto or text run, most of which have neither key
-    names = {key.lower() for key in record if isinstance(key, str) and len(key) in (6, 8)}
-    return "chosen" in names and "rejected" in names
-
-
-def _lower_keys(value: dict, where: str) -> dict:
-    """`value` with its string keys lower-cased, since preference dumps write Prompt/Chosen/Rejected too. Two keys
-    that differ only in case make the record ambiguous: which one is meant cannot be told."""
-    lowered: dict = {}
-    for key, item in value.items():
-        name = key.lower() if isinstance(key, str) else key
-        if name in lowered:
-            raise BadRecord("ambiguous_keys", f"{where} has two keys {name!r} that differ only in case")
-        lowered[name] = item
-    return lowered
-
-
-def _preference_turns(value: object, key: str, string_role: str) -> list[tuple[str, str]]:
-    """The turns of a prompt or response value: a string is one turn of `string_role`; a list holds turns
-    (role/content or from/value, keys in any case); an object is one turn (ShareGPT preference dumps write it)."""
-    if isinstance(value, str):
-        return [(string_role, value)]
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list):
-        raise BadRecord(
-            "bad_preference_value", f"{key!r} is {type(value).__name__}, not a string, a list of turns or a turn"
-        )
-    turns = [_lower_keys(turn, f"turn {number} of {key!r}") if isinstance(turn, dict) else turn
-             for number, turn in enumerate(value, 1)]  # fmt: skip
-    return _turns_of_list(turns, key)
-
-
-def _hh_turns(text: str, key: str) -> list[tuple[str, str]]:
-    """The turns of an Anthropic HH dialogue string ("\\n\\nHuman: ...\\n\\nAssistant: ..."), contents stripped."""
-    markers = list(_HH_TURN.finditer(text))
-    if not markers or markers[0].start() != 0:
-        found = "no '\\n\\nHuman:' or '\\n\\nAssistant:' turn" if not markers else "text before the first turn"
-        raise BadRecord("malformed_hh_string", f"{key!r} has {found}")
-    ends = [marker.start() for marker in markers[1:]] + [len(text)]
-    return [(HH_ROLES[marker[1]], text[marker.end() : end].strip()) for marker, end in zip(markers, ends)]
-
-
-def _split_shared_prompt(
-    chosen: list[tuple[str, str]], rejected: list[tuple[str, str]]
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
-    """(prompt, chosen response, rejected response) of two whole conversations: the prompt is their longest common
-    prefix of whole turns, cut back to its last user turn so that it ends where a response can start."""
-    common = 0
-    for chosen_turn, rejected_turn in zip(chosen, rejected):
-        if chosen_turn != rejected_turn:
-            break
-        common += 1
-    end = max((number for number in range(1, common + 1) if chosen[number - 1][0] == "user"), default=0)
-    if end == 0:
-        shared = f"share {common} leading turn(s), none a user turn" if common else "share no leading turn"
-        raise BadRecord("no_shared_prompt", f"chosen and rejected {shared}: no common prompt")
-    return chosen[:end], chosen[end:], rejected[end:]
-
-
-def _strip_prompt(response: list[tuple[str, str]], prompts: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
-    """A response without the prompt turns it repeats: UltraFeedback-style `chosen`/`rejected` are whole
-    conversations that start with the prompt (with or without the top-level system turn)."""
-    for prompt in prompts:
-        if prompt and response[: len(prompt)] == prompt:
-            return response[len(prompt) :]
-    return response
-
-
-def _check_pair(prompt: list[tuple[str, str]], chosen: list[tuple[str, str]], rejected: list[tuple[str, str]]) -> None:
-    """The rules a pair must meet to be trained on: one leading system turn at most, a prompt that ends with a user
-    turn, responses that start and end with an assistant turn and have assistant text, and responses that differ."""
-    _check_system_turns(prompt, " of the prompt")
-    for key, response in (("chosen", chosen), ("rejected", rejected)):
-        for number, (role, _) in enumerate(response, 1):
-            if role == "system":
-                raise BadRecord("misplaced_system_turn", f"turn {number} of the {key} response is a system turn")
-    if not prompt or prompt[-1][0] != "user":
-        ends = f"ends with a {prompt[-1][0]} turn" if prompt else "has no turns"
-        raise BadRecord("prompt_not_ending_with_user", f"the prompt {ends}; it must end with a user turn")
-    for key, response in (("chosen", chosen), ("rejected", rejected)):
-        if not response:
-            problem = "has no turns"
-        elif response[0][0] != "assistant":
-            problem = f"starts with a {response[0][0]} turn, not an assistant turn"
-        elif response[-1][0] != "assistant":  # a trailing user turn is never trained on: it tells nothing apart
-            problem = f"ends with a {response[-1][0]} turn, not an assistant turn"
-        elif not any(role == "assistant" and content.strip() for role, content in response):
-            problem = "has no assistant turn with text"
-        else:
-            continue
-        raise BadRecord("no_assistant_response", f"the {key} response {problem}")
-    if [(role, content.strip()) for role, content in chosen] == [(role, content.strip()) for role, content in rejected]:
-        raise BadRecord("identical_responses", f"chosen and rejected are the same {len(chosen)} turn(s)")
-
-
-def parse_preference(record: object) -> PreferencePair:
-    """The prompt and responses of one preference record, keys in any case. Shapes, by the keys beside chosen and
-    rejected: `prompt` (TRL standard: strings; conversational: lists of turns, where chosen/rejected may repeat the
-    prompt turns first), `conversations` (ShareGPT: the prompt turns; each response one turn object or a string),
-    `instruction` (+ `input`: Alpaca), or none: chosen and rejected are whole conversations, lists of turns or
-    Anthropic HH strings, whose shared leading turns are the prompt. A top-level `system` string becomes the first
-    prompt turn. Raises BadRecord with the reason when the pair cannot be trained on."""
-    if not is_preference_record(record) or not isinstance(record, dict):
-        keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
-        raise BadRecord("not_a_preference_pair", f"{keys}; expected chosen and rejected")
-    fields = _lower_keys(record, "the record")
-    if "prompt" in fields or "conversations" in fields or "instruction" in fields:
-        if "prompt" in fields:
-            given = _preference_turns(fields["prompt"], "prompt", "user")
-        elif "conversations" in fields:
-            given = _preference_turns(fields["conversations"], "conversations", "user")
-        else:
-            given = [("user", _alpaca_instruction(fields))]
-        prompt = _with_system(fields, given)
-        chosen, rejected = (
-            _strip_prompt(_preference_turns(fields[key], key, "assistant"), [prompt, given])
-            for key in ("chosen", "rejected")
-        )
-    else:
-        both = (fields["chosen"], fields["rejected"])
-        if all(isinstance(value, list) for value in both):
-            whole = [_preference_turns(value, key, "assistant") for key, value in zip(("chosen", "rejected"), both)]
-        elif all(isinstance(value, str) for value in both):
-            whole = [_hh_turns(value, key) for key, value in zip(("chosen", "rejected"), both)]
-        else:
-            kinds = " and ".join(type(value).__name__ for value in both)
-            raise BadRecord("bad_preference_value", f"chosen and rejected are {kinds} and there is no prompt: "
-                            "expected two lists of turns or two Anthropic HH strings")  # fmt: skip
-        shared, chosen, rejected = _split_shared_prompt(*whole)
-        prompt = _with_system(fields, shared)
-    _check_pair(prompt, chosen, rejected)
-    return PreferencePair(tuple(prompt), tuple(chosen), tuple(rejected))
-
-
-def preference_json(pair: PreferencePair) -> str:
-    """The canonical JSON of a pair, its three columns as HF writes messages: what --val-fraction hashes, so a pair
-    (and every copy of it) lands in one split, whatever the file order."""
-    columns = {name: [{"role": role, "content": content} for role, content in getattr(pair, name)]
-               for name in PREFERENCE_COLUMNS}  # fmt: skip
-    return json.dumps(columns, ensure_ascii=False, separators=(",", ":"))
-
-
 # --- Reading one file ---------------------------------------------------------------------------------------
 
 
@@ -1053,14 +522,6 @@ class Extraction:
         return row
 
 
-def record_kind(record: object) -> str | None:
-    """What an auto run may write a record as: "preference" (chosen and rejected keys, tried first: a ShareGPT
-    preference record has a conversation shape too), "chat" (a conversation shape), or None (text only)."""
-    if is_preference_record(record):
-        return "preference"
-    return "chat" if conversation_shape(record) is not None else None
-
-
 def row_chars(row: Row) -> int:
     """Characters of a row: of a text, of a conversation's contents, or of a pair's three columns."""
     if isinstance(row, str):
@@ -1070,7 +531,7 @@ def row_chars(row: Row) -> int:
     chars = sum(len(turn[1]) for turn in row)
     if not getattr(row, "uses_tools", False):
         return chars
-    return chars + sum(len(_tool_calls(turn) or "") for turn in row) + len(row.tools or "")
+    return chars + sum(len(calls_json(turn) or "") for turn in row) + len(row.tools or "")
 
 
 class ConversationText(str):
@@ -1779,11 +1240,6 @@ class SplitWriter:
         (folder / "dataset_info.json").write_text(json.dumps(info_template, indent=2, sort_keys=True) + "\n")
 
 
-def _turn_names(column: str) -> tuple[str, ...]:
-    """The fields of a turn: role and content, and for chat rows the tool fields (fsdp_lib/records/tool_calls.py)."""
-    return ("role", "content", *TURN_FIELDS) if column == "messages" else ("role", "content")
-
-
 def arrow_type(column: str) -> pa.DataType:
     """The Arrow type of a column: `text` and `tools` a string; `messages` list<struct<role, content, tool_calls,
     name, tool_call_id: string>>; a preference dataset's `prompt`, `chosen`, `rejected` list<struct<role: string,
@@ -1792,7 +1248,7 @@ def arrow_type(column: str) -> pa.DataType:
 
     if column in ("text", "tools"):
         return pa.string()
-    return pa.list_(pa.struct([pa.field(name, pa.string()) for name in _turn_names(column)]))
+    return pa.list_(pa.struct([pa.field(name, pa.string()) for name in turn_fields(column)]))
 
 
 def column_features(column: str) -> datasets.Features:
@@ -1805,7 +1261,7 @@ def column_features(column: str) -> datasets.Features:
         if name in ("text", "tools"):
             features[name] = datasets.Value("string")
         else:
-            features[name] = datasets.List({field: datasets.Value("string") for field in _turn_names(name)})
+            features[name] = datasets.List({field: datasets.Value("string") for field in turn_fields(name)})
     return datasets.Features(features)
 
 

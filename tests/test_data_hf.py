@@ -17,18 +17,12 @@ import pytest
 from datasets import Dataset, DatasetDict, Features, Value, load_from_disk
 
 import data_hf
-from data_hf import (
-    SUMMARY_NAME,
-    assign_split,
-    extract_strings,
-    find_input_files,
-    iter_json_values,
-    main,
-    plan_tasks,
-    read_file,
-    split_long_text,
-)
+from data_hf import SUMMARY_NAME, assign_split, find_input_files, iter_json_values, main, plan_tasks, read_file
+from fsdp_lib.records.conversation import ToolTurn, conversation_json, parse_conversation
 from fsdp_lib.records.dataset import load_text_dataset
+from fsdp_lib.records.reasons import BadRecord
+from fsdp_lib.records.text import extract_strings, split_long_text
+from fsdp_lib.records.tool_calls import TURN_FIELDS
 
 
 def write_files(root: Path, files: dict[str, str | bytes]) -> Path:
@@ -527,7 +521,7 @@ def turns(*pairs: str) -> tuple[tuple[str, str], ...]:
     return tuple(zip(pairs[::2], pairs[1::2], strict=True))
 
 
-NO_TOOLS = dict.fromkeys(data_hf.TURN_FIELDS)  # the tool fields of a turn without tool use: null
+NO_TOOLS = dict.fromkeys(TURN_FIELDS)  # the tool fields of a turn without tool use: null
 
 
 def messages_of(conversation: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
@@ -573,7 +567,7 @@ def without_nulls(rows: list[list[dict]]) -> list[list[dict]]:
     ],
 )  # fmt: skip
 def test_parse_conversation_reads_every_record_shape(record: dict, expected: tuple) -> None:
-    assert data_hf.parse_conversation(record) == expected
+    assert parse_conversation(record) == expected
 
 
 BAD_RECORDS = [
@@ -614,9 +608,9 @@ def test_content_given_as_a_list_of_text_parts_is_joined() -> None:
             {"role": "assistant", "content": [{"type": "output_text", "text": "5."}, "Five."]},
         ]
     }
-    assert data_hf.parse_conversation(record) == (("user", "What is\n2 plus 3?"), ("assistant", "5.\nFive."))
+    assert parse_conversation(record) == (("user", "What is\n2 plus 3?"), ("assistant", "5.\nFive."))
     sharegpt = {"conversations": [{"from": "human", "value": [{"text": "hi"}]}, {"from": "gpt", "value": "hello"}]}
-    assert data_hf.parse_conversation(sharegpt) == (("user", "hi"), ("assistant", "hello"))
+    assert parse_conversation(sharegpt) == (("user", "hi"), ("assistant", "hello"))
 
 
 WEATHER = {
@@ -656,13 +650,13 @@ TOOL_RECORDS = {
 
 @pytest.mark.parametrize("shape", TOOL_RECORDS)
 def test_tool_calls_in_every_shape_read_as_one_schema(shape: str) -> None:
-    conversation = data_hf.parse_conversation(TOOL_RECORDS[shape])
+    conversation = parse_conversation(TOOL_RECORDS[shape])
     call = dict(CALL, id="call_1") if shape == "openai" else CALL
     result_id = "call_1" if shape == "openai" else None
     assert list(conversation) == [
         ("user", "Weather in Paris?"),
-        data_hf.ToolTurn("assistant", "", json.dumps([call], separators=(",", ":"))),
-        data_hf.ToolTurn("tool", '{"temp":20}' if shape == "hf" else '{"temp": 20}', None, "get_weather", result_id),
+        ToolTurn("assistant", "", json.dumps([call], separators=(",", ":"))),
+        ToolTurn("tool", '{"temp":20}' if shape == "hf" else '{"temp": 20}', None, "get_weather", result_id),
         ("assistant", "20 degrees."),
     ]
     assert json.loads(conversation.tools) == [WEATHER]
@@ -675,10 +669,10 @@ def test_parallel_calls_answer_in_order_and_plain_conversations_have_no_tools() 
         {"from": "human", "value": "Weather and time?"}, {"from": "function_call", "value": json.dumps(calls)},
         {"from": "observation", "value": "sunny"}, {"from": "observation", "value": "noon"},
         {"from": "gpt", "value": "Sunny at noon."}]}  # fmt: skip
-    turns = data_hf.parse_conversation(record)
+    turns = parse_conversation(record)
     assert [json.loads(turns[1].tool_calls)[i]["function"]["arguments"] for i in (0, 1)] == [{"city": "Paris"}, {}]
     assert [(turn.name, turn.content) for turn in turns[2:4]] == [("get_weather", "sunny"), ("get_time", "noon")]
-    assert turns.tools is None and data_hf.parse_conversation(GOOD[0]).tools is None
+    assert turns.tools is None and parse_conversation(GOOD[0]).tools is None
 
 
 BAD_TOOL_RECORDS = [
@@ -707,8 +701,8 @@ BAD_TOOL_RECORDS = [
 
 @pytest.mark.parametrize(("record", "reason"), BAD_TOOL_RECORDS)
 def test_bad_tool_use_is_a_counted_skip_with_its_reason(record: object, reason: str) -> None:
-    with pytest.raises(data_hf.BadRecord) as caught:
-        data_hf.parse_conversation(record)
+    with pytest.raises(BadRecord) as caught:
+        parse_conversation(record)
     assert caught.value.reason == reason and reason in data_hf.REASONS
 
 
@@ -729,13 +723,12 @@ def test_format_chat_writes_tool_calls_and_tools_that_the_trainer_reads_back(tmp
         assert template_tools(row["tools"]) == [WEATHER]
     assert (
         loaded[4]["tools"] is None
-        and template_messages(loaded[4]["messages"])
-        == without_nulls([messages_of(data_hf.parse_conversation(GOOD[0]))])[0]
+        and template_messages(loaded[4]["messages"]) == without_nulls([messages_of(parse_conversation(GOOD[0]))])[0]
     )
     # the split hash covers the tool fields and tools: a conversation and its copy without tools may part ways
-    with_tools = data_hf.parse_conversation(TOOL_RECORDS["hf"])
-    assert '"tools"' in data_hf.conversation_json(with_tools)
-    assert data_hf.conversation_json(data_hf.parse_conversation(GOOD[0])).startswith('[{"role":"user"')
+    with_tools = parse_conversation(TOOL_RECORDS["hf"])
+    assert '"tools"' in conversation_json(with_tools)
+    assert conversation_json(parse_conversation(GOOD[0])).startswith('[{"role":"user"')
 
 
 def test_chat_conversion_keeps_conversations_with_text_parts_and_counts_non_text_ones(tmp_path: Path) -> None:
@@ -752,14 +745,14 @@ def test_chat_conversion_keeps_conversations_with_text_parts_and_counts_non_text
 
 @pytest.mark.parametrize(("record", "reason"), BAD_RECORDS)
 def test_parse_conversation_rejects_bad_records_with_their_reason(record: object, reason: str) -> None:
-    with pytest.raises(data_hf.BadRecord) as caught:
-        data_hf.parse_conversation(record)
+    with pytest.raises(BadRecord) as caught:
+        parse_conversation(record)
     assert caught.value.reason == reason and reason in data_hf.REASONS
 
 
 CHAT_FEATURES = Features(
     {
-        "messages": [{name: Value("string") for name in ("role", "content", *data_hf.TURN_FIELDS)}],
+        "messages": [{name: Value("string") for name in ("role", "content", *TURN_FIELDS)}],
         "tools": Value("string"),
     }
 )
@@ -807,7 +800,7 @@ def test_format_chat_writes_one_messages_row_per_conversation(tmp_path: Path, ca
     loaded = load_from_disk(str(out))
     assert loaded.features == CHAT_FEATURES
     assert loaded.column_names == ["messages", "tools"] and loaded["tools"] == [None] * len(loaded)
-    expected = [messages_of(data_hf.parse_conversation(record)) for record in CHAT_ROWS]
+    expected = [messages_of(parse_conversation(record)) for record in CHAT_ROWS]
     assert loaded["messages"][:] == expected
     assert loaded[2]["messages"][0] == {"role": "system", "content": "You add.", **NO_TOOLS}
     summary = summary_of(out)
@@ -863,7 +856,7 @@ def test_chat_val_fraction_is_a_stable_split_by_conversation(tmp_path: Path) -> 
     assert 60 < len(validation) < 140
     for messages in validation:
         conversation = tuple((turn["role"], turn["content"]) for turn in messages)
-        assert data_hf.assign_split(data_hf.conversation_json(conversation), 0.25) == "validation"
+        assert data_hf.assign_split(conversation_json(conversation), 0.25) == "validation"
     questions = sorted(m[0]["content"] for m in validation + first["train"]["messages"][:])
     assert questions == sorted(f"question {i}" for i in range(400))
     train, held_out = load_text_dataset(tmp_path / "a")

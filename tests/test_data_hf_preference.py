@@ -12,8 +12,11 @@ import pytest
 from datasets import DatasetDict, Features, Value, load_from_disk
 
 import data_hf
-from data_hf import SUMMARY_NAME, PreferencePair, main, parse_preference
+from data_hf import SUMMARY_NAME, main
 from fsdp_lib.records.dataset import load_text_dataset
+from fsdp_lib.records.preference import PreferencePair, parse_preference, preference_json, record_kind
+from fsdp_lib.records.reasons import BadRecord
+from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
 Turns = tuple[tuple[str, str], ...]
 
@@ -49,7 +52,7 @@ def msg(role: str, content: object) -> dict:
 
 def row_of(pair: PreferencePair) -> dict[str, list[dict[str, str]]]:
     """A pair as load_from_disk gives it back."""
-    return {name: [msg(r, c) for r, c in getattr(pair, name)] for name in data_hf.PREFERENCE_COLUMNS}
+    return {name: [msg(r, c) for r, c in getattr(pair, name)] for name in PREFERENCE_COLUMNS}
 
 
 # The pair every shape below describes (some with a system turn or more context).
@@ -143,7 +146,7 @@ SHAPES = [
 @pytest.mark.parametrize(("record", "expected"), [shape[1:] for shape in SHAPES], ids=[shape[0] for shape in SHAPES])
 def test_parse_preference_reads_every_record_shape(record: dict, expected: PreferencePair) -> None:
     assert parse_preference(record) == expected
-    assert data_hf.record_kind(record) == "preference"  # auto: before the conversation shapes (ShareGPT, Alpaca)
+    assert record_kind(record) == "preference"  # auto: before the conversation shapes (ShareGPT, Alpaca)
 
 
 BAD_PAIRS = [
@@ -188,7 +191,7 @@ BAD_PAIRS = [
 
 @pytest.mark.parametrize(("record", "reason"), BAD_PAIRS)
 def test_parse_preference_rejects_bad_records_with_their_reason(record: object, reason: str) -> None:
-    with pytest.raises(data_hf.BadRecord) as caught:
+    with pytest.raises(BadRecord) as caught:
         parse_preference(record)
     assert caught.value.reason == reason and reason in data_hf.REASONS
 
@@ -218,9 +221,7 @@ def test_format_preference_writes_three_message_columns_and_counts_bad_records(t
     assert [(f.name, str(f.type)) for f in loaded.data.schema] == [  # no tool fields: pairs have no tool turns
         (c, "list<item: struct<role: string, content: string>>") for c in ("prompt", "chosen", "rejected")
     ]
-    assert loaded[:] == {
-        name: [row_of(expected)[name] for _, _, expected in SHAPES] for name in data_hf.PREFERENCE_COLUMNS
-    }
+    assert loaded[:] == {name: [row_of(expected)[name] for _, _, expected in SHAPES] for name in PREFERENCE_COLUMNS}
     summary = summary_of(out)
     expected_reasons = Counter(reason for _, reason in BAD_PAIRS)
     expected_reasons.update(["text_file_in_preference_run", "invalid_jsonl_line"])
@@ -275,10 +276,8 @@ def test_val_fraction_assigns_each_pair_by_its_content_whatever_the_file_order(t
     held_out = load_from_disk(str(tmp_path / "a"))
     for split in ("train", "validation"):
         for row in held_out[split]:
-            pair = PreferencePair(
-                *(tuple((t["role"], t["content"]) for t in row[c]) for c in data_hf.PREFERENCE_COLUMNS)
-            )
-            assert data_hf.assign_split(data_hf.preference_json(pair), 0.2) == split
+            pair = PreferencePair(*(tuple((t["role"], t["content"]) for t in row[c]) for c in PREFERENCE_COLUMNS))
+            assert data_hf.assign_split(preference_json(pair), 0.2) == split
 
 
 def test_auto_writes_pairs_when_every_record_is_one(tmp_path: Path, capsys) -> None:

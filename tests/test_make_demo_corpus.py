@@ -140,7 +140,8 @@ def records_of(conversations: dict[str, bytes]) -> list[dict]:
 
 
 def test_conversations_use_every_shape_and_state_the_corpus_facts(corpus: dict[str, bytes]) -> None:
-    import data_hf
+    from fsdp_lib.records.conversation import conversation_shape, parse_conversation
+    from fsdp_lib.records.reasons import BadRecord
 
     conversations = make_demo_corpus.generate_conversations(seed=0)
     assert conversations == make_demo_corpus.generate_conversations(seed=0)
@@ -148,7 +149,7 @@ def test_conversations_use_every_shape_and_state_the_corpus_facts(corpus: dict[s
     records = records_of(conversations)
     good = [r for r in records if r not in make_demo_corpus.BAD_CHAT_RECORDS]
     assert 300 <= len(good) <= 1000 and len(records) - len(good) == 2
-    assert {data_hf.conversation_shape(r) for r in good} == {
+    assert {conversation_shape(r) for r in good} == {
         "messages",
         "conversations",
         "alpaca",
@@ -156,15 +157,15 @@ def test_conversations_use_every_shape_and_state_the_corpus_facts(corpus: dict[s
         "question",
     }
     assert any("system" in r for r in good) and any(r.get("messages", [{}])[0].get("role") == "system" for r in good)
-    with pytest.raises(data_hf.BadRecord, match="none from the assistant"):
-        data_hf.parse_conversation(make_demo_corpus.BAD_CHAT_RECORDS[0])
-    with pytest.raises(data_hf.BadRecord, match="narrator"):
-        data_hf.parse_conversation(make_demo_corpus.BAD_CHAT_RECORDS[1])
+    with pytest.raises(BadRecord, match="none from the assistant"):
+        parse_conversation(make_demo_corpus.BAD_CHAT_RECORDS[0])
+    with pytest.raises(BadRecord, match="narrator"):
+        parse_conversation(make_demo_corpus.BAD_CHAT_RECORDS[1])
     # Every answer is a sentence of the text corpus: chat and text teach the same, consistent facts.
     texts = " ".join(t for p, d in corpus.items() if p not in make_demo_corpus.BAD_FILES for t in texts_of(p, d))
     answers = Counter()
     for record in good:
-        for role, content in data_hf.parse_conversation(record):
+        for role, content in parse_conversation(record):
             if role == "assistant":
                 assert content in texts, content
                 answers[content] += 1

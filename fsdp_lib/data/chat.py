@@ -14,6 +14,7 @@ import numpy as np
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
 
 
@@ -284,7 +285,7 @@ def chat_encoder(
 ) -> ChatEncoder | None:
     """A ChatEncoder when the dataset holds conversations (a `messages` column), after checking the template (and
     its tool support when the dataset uses tools)."""
-    if "messages" not in columns:
+    if dataset_kind(columns) != "messages":
         return None
     dataset = dataset or cfg.datasets_label
     if cfg.chat_template:

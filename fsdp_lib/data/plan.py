@@ -17,9 +17,10 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, uses_tools
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
-from fsdp_lib.data.preference import PairBlocks, PairEncoder, is_preference_split
+from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.dataset import load_text_dataset
+from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.runtime import Dist, log
 
 
@@ -294,9 +295,9 @@ def describe_datasets(cfg: TrainConfig) -> None:
             train_split, val_split = load_text_dataset(name, cfg.text_column or None)
         except ValueError as exc:
             raise TrainError(f"--dataset-name: {exc}") from exc
-        kind = "preference pairs" if is_preference_split(train_split.column_names) else (
-            "conversations" if "messages" in train_split.column_names else "text"
-        )  # fmt: skip
+        kind = {"preference": "preference pairs", "messages": "conversations"}.get(
+            dataset_kind(train_split.column_names), "text"
+        )
         held_out = f", {len(val_split):,} validation rows" if val_split is not None else ""
         share = f", weight {weights[i] / sum(weights):.3f}" if weights else ""
         lines.append(f"  {name}: {kind}, {len(train_split):,} train rows{held_out}{share}")
@@ -307,7 +308,7 @@ def describe_datasets(cfg: TrainConfig) -> None:
 def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> str:
     """--objective as lm or dpo: auto follows the dataset; an explicit choice must fit it."""
     name = name or cfg.datasets_label
-    preference = is_preference_split(columns)
+    preference = dataset_kind(columns) == "preference"
     if cfg.objective == "dpo" and not preference:
         raise TrainError(
             f"--objective dpo: --dataset-name {name} has the columns {columns}, not prompt, chosen and "

@@ -21,12 +21,7 @@ import torch
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.chat import ChatEncoder, ChatFormatError
 from fsdp_lib.integrity import commit_files, staged, staged_writes
-
-PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
-
-
-def is_preference_split(columns: list[str]) -> bool:
-    return set(PREFERENCE_COLUMNS) <= set(columns)
+from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_lib.offline import download_dataset_command, hub_dataset_snapshot, is_hub_dataset_id, set_offline
+from fsdp_lib.records.schema import dataset_kind
 
 if TYPE_CHECKING:
     import datasets
@@ -55,8 +56,7 @@ def load_text_dataset(
         train = use_as_text(train, text_column, "train", source)
         validation = use_as_text(validation, text_column, "validation", source)
     for name, split in (("train", train), ("validation", validation)):
-        preference = {"prompt", "chosen", "rejected"} <= set(split.column_names) if split is not None else False
-        if split is not None and not {"text", "messages"} & set(split.column_names) and not preference:
+        if split is not None and dataset_kind(split.column_names) is None:
             raise ValueError(
                 f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
                 f"column, nor 'prompt', 'chosen' and 'rejected' (preference pairs); pass --text-column NAME to use "

@@ -1,0 +1,57 @@
+"""The dataset schema: the kinds of dataset data_hf.py writes and the trainer reads, their columns, the fields of a
+turn, the roles a turn may have, and the rule that tells a saved dataset's kind from its column names.
+
+A dataset is one of three kinds:
+- "text": one column `text`, a string per row;
+- "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id} per row (one conversation),
+  and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
+- "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair).
+data_hf.py decides the kind when it writes (and names it in its summary's "column"); the trainer finds it again
+from the column names with dataset_kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fsdp_lib.records.tool_calls import TURN_FIELDS
+
+# Turns of a preference pair: (role, content) with the standard roles; a list of {"role", "content"} structs.
+Turns = tuple[tuple[str, str], ...]
+# The columns of a preference dataset, each a list of messages like `messages`; the trainer reads these names.
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+# The columns of each kind of dataset ("column" in the summary names the kind).
+DATASET_COLUMNS = {"text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS}
+# Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
+# Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool turns: TOOL_RESULT_ROLES and
+# TOOL_CALL_ROLES, in --format chat only (a preference record with them is an unknown_role skip).
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+}
+# A tool's result: OpenAI/HF "tool", OpenAI's legacy "function", ShareGPT/glaive "observation", Llama 3.1 "ipython".
+TOOL_RESULT_ROLES = ("tool", "function", "observation", "ipython")
+# ShareGPT/glaive: an assistant turn whose value is the call, a JSON object (or a list of them).
+TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
+
+
+def turn_fields(column: str) -> tuple[str, ...]:
+    """The fields of a turn in `column`: role and content, and for chat rows (`messages`) the tool fields."""
+    return ("role", "content", *TURN_FIELDS) if column == "messages" else ("role", "content")
+
+
+def dataset_kind(columns: Iterable[str]) -> str | None:
+    """The kind of a saved dataset (a key of DATASET_COLUMNS) told from its column names: "preference" when it has
+    all of PREFERENCE_COLUMNS, else "messages" when it has a `messages` column (with or without `tools`), else
+    "text" when it has a `text` column; None when it is none of them."""
+    names = set(columns)
+    if set(PREFERENCE_COLUMNS) <= names:
+        return "preference"
+    if "messages" in names:
+        return "messages"
+    return "text" if "text" in names else None
