@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,10 +15,19 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+import yaml
 from datasets import Dataset, DatasetDict, Features, Value, load_from_disk
 
 import data_hf
-from data_hf import SUMMARY_NAME, assign_split, find_input_files, iter_json_values, main, plan_tasks, read_file
+from data_hf import main
+from fsdp_lib.convert import reading, workers
+from fsdp_lib.convert.planning import find_input_files, plan_tasks
+from fsdp_lib.convert.publish import OLD_TAG, SUMMARY_NAME, TMP_TAG, clean_stale_temporaries
+from fsdp_lib.convert.reading import piece_bytes_for, read_file
+from fsdp_lib.convert.results import REASONS, FileResult
+from fsdp_lib.convert.streaming import iter_json_values
+from fsdp_lib.convert.workers import assign_split
+from fsdp_lib.convert.writer import SplitWriter, arrow_type
 from fsdp_lib.records.conversation import ToolTurn, conversation_json, parse_conversation
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.reasons import BadRecord
@@ -48,7 +58,7 @@ def summary_of(out: Path) -> dict:
     return json.loads((out / SUMMARY_NAME).read_text())
 
 
-def reasons(result: data_hf.FileResult) -> list[str]:
+def reasons(result: FileResult) -> list[str]:
     return [problem.reason for problem in result.problems]
 
 
@@ -242,13 +252,13 @@ def test_split_long_text_keeps_content_and_limit_and_prefers_blank_lines() -> No
 
 
 def test_large_text_file_is_read_in_pieces_that_tile_it_exactly(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)
-    monkeypatch.setattr(data_hf, "ALIGN_WINDOW", 256)
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(reading, "ALIGN_WINDOW", 256)
     paragraphs = [f"para {i} " + "\u00e9t\u00e9 " * (i % 40) for i in range(2000)]
     text = "\n\n".join(paragraphs) + "\nlast line without blank line " * 30
     path = tmp_path / "big.txt"
     path.write_text(text)
-    piece_bytes = data_hf.piece_bytes_for(1000)
+    piece_bytes = piece_bytes_for(1000)
     tasks = plan_tasks([(path, path.stat().st_size)], piece_bytes)
     assert len(tasks) > 5
     rows = []
@@ -260,12 +270,12 @@ def test_large_text_file_is_read_in_pieces_that_tile_it_exactly(tmp_path: Path, 
 
 
 def test_large_jsonl_pieces_give_every_line_once_with_global_line_numbers(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)
-    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(workers, "PARALLEL_MIN_BYTES", 0)
     lines = [json.dumps({"t": f"record {i} " + "x" * (i % 50)}) for i in range(3000)]
     lines[2500] = "{broken"
     data = write_files(tmp_path / "data", {"big.jsonl": "\n".join(lines) + "\n"})
-    assert data_hf.piece_bytes_for(1000) == 4096 and len(plan_tasks([(data / "big.jsonl", 130_000)], 4096)) > 20
+    assert piece_bytes_for(1000) == 4096 and len(plan_tasks([(data / "big.jsonl", 130_000)], 4096)) > 20
     cli = ["--data_folder", str(data), "--save_dir", str(tmp_path / "out"), "--num-proc", "2", "--max-chars", "1000"]
     assert main(cli) == 0
     expected = [json.loads(line)["t"] for i, line in enumerate(lines) if i != 2500]
@@ -279,15 +289,15 @@ def test_large_json_and_yaml_are_streamed_with_the_same_rows(tmp_path: Path, mon
     (tmp_path / "big.json").write_text(json.dumps(records, indent=2))
     (tmp_path / "big.yaml").write_text("\n---\n".join(json.dumps(r) for r in records))
     in_memory = {name: read_file(tmp_path / name).rows for name in ("big.json", "big.yaml")}
-    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 1024)
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)
     streamed_files = []
-    real_streamed = data_hf._items_streamed
+    real_streamed = reading._items_streamed
 
     def spy(kind: str, path: str, *args: object):
         streamed_files.append(Path(path).name)
         return real_streamed(kind, path, *args)
 
-    monkeypatch.setattr(data_hf, "_items_streamed", spy)
+    monkeypatch.setattr(reading, "_items_streamed", spy)
     for name, rows in in_memory.items():
         streamed = read_file(tmp_path / name, max_chars=100)
         assert streamed.rows == rows and len(rows) == 1500 and streamed.problems == []
@@ -358,7 +368,7 @@ def test_cli_writes_a_dataset_that_load_from_disk_reads_in_order(tmp_path: Path,
 
 
 def test_same_input_gives_identical_output_whatever_num_proc(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)  # use workers even for this small corpus
+    monkeypatch.setattr(workers, "PARALLEL_MIN_BYTES", 0)  # use workers even for this small corpus
     files = {f"d{i % 7}/f{i:04d}.{['txt', 'json', 'jsonl', 'yaml'][i % 4]}": "" for i in range(300)}
     for i, name in enumerate(files):
         text = f"row {i} " + "words " * (i % 17)
@@ -703,7 +713,7 @@ BAD_TOOL_RECORDS = [
 def test_bad_tool_use_is_a_counted_skip_with_its_reason(record: object, reason: str) -> None:
     with pytest.raises(BadRecord) as caught:
         parse_conversation(record)
-    assert caught.value.reason == reason and reason in data_hf.REASONS
+    assert caught.value.reason == reason and reason in REASONS
 
 
 def test_format_chat_writes_tool_calls_and_tools_that_the_trainer_reads_back(tmp_path: Path) -> None:
@@ -747,7 +757,7 @@ def test_chat_conversion_keeps_conversations_with_text_parts_and_counts_non_text
 def test_parse_conversation_rejects_bad_records_with_their_reason(record: object, reason: str) -> None:
     with pytest.raises(BadRecord) as caught:
         parse_conversation(record)
-    assert caught.value.reason == reason and reason in data_hf.REASONS
+    assert caught.value.reason == reason and reason in REASONS
 
 
 CHAT_FEATURES = Features(
@@ -759,11 +769,11 @@ CHAT_FEATURES = Features(
 
 
 def test_messages_column_has_the_arrow_type_datasets_gives_conversations() -> None:
-    assert data_hf.arrow_type("messages") == CHAT_FEATURES.arrow_schema.field("messages").type
-    assert str(data_hf.arrow_type("messages")) == (
+    assert arrow_type("messages") == CHAT_FEATURES.arrow_schema.field("messages").type
+    assert str(arrow_type("messages")) == (
         "list<item: struct<role: string, content: string, tool_calls: string, name: string, tool_call_id: string>>"
     )
-    assert data_hf.arrow_type("tools") == CHAT_FEATURES.arrow_schema.field("tools").type
+    assert arrow_type("tools") == CHAT_FEATURES.arrow_schema.field("tools").type
 
 
 GOOD = [
@@ -784,7 +794,7 @@ def chat_corpus(root: Path) -> Path:
             "a_array.json": json.dumps(GOOD[:2]),
             "b_single.json": json.dumps(GOOD[2]),
             "c_lines.jsonl": "\n".join([json.dumps(GOOD[3]), *bad_lines, "{broken", json.dumps(GOOD[4])]) + "\n",
-            "d_docs.yaml": data_hf.yaml.safe_dump_all([GOOD[0], GOOD[1:3]]),
+            "d_docs.yaml": yaml.safe_dump_all([GOOD[0], GOOD[1:3]]),
             "e_notes.txt": "a text file is not a conversation",
         },
     )
@@ -826,8 +836,8 @@ def test_bad_records_of_a_json_array_are_numbered(tmp_path: Path) -> None:
 
 
 def test_chat_conversion_is_the_same_with_workers_and_in_pieces(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)  # the big file is read in pieces by several workers
+    monkeypatch.setattr(workers, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 4096)  # the big file is read in pieces by several workers
     lines = [json.dumps({"question": f"q{i} \u00e9", "answer": f"a{i}" * (i % 30 + 1)}) for i in range(2000)]
     lines[1500] = json.dumps({"question": "no answer", "answer": " "})
     files = {"big.jsonl": "\n".join(lines) + "\n", **{f"small/{i:03d}.json": json.dumps(GOOD) for i in range(40)}}
@@ -856,7 +866,7 @@ def test_chat_val_fraction_is_a_stable_split_by_conversation(tmp_path: Path) -> 
     assert 60 < len(validation) < 140
     for messages in validation:
         conversation = tuple((turn["role"], turn["content"]) for turn in messages)
-        assert data_hf.assign_split(conversation_json(conversation), 0.25) == "validation"
+        assert assign_split(conversation_json(conversation), 0.25) == "validation"
     questions = sorted(m[0]["content"] for m in validation + first["train"]["messages"][:])
     assert questions == sorted(f"question {i}" for i in range(400))
     train, held_out = load_text_dataset(tmp_path / "a")
@@ -970,9 +980,9 @@ def test_json_mode_records_keeps_one_row_per_record(tmp_path: Path, monkeypatch)
         "T1", "x", "y", "bare", "T2", "one object", "a", "l1", "l2", "l3", "doc", "f1", "f2", "r1", "r2", "r3",
     ]  # fmt: skip
     big = write_files(tmp_path / "big", {"big.json": json.dumps([{"a": f"r{i}", "b": "s"} for i in range(3000)])})
-    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 1024)  # so the file is parsed as a stream, element by element
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)  # so the file is parsed as a stream, element by element
     spy = []
-    monkeypatch.setattr(data_hf, "_scan_large_file", lambda path: spy.append(path) or (False, "utf-8-sig", None))
+    monkeypatch.setattr(reading, "_scan_large_file", lambda path: spy.append(path) or (False, "utf-8-sig", None))
     streamed = read_file(big / "big.json", max_chars=100, json_mode="records")
     assert streamed.rows == [f"r{i}\ns" for i in range(3000)] and spy == [str(big / "big.json")]
 
@@ -1003,18 +1013,18 @@ def finished_pid() -> int:
 
 
 def test_stale_temporaries_are_removed_and_an_aside_dataset_restored(tmp_path: Path) -> None:
-    host, dead, alive = data_hf.socket.gethostname(), finished_pid(), os.getpid()
+    host, dead, alive = socket.gethostname(), finished_pid(), os.getpid()
     save_dir = tmp_path / "corpus"
     names = {
-        "dead_tmp": f".corpus{data_hf.TMP_TAG}{host}-{dead}-aaaa",
-        "live_tmp": f".corpus{data_hf.TMP_TAG}{host}-{alive}-bbbb",
-        "other_host": f".corpus{data_hf.TMP_TAG}elsewhere-{dead}-cccc",
-        "dead_old": f".corpus{data_hf.OLD_TAG}{host}-{dead}-dddd",
+        "dead_tmp": f".corpus{TMP_TAG}{host}-{dead}-aaaa",
+        "live_tmp": f".corpus{TMP_TAG}{host}-{alive}-bbbb",
+        "other_host": f".corpus{TMP_TAG}elsewhere-{dead}-cccc",
+        "dead_old": f".corpus{OLD_TAG}{host}-{dead}-dddd",
     }
     for name in names.values():
         (tmp_path / name).mkdir()
     (tmp_path / names["dead_old"] / "state.json").write_text("{}")
-    notes = data_hf.clean_stale_temporaries(save_dir)
+    notes = clean_stale_temporaries(save_dir)
     assert (save_dir / "state.json").exists()  # the dataset an interrupted --overwrite had moved aside
     assert sorted(os.listdir(tmp_path)) == sorted(["corpus", names["live_tmp"], names["other_host"]])
     assert len(notes) == 2
@@ -1023,7 +1033,7 @@ def test_stale_temporaries_are_removed_and_an_aside_dataset_restored(tmp_path: P
 def big_yaml_corpus(folder: Path, files: int = 24) -> Path:
     """About 0.5 MB of YAML per file: slow enough to parse (a few MB/s) that a run can be killed mid-way."""
     documents = [{"id": i, "body": f"record {i} " + "lorem ipsum dolor " * 20, "tags": ["a", "b"]} for i in range(1200)]
-    text = data_hf.yaml.safe_dump_all(documents)
+    text = yaml.safe_dump_all(documents)
     for index in range(files):
         write_files(folder, {f"part_{index:03d}.yaml": text})
     return folder
@@ -1034,7 +1044,7 @@ def run_and_kill_midway(command: list[str], tmp_root: Path, workers_expected: in
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not any(tmp_root.glob(f".*{data_hf.TMP_TAG}*/**/*.arrow.part")):
+        while not any(tmp_root.glob(f".*{TMP_TAG}*/**/*.arrow.part")):
             assert process.poll() is None, "the run ended before it could be killed; make the corpus bigger"
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -1064,7 +1074,7 @@ def test_kill_9_mid_run_leaves_no_dataset_and_a_rerun_succeeds(tmp_path: Path, r
     cli = [sys.executable, str(repo_root / "data_hf.py"), "--save_dir", str(out), "--num-proc", "2"]
     run_and_kill_midway(cli + ["--data_folder", str(data)], out.parent, workers_expected=2)
     assert not out.exists()
-    assert any(name.startswith(f".corpus{data_hf.TMP_TAG}") for name in os.listdir(out.parent))  # the killed run's
+    assert any(name.startswith(f".corpus{TMP_TAG}") for name in os.listdir(out.parent))  # the killed run's
     small = write_files(tmp_path / "small", {"a.txt": "after the crash"})
     assert subprocess.run(cli + ["--data_folder", str(small)], capture_output=True, timeout=300).returncode == 0
     assert rows_of(out) == ["after the crash"]
@@ -1095,7 +1105,7 @@ def test_disk_full_or_no_permission_while_writing_is_one_message(tmp_path, monke
     def write_fails(self, chunk) -> None:
         raise error
 
-    monkeypatch.setattr(data_hf.SplitWriter, "write", write_fails)
+    monkeypatch.setattr(SplitWriter, "write", write_fails)
     assert convert(data, tmp_path / "out") == 1
     err = capsys.readouterr().err
     assert err.count("data_hf: error:") == 1 and error.strerror in err and "rerun" in err

@@ -9,10 +9,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 from datasets import DatasetDict, Features, Value, load_from_disk
 
-import data_hf
-from data_hf import SUMMARY_NAME, main
+from data_hf import main
+from fsdp_lib.convert import reading, workers
+from fsdp_lib.convert.publish import SUMMARY_NAME
+from fsdp_lib.convert.results import REASONS
+from fsdp_lib.convert.workers import assign_split
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.preference import PreferencePair, parse_preference, preference_json, record_kind
 from fsdp_lib.records.reasons import BadRecord
@@ -193,7 +197,7 @@ BAD_PAIRS = [
 def test_parse_preference_rejects_bad_records_with_their_reason(record: object, reason: str) -> None:
     with pytest.raises(BadRecord) as caught:
         parse_preference(record)
-    assert caught.value.reason == reason and reason in data_hf.REASONS
+    assert caught.value.reason == reason and reason in REASONS
 
 
 def preference_corpus(root: Path) -> Path:
@@ -205,7 +209,7 @@ def preference_corpus(root: Path) -> Path:
             "a_array.json": json.dumps(records[:3]),
             "b_single.json": json.dumps(records[3]),
             "c_lines.jsonl": jsonl([records[4], *(record for record, _ in BAD_PAIRS), records[5]]) + "{broken\n",
-            "d_docs.yaml": data_hf.yaml.safe_dump_all([records[6], records[7:]]),
+            "d_docs.yaml": yaml.safe_dump_all([records[6], records[7:]]),
             "e_notes.txt": "a text file holds no preference pairs",
         },
     )
@@ -237,8 +241,8 @@ def test_format_preference_writes_three_message_columns_and_counts_bad_records(t
 
 
 def test_preference_is_the_same_with_workers_and_in_pieces(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data_hf, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(data_hf, "MIN_PIECE_BYTES", 4096)  # the big file is read in pieces by several workers
+    monkeypatch.setattr(workers, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 4096)  # the big file is read in pieces by several workers
     records = [
         {"prompt": f"q{i} \u00e9", "chosen": f"yes {i}", "rejected": f"no {i}" * (i % 9 + 1)} for i in range(600)
     ]
@@ -277,7 +281,7 @@ def test_val_fraction_assigns_each_pair_by_its_content_whatever_the_file_order(t
     for split in ("train", "validation"):
         for row in held_out[split]:
             pair = PreferencePair(*(tuple((t["role"], t["content"]) for t in row[c]) for c in PREFERENCE_COLUMNS))
-            assert data_hf.assign_split(preference_json(pair), 0.2) == split
+            assert assign_split(preference_json(pair), 0.2) == split
 
 
 def test_auto_writes_pairs_when_every_record_is_one(tmp_path: Path, capsys) -> None:
@@ -286,7 +290,7 @@ def test_auto_writes_pairs_when_every_record_is_one(tmp_path: Path, capsys) -> N
         {
             "standard.jsonl": jsonl([SHAPES[0][1], {"prompt": Q, "chosen": GOOD, "rejected": GOOD}]),
             "sharegpt.json": json.dumps([SHAPES[10][1]]),  # has `conversations`: a chat record but for chosen/rejected
-            "alpaca.yaml": data_hf.yaml.safe_dump(SHAPES[12][1]),  # instruction but no output: a pair
+            "alpaca.yaml": yaml.safe_dump(SHAPES[12][1]),  # instruction but no output: a pair
         },
     )
     assert convert(data, tmp_path / "auto") == 0

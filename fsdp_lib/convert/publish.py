@@ -1,0 +1,94 @@
+"""The output folder: the run writes into a hidden temporary folder beside --save_dir, and publish renames it into
+place only when complete (an existing dataset is moved aside first and deleted last, so a complete dataset exists at
+every instant). clean_stale_temporaries deals with what a killed run left: it restores a dataset moved aside and
+removes unfinished outputs, leaving alone the folders of runs still alive or made on another host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+SUMMARY_NAME = "data_hf_summary.json"  # the run summary, saved in the dataset folder: it marks the folder as ours
+# The temporary folders beside --save_dir: .NAME<tag><host>-<pid>-<random>, so a later run can tell whose they are.
+TMP_TAG = ".data_hf-tmp-"
+OLD_TAG = ".data_hf-old-"
+
+
+def occupied(save_dir: Path) -> bool:
+    """True if something is at `save_dir` that writing there would replace (an empty folder does not count)."""
+    if save_dir.is_dir() and not save_dir.is_symlink():
+        return any(save_dir.iterdir())
+    return save_dir.exists() or save_dir.is_symlink()
+
+
+def looks_like_output(folder: Path) -> bool:
+    """Whether `folder` is empty or a dataset (data_hf.py's or save_to_disk's): what --overwrite may replace."""
+    names = ("state.json", "dataset_dict.json", SUMMARY_NAME)
+    return any((folder / name).is_file() for name in names) or not any(folder.iterdir())
+
+
+def _owner_pid(name: str, prefix: str, host: str) -> int | None:
+    """The pid in a temporary folder name made by this host, else None (another host's run: leave it alone)."""
+    parts = name[len(prefix) :].rsplit("-", 2)
+    if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def clean_stale_temporaries(save_dir: Path) -> list[str]:
+    """Deal with the folders a killed run left beside `save_dir`: a dataset that an interrupted --overwrite had
+    moved aside is moved back if `save_dir` is missing, and unfinished outputs are deleted. Folders of runs
+    still alive, or made on another host, are left alone. Returns what was done."""
+    parent, host, notes = save_dir.parent, socket.gethostname(), []
+    if not parent.is_dir():
+        return notes
+    for tag in (OLD_TAG, TMP_TAG):  # old first: restoring beats deleting a complete new output
+        prefix = f".{save_dir.name}{tag}"
+        for name in sorted(n for n in os.listdir(parent) if n.startswith(prefix)):
+            pid = _owner_pid(name, prefix, host)
+            if pid is None or _is_running(pid):
+                continue
+            stale = parent / name
+            if tag == OLD_TAG and not (save_dir.exists() or save_dir.is_symlink()):
+                stale.rename(save_dir)
+                notes.append(f"restored {save_dir} from {name}, moved aside by an interrupted --overwrite run")
+            else:
+                remove_path(stale)
+                notes.append(f"removed {name}, left by an interrupted run (pid {pid})")
+    return notes
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, a link or a folder, whichever `path` is; a missing path is no error."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(tmp: Path, save_dir: Path, run_id: str) -> None:
+    """Move the finished `tmp` to `save_dir`. An existing dataset is moved aside first and deleted only after the
+    new one is in place, so at every instant a complete dataset exists (or is restored by the next run)."""
+    if not (save_dir.exists() or save_dir.is_symlink()):
+        os.rename(tmp, save_dir)
+        return
+    aside = save_dir.parent / f".{save_dir.name}{OLD_TAG}{run_id}"
+    os.rename(save_dir, aside)
+    try:
+        os.rename(tmp, save_dir)
+    except BaseException:
+        os.rename(aside, save_dir)
+        raise
+    remove_path(aside)

@@ -1,0 +1,313 @@
+"""Reading one file, or one piece of a large one, into rows: the bytes of the piece (cut at a blank line or a
+newline, so that the pieces of a file tile it), their encoding (UTF-8, else Windows-1252, else Latin-1), the parser
+of the file's kind (text, JSON, JSON Lines, YAML; a large JSON or YAML file streamed from the open file instead of
+read whole), and every row and problem recorded in a FileResult. read_file is what a worker runs per piece."""
+
+from __future__ import annotations
+
+import codecs
+import io
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import yaml
+
+from fsdp_lib.convert.extraction import DEFAULT_MAX_CHARS, RECORD_FORMATS, ConversationText, Extraction
+from fsdp_lib.convert.results import REASONS, FileResult, Problem, Row
+from fsdp_lib.convert.streaming import JsonStreamError, YamlDepthBound, iter_json_values, yaml_loader
+from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.text import split_long_text
+
+KIND_BY_EXTENSION = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".yaml": "yaml", ".yml": "yaml"}
+# Files above this size are read in pieces (text, JSON Lines) or streamed (JSON, YAML) so that no process ever
+# holds a whole large file; it grows with --max-chars so that a file of at most --max-chars characters
+# (at most 4 bytes each) is never cut by a piece boundary.
+MIN_PIECE_BYTES = 4 << 20
+# A boundary search looks this far for a blank line or newline before cutting a text piece hard.
+ALIGN_WINDOW = 1 << 20
+_BLANK_LINE_BYTES = re.compile(rb"\n[ \t\r]*\n")
+
+
+def decode_bytes(data: bytes, *, at_file_start: bool) -> tuple[str, str | None]:
+    """Text of `data` and the fallback encoding used (None for UTF-8): UTF-8 (a BOM at the file start dropped),
+    else Windows-1252, else Latin-1, which decodes any bytes, so legacy text is read rather than dropped."""
+    try:
+        return data.decode("utf-8-sig" if at_file_start else "utf-8"), None
+    except UnicodeDecodeError:
+        pass
+    try:
+        return data.decode("cp1252"), "cp1252"
+    except UnicodeDecodeError:  # cp1252 leaves five byte values undefined
+        return data.decode("latin-1"), "latin-1"
+
+
+def file_kind(path: str | Path) -> str:
+    """How a file is parsed: "json", "jsonl", "yaml", or "text" for every other extension."""
+    return KIND_BY_EXTENSION.get(Path(path).suffix.lower(), "text")
+
+
+def piece_bytes_for(max_chars: int) -> int:
+    """The size of the pieces a large text or JSON Lines file is cut into, and above which JSON and YAML stream."""
+    return max(MIN_PIECE_BYTES, 4 * max_chars)
+
+
+def _align(fh: io.BufferedReader, offset: int, size: int, kind: str) -> int:
+    """The piece boundary for a nominal byte offset: just after the next blank line (text) or newline (JSON Lines,
+    or text without blank lines). Both neighbouring pieces compute it the same way, so pieces tile the file."""
+    if offset <= 0 or offset >= size:
+        return max(0, min(offset, size))
+    fh.seek(offset)
+    window = fh.read(ALIGN_WINDOW)
+    if kind == "text":
+        match = _BLANK_LINE_BYTES.search(window)
+        if match:
+            return offset + match.end()
+    position, chunk = offset, window
+    while chunk:
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+        if kind == "text":  # no line break in a whole window: cut hard, but not inside a UTF-8 sequence
+            skip = 0
+            while skip < 3 and skip < len(window) and 0x80 <= window[skip] <= 0xBF:
+                skip += 1
+            return offset + skip
+        position += len(chunk)  # a JSON Lines line is never cut: look further
+        chunk = fh.read(ALIGN_WINDOW)
+    return size
+
+
+def _read_bytes(path: str, kind: str, start: int, end: int | None) -> tuple[int, bytes]:
+    """(offset, bytes) of the piece [start, end) after boundary alignment; the whole file when end is None."""
+    with open(path, "rb") as fh:
+        if start == 0 and end is None:
+            return 0, fh.read()
+        size = os.fstat(fh.fileno()).st_size
+        first = _align(fh, start, size, kind)
+        last = size if end is None or end >= size else _align(fh, end, size, kind)
+        if last <= first:
+            return first, b""
+        fh.seek(first)
+        return first, fh.read(last - first)
+
+
+def _scan_large_file(path: str) -> tuple[bool, str, YamlDepthBound]:
+    """(has NUL bytes, encoding to open it with, YAML depth bound) for a file too large to decode in memory."""
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    is_utf8, is_cp1252, has_nul = True, True, False
+    depth = YamlDepthBound()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(MIN_PIECE_BYTES):
+            depth.feed(chunk)
+            has_nul = has_nul or b"\x00" in chunk
+            is_cp1252 = is_cp1252 and not re.search(rb"[\x81\x8d\x8f\x90\x9d]", chunk)
+            if is_utf8:
+                try:
+                    utf8.decode(chunk)
+                except UnicodeDecodeError:
+                    is_utf8 = False
+    if is_utf8:
+        try:
+            utf8.decode(b"", final=True)
+        except UnicodeDecodeError:
+            is_utf8 = False
+    return has_nul, "utf-8-sig" if is_utf8 else "cp1252" if is_cp1252 else "latin-1", depth
+
+
+def _json_items(
+    read: Callable[[int], str], result: FileResult, extraction: Extraction, whole_objects: bool
+) -> Iterator[Row]:
+    count = 0
+    try:
+        for item in iter_json_values(read, whole_objects=whole_objects):
+            count += 1
+            yield from extraction.items(item, result, split_lists=False)
+    except JsonStreamError as err:
+        kept = f"; read {count} value(s) before it" if count else ""
+        result.problems.append(Problem(result.path, err.reason, err.detail + kept))
+
+
+def _yaml_items(stream: str | io.TextIOBase, loader: type, result: FileResult, extraction: Extraction) -> Iterator[Row]:
+    documents = yaml.load_all(stream, Loader=loader)
+    count = 0
+    while True:
+        try:
+            document = next(documents)
+        except StopIteration:
+            return
+        except RecursionError:
+            reason, detail = "too_deep", "nesting too deep for the YAML parser"
+        except yaml.YAMLError as err:
+            unsupported = isinstance(err, yaml.constructor.ConstructorError) and "for the tag" in str(err)
+            reason = "yaml_unsupported_tag" if unsupported else "invalid_yaml"
+            detail = " ".join(str(err).split())
+        else:
+            count += 1
+            yield from extraction.items(document, result, split_lists=True, yaml_document=True)
+            continue
+        kept = f"; read {count} document(s) before it" if count else ""
+        result.problems.append(Problem(result.path, reason, detail + kept))
+        return
+
+
+def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction) -> Iterator[Row]:
+    """Rows of every line of JSON Lines bytes. Lines are parsed from bytes (json.loads decodes UTF-8 and drops a
+    BOM itself), so the piece is never held a second time as text; a line that is not UTF-8 is decoded like a
+    legacy text file."""
+    result.newlines = data.count(b"\n")
+    start, number = 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        line, start, number = data[start:end], end + 1, number + 1
+        if not line or line.isspace():
+            continue
+        try:
+            try:
+                value = json.loads(line)
+            except UnicodeDecodeError:
+                text, result.fallback_encoding = decode_bytes(line, at_file_start=False)
+                value = json.loads(text)
+        except RecursionError:
+            result.problems.append(Problem(result.path, "too_deep", "nesting too deep for the JSON parser", number))
+            continue
+        except ValueError as err:
+            result.problems.append(Problem(result.path, "invalid_jsonl_line", str(err), number))
+            continue
+        yield from extraction.items(value, result, split_lists=False, line=number)
+
+
+def _items_in_memory(
+    kind: str, text: str, yaml_loader: type, result: FileResult, extraction: Extraction
+) -> Iterator[Row]:
+    if kind == "text":
+        yield text
+    elif kind == "yaml":
+        yield from _yaml_items(text, yaml_loader, result, extraction)
+    else:
+        try:  # the fast path; the streaming parser below keeps what comes before an error
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            # Several values one after another (JSON Lines saved as .json), or a malformed file. Top-level objects
+            # are records only if they all parse (or with --format chat or preference): a truncated object is read
+            # member by member, as --format text always does, so that its values before the error are kept.
+            whole = extraction.data_format in RECORD_FORMATS or (extraction.whole_records and _parses(text))
+            yield from _json_items(io.StringIO(text).read, result, extraction, whole)
+        else:
+            yield from extraction.items(value, result, split_lists=True)
+
+
+def _parses(text: str) -> bool:
+    """Whether every top-level value of a JSON text parses (values are not kept: memory stays that of the text)."""
+    try:
+        for _ in iter_json_values(io.StringIO(text).read, whole_objects=True):
+            pass
+    except JsonStreamError:
+        return False
+    return True
+
+
+def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[Row]:
+    """Rows of a large JSON or YAML file, parsed from the open file one element or document at a time. A top-level
+    JSON object is read member by member here, whatever the mode, so that memory stays flat."""
+    has_nul, encoding, depth = _scan_large_file(path)
+    result.bytes_read = os.path.getsize(path)
+    if has_nul:
+        result.problems.append(Problem(path, "binary", "the file contains NUL bytes"))
+        return
+    if encoding != "utf-8-sig":
+        result.fallback_encoding = encoding
+    with open(path, encoding=encoding, newline="") as fh:
+        if kind == "json":
+            yield from _json_items(fh.read, result, extraction, whole_objects=False)
+        else:
+            yield from _yaml_items(fh, yaml_loader(depth), result, extraction)
+
+
+def _raw_items(
+    path: str, kind: str, start: int, end: int | None, extraction: Extraction, result: FileResult
+) -> Iterator[Row]:
+    whole = start == 0 and end is None
+    if kind in ("json", "yaml") and whole and os.path.getsize(path) > piece_bytes_for(extraction.max_chars):
+        yield from _items_streamed(kind, path, result, extraction)
+        return
+    offset, data = _read_bytes(path, kind, start, end)
+    result.bytes_read = len(data)
+    if b"\x00" in data:
+        where = "the file contains" if whole else f"bytes {offset}-{offset + len(data)} contain"
+        result.problems.append(Problem(path, "binary", f"{where} NUL bytes"))
+        return
+    if whole and (not data or data.isspace()):
+        result.problems.append(Problem(path, "empty_file", "0 bytes" if not data else "only whitespace"))
+        return
+    if kind == "jsonl":
+        yield from _jsonl_items(data, result, extraction)
+        return
+    depth = YamlDepthBound()
+    if kind == "yaml":
+        depth.feed(data)
+    text, result.fallback_encoding = decode_bytes(data, at_file_start=offset == 0)
+    del data  # a piece is held once, as text
+    yield from _items_in_memory(kind, text, yaml_loader(depth), result, extraction)
+
+
+def iter_rows(
+    path: str | Path, result: FileResult, extraction: Extraction, min_chars: int = 0, start: int = 0,
+    end: int | None = None,
+) -> Iterator[Row]:  # fmt: skip
+    """Rows of one file (or of the piece [start, end) of a large one), recording problems and counts in `result`:
+    text rows (str) of at most extraction.max_chars characters and min_chars or more, conversations and preference
+    pairs. A generator, so a large JSON or YAML file is never held whole."""
+    max_chars = extraction.max_chars
+    try:
+        for item in _raw_items(str(path), file_kind(path), start, end, extraction, result):
+            if isinstance(item, PreferencePair):
+                result.pairs_found += 1
+                yield item
+                continue
+            if not isinstance(item, str):
+                result.conversations_found += 1
+                yield item
+                continue
+            result.strings_found += 1
+            from_conversation = isinstance(item, ConversationText)
+            rows = split_long_text(item, max_chars) if len(item) > max_chars else (item,)
+            result.extra_rows_from_splitting += len(rows) - 1
+            for row in rows:
+                if not row or row.isspace():
+                    result.dropped_empty += 1
+                elif min_chars and (len(row) < min_chars or len(row.strip()) < min_chars):
+                    result.dropped_short += 1
+                else:
+                    result.rows_from_conversations += from_conversation
+                    yield str(row)
+    except OSError as err:
+        result.problems.append(Problem(str(path), "read_error", err.strerror or str(err)))
+
+
+def read_file(
+    path: str | Path,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    min_chars: int = 0,
+    start: int = 0,
+    end: int | None = None,
+    *,
+    data_format: str = "text",
+    json_mode: str = "strings",
+) -> FileResult:
+    """All rows of one file (or of the piece [start, end) of a large one) with what was skipped and why."""
+    result = FileResult(path=str(path))
+    result.rows = list(iter_rows(path, result, Extraction(data_format, json_mode, max_chars), min_chars, start, end))
+    result.rows_kept = len(result.rows)
+    if start == 0 and end is None:
+        note_no_text(result)
+    return result
+
+
+def note_no_text(result: FileResult) -> None:
+    """A whole file that parsed fine but held no string at all gets a problem, so it does not vanish silently."""
+    if not (result.strings_found or result.conversations_found or result.pairs_found or result.problems):
+        result.problems.append(Problem(result.path, "no_text", REASONS["no_text"]))
