@@ -197,37 +197,25 @@ def converted_weights_layout(model: Any, found: dict[str, TensorInfo]) -> tuple[
     """The weight files' tensors as from_pretrained sees them: names and shapes after the installed transformers'
     own key and layout conversions (e.g. Mixtral's per-expert w1/w3 stacked into mlp.experts.gate_up_proj).
 
-    The conversions run on meta tensors, so nothing is read from disk. Keys are routed as
-    transformers.core_model_loading does: all renamings, then at most one converter, then the base-model prefix.
+    Keys are routed as the trainer's sharded load routes them (hf_weights.route_weight_keys); the conversions run
+    on meta tensors, so nothing is read from disk. Names the model does not have stay, for compare_weights' notes.
     """
-    import copy
-
     import torch
 
+    from fsdp_lib.model.hf_weights import route_weight_keys
+
+    def meta_tensor(key: str) -> Any:
+        return torch.empty(found[key].shape, device="meta")
+
     try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-    except ImportError:  # transformers 4.x loads weight keys as they are
+        routing = route_weight_keys(model, found, model.state_dict(), meta_tensor)
+    except ImportError:  # transformers 4.x has no conversion mapping: it loads weight keys as they are
         return found, []
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    prefix = getattr(model, "base_model_prefix", "")
-    model_keys = dict.fromkeys(model.state_dict(), True)
-    layout: dict[str, TensorInfo] = {}
-    pending: dict[str, tuple[Any, TensorInfo]] = {}
-    for key in sorted(found, key=dot_natural_key):  # experts.2 before experts.10: the stacking order
-        target, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
-        if target not in model_keys:
-            target, pattern = rename_source_key(key, [], [], prefix, model_keys)
-        if pattern is None or target not in model_keys:
-            layout[target if pattern is None else key] = found[key]
-            continue
-        converter, first_info = pending.setdefault(target, (copy.deepcopy(by_pattern[pattern]), found[key]))
-        converter.add_tensor(target, key, pattern, torch.empty(found[key].shape, device="meta"))
+    layout = {name: found[key] for key, name in routing.unused.items()}
+    layout.update({target: found[key] for target, key in routing.renamed.items()})
     problems = []
-    for target, (converter, info) in pending.items():
+    for target, converter in routing.converted.items():
+        info = found[routing.sources[target][0]]
         try:
             produced = converter.convert(target, model=model, config=model.config)
         except Exception as exc:  # noqa: BLE001 - e.g. experts of different shapes cannot be stacked

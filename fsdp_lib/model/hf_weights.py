@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,15 +69,25 @@ class WeightLoadPlan:
     conversions: list[Any]  # the transforms that matched; the export reverts exactly these (as save_pretrained)
 
 
-def plan_weight_load(model: nn.Module, files: dict[str, Path]) -> WeightLoadPlan:
-    """Route every tensor name of the weight files as from_pretrained does (transformers.core_model_loading): all
-    WeightRenamings, then at most one WeightConverter, then add or strip the base-model prefix.
+@dataclass
+class WeightRouting:
+    """Where from_pretrained puts each tensor of the weight files, under this transformers version's conversions."""
 
-    A renamed key is read slice by slice; a converted one (e.g. per-expert `experts.N.gate_proj` stacked into
-    `experts.gate_up_proj`) needs its whole source tensors. Keys the architecture does not use are ignored, as
-    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately; a
-    persistent buffer the weight files lack keeps its computed value.
-    """
+    renamed: dict[str, str]  # model name -> tensor name in the files (renamings and the base-model prefix only)
+    converted: dict[str, Any]  # first target name -> a WeightConverter holding its source tensors
+    sources: dict[str, list[str]]  # first target name -> the tensor names it is built from, in stacking order
+    unused: dict[str, str]  # tensor name in the files -> its name after renaming, which the model does not have
+    conversions: list[Any]  # the architecture's whole conversion mapping
+
+
+def route_weight_keys(
+    model: nn.Module, keys: Iterable[str], expected: Iterable[str], source: Callable[[str], Any] = str
+) -> WeightRouting:
+    """Route every tensor name of the weight files as from_pretrained does (transformers.core_model_loading): all
+    WeightRenamings, then at most one WeightConverter, then add or strip the base-model prefix; a name the model
+    already has (maybe prefixed) wins over a conversion. `expected`: the model's tensor names. `source(key)`: what a
+    converter collects for a key (the name, to read it later; a meta tensor, to learn the converted shapes).
+    One routing for the sharded load (plan_weight_load) and model_download.py's verification."""
     import copy
 
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -87,23 +98,38 @@ def plan_weight_load(model: nn.Module, files: dict[str, Path]) -> WeightLoadPlan
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", "model")
+    names = dict.fromkeys(expected, True)
+    routing = WeightRouting({}, {}, {}, {}, conversions)
+    for key in sorted(keys, key=dot_natural_key):  # experts.2 before experts.10: the stacking order
+        target, pattern = rename_source_key(key, renamings, converters, prefix, names)
+        if target not in names:  # as from_pretrained: a name the model already has (maybe prefixed) wins
+            target, pattern = rename_source_key(key, [], [], prefix, names)
+        if target not in names:
+            routing.unused[key] = target
+        elif pattern is None:
+            routing.renamed[target] = key
+        else:
+            converter = routing.converted.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+            converter.add_tensor(target, key, pattern, source(key))
+            routing.sources.setdefault(target, []).append(key)
+    return routing
+
+
+def plan_weight_load(model: nn.Module, files: dict[str, Path]) -> WeightLoadPlan:
+    """Route every tensor name of the weight files as from_pretrained does (route_weight_keys).
+
+    A renamed key is read slice by slice; a converted one (e.g. per-expert `experts.N.gate_proj` stacked into
+    `experts.gate_up_proj`) needs its whole source tensors. Keys the architecture does not use are ignored, as
+    from_pretrained ignores them; tied copies (lm_head tied to the embedding) are never loaded separately; a
+    persistent buffer the weight files lack keeps its computed value.
+    """
     tied = _tied_parameter_names(model)
     params = {base_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False) if not is_adapter_name(n)}
     # Persistent buffers load too where stored, as in from_pretrained (e.g. GLM-4.5's router e_score_correction_bias)
     buffers = {base_fqn(n) for n in model.state_dict() if not is_adapter_name(n)}
-    expected = dict.fromkeys(params | buffers, True)
-    renamed: dict[str, str] = {}
-    converted: dict[str, Any] = {}
-    for key in sorted(files, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, prefix, expected)
-        if target not in expected:  # as from_pretrained: a name the model already has (maybe prefixed) wins
-            target, pattern = rename_source_key(key, [], [], prefix, expected)
-        if target not in expected or target in tied:
-            continue
-        if pattern is None:
-            renamed[target] = key
-        else:
-            converted.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, key, pattern, key)
+    routing = route_weight_keys(model, files, params | buffers)
+    renamed = {target: key for target, key in routing.renamed.items() if target not in tied}
+    converted = {target: c for target, c in routing.converted.items() if target not in tied}
     produced = set(renamed)
     for first, converter in converted.items():
         produced.update(first.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
@@ -113,7 +139,7 @@ def plan_weight_load(model: nn.Module, files: dict[str, Path]) -> WeightLoadPlan
             f"the model folder's weights lack {len(missing)} tensors the architecture needs (after transformers' "
             f"key conversions), e.g. {missing[:5]}; re-download with model_download.py (it verifies every tensor)"
         )
-    return WeightLoadPlan(files, renamed, converted, [c for c in conversions if c.was_used()])
+    return WeightLoadPlan(files, renamed, converted, [c for c in routing.conversions if c.was_used()])
 
 
 def _tied_parameter_names(model: nn.Module) -> set[str]:
