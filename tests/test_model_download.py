@@ -344,7 +344,7 @@ def test_verification_catches_a_missing_tensor(model_copy: Path, capsys):
     save_file(tensors, shard, metadata={"format": "pt"})
     code, output = verify(model_copy, capsys)
     assert code == 1
-    assert "1 parameter(s) missing from the checkpoint" in output and dropped in output
+    assert "1 parameter(s) missing from the weight files" in output and dropped in output
 
 
 def test_verification_catches_a_missing_shard_and_a_wrong_shape(model_copy: Path, capsys):
@@ -378,7 +378,7 @@ def test_verification_reads_pytorch_bin_weights(tiny_model: Path, tmp_path: Path
     data = (folder / "pytorch_model.bin").read_bytes()
     (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     code, output = verify(folder, capsys)
-    assert code == 1 and "pytorch_model.bin: cannot read PyTorch checkpoint" in output
+    assert code == 1 and "pytorch_model.bin: cannot read PyTorch weight file" in output
 
 
 def test_untied_lm_head_must_be_stored():
@@ -391,7 +391,7 @@ def test_untied_lm_head_must_be_stored():
     tied = [["model.embed_tokens.weight", "lm_head.weight"]]
     assert compare_weights(expected, tied, found)[0] == []
     problems, notes = compare_weights(expected, [], found)
-    assert problems == ["1 parameter(s) missing from the checkpoint: lm_head.weight"]
+    assert problems == ["1 parameter(s) missing from the weight files: lm_head.weight"]
     assert "model.rotary.cache" in notes[0]  # a missing buffer is only a note
 
 

@@ -39,7 +39,7 @@ class DownloadPlan:
 def plan_download(repo_files: Iterable[str]) -> DownloadPlan:
     """Choose what training needs from a repository listing: safetensors preferred, .bin only as a fallback.
 
-    Only top-level files: subfolders hold other formats (e.g. Meta's original/ checkpoints) training never reads.
+    Only top-level files: subfolders hold other formats (e.g. Meta's own format in original/) training never reads.
     """
     top_level = sorted(name for name in set(repo_files) if "/" not in name)
     if "config.json" not in top_level:

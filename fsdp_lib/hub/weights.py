@@ -78,7 +78,7 @@ def read_bin_weights(path: Path) -> dict[str, TensorInfo]:
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError/pickle errors/EOFError for damaged archives
-        raise ToolError(f"{path}: cannot read PyTorch checkpoint ({exc}); the file is truncated or corrupt") from exc
+        raise ToolError(f"{path}: cannot read PyTorch weight file ({exc}); the file is truncated or corrupt") from exc
     tags = {"torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64"}
     return {
         name: TensorInfo(tuple(tensor.shape), tags.get(str(tensor.dtype), str(tensor.dtype)), path.name)
@@ -140,10 +140,10 @@ def compare_weights(
                 f"{stored} in {have.file}: shape {list(have.shape)}, the architecture needs {list(want.shape)}"
             )
         if want.is_parameter and have.dtype not in FLOAT_DTYPES:
-            problems.append(f"{stored} in {have.file}: dtype {have.dtype} is not a float type (quantized checkpoint?)")
+            problems.append(f"{stored} in {have.file}: dtype {have.dtype} is not a float type (quantized weights?)")
     if missing_params:
         problems.append(
-            f"{len(missing_params)} parameter(s) missing from the checkpoint: {name_sample(missing_params)}"
+            f"{len(missing_params)} parameter(s) missing from the weight files: {name_sample(missing_params)}"
         )
     if missing_buffers:
         notes.append(
@@ -151,7 +151,7 @@ def compare_weights(
         )
     extra = sorted(set(found) - {alias for name in expected for alias in tied_alias.get(name, [name])})
     if extra:
-        notes.append(f"{len(extra)} tensor(s) in the checkpoint the architecture does not use: {name_sample(extra)}")
+        notes.append(f"{len(extra)} tensor(s) in the weight files the architecture does not use: {name_sample(extra)}")
     return problems, notes
 
 
@@ -219,7 +219,7 @@ def converted_weights_layout(model: Any, found: dict[str, TensorInfo]) -> tuple[
         try:
             produced = converter.convert(target, model=model, config=model.config)
         except Exception as exc:  # noqa: BLE001 - e.g. experts of different shapes cannot be stacked
-            problems.append(f"{target}: transformers cannot build it from the checkpoint's tensors ({exc})")
+            problems.append(f"{target}: transformers cannot build it from the weight files' tensors ({exc})")
             continue
         for name, tensor in produced.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
