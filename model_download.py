@@ -21,6 +21,9 @@ loads and that every weight is present. After that everything works with HF_HUB_
     python model_download.py --init tiny --tokenizer-from hf_datasets/my_corpus --local-dir models/tiny --with-weights
 
 Exit status: 0 on success, 1 when the download or the verification fails, 2 for invalid flags.
+
+This file holds the flags, their validation and the four commands; the work is done in fsdp_lib/hub/ (presets,
+plan, weights, verify, download, dataset, tokenizer, scratch).
 """
 
 from __future__ import annotations
@@ -38,57 +41,7 @@ from fsdp_lib.hub.tokenizer import train_bpe_tokenizer  # noqa: F401 - bench/ben
 from fsdp_lib.hub.verify import report_verified, reverify_folder, verify_and_record
 
 # ---------------------------------------------------------------------------------------------------------
-# the four commands: download, --dataset, --verify-only, --init
-# ---------------------------------------------------------------------------------------------------------
-
-
-def run_download(args: argparse.Namespace) -> int:
-    local_dir = Path(args.local_dir).resolve() if args.local_dir else None
-    with explained_hub_errors(args.model_name, args.revision):
-        folder = download_model(args.model_name, args.revision, local_dir, args.token, args.force_download)
-    source = {"model_name": args.model_name, "revision": args.revision, "commit": None if local_dir else folder.name}
-    if local_dir is None:  # verify exactly as training will load it: by hub id, from the cache, offline
-        verify_and_record(folder, args.model_name, args.revision, source, require_weights=True)
-    else:
-        verify_and_record(folder, str(folder), None, source, require_weights=True)
-    return 0
-
-
-def run_dataset_download(args: argparse.Namespace) -> int:
-    with explained_hub_errors(args.dataset, args.revision, flag="--dataset"):
-        download_dataset(args.dataset, args.revision, args.token, args.force_download)
-    report_dataset(args.dataset, args.revision, verify_dataset(args.dataset, args.revision))
-    return 0
-
-
-def run_verify_only(args: argparse.Namespace) -> int:
-    if args.local_dir:
-        reverify_folder(Path(args.local_dir).resolve())
-        return 0
-    folder = cached_model_folder(args.model_name, args.revision)
-    source = {"model_name": args.model_name, "revision": args.revision, "commit": folder.name}
-    verify_and_record(folder, args.model_name, args.revision, source, require_weights=True)
-    return 0
-
-
-def run_init(args: argparse.Namespace) -> int:
-    request = InitRequest(
-        args.init,
-        size_overrides(args),
-        args.tokenizer_from,
-        args.tokenizer,
-        args.vocab_size,
-        args.with_weights,
-        args.dtype,
-        args.seed,
-    )
-    verified = create_model_folder(request, Path(args.local_dir).resolve(), args.overwrite)
-    report_verified(verified, request.description())
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------------------
-# main()
+# the flags
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -211,6 +164,55 @@ def validate_args(args: argparse.Namespace) -> list[str]:
                 " --local-dir, or --init SIZE"
             )
     return problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the four commands: download, --dataset, --verify-only, --init
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_download(args: argparse.Namespace) -> int:
+    local_dir = Path(args.local_dir).resolve() if args.local_dir else None
+    with explained_hub_errors(args.model_name, args.revision):
+        folder = download_model(args.model_name, args.revision, local_dir, args.token, args.force_download)
+    source = {"model_name": args.model_name, "revision": args.revision, "commit": None if local_dir else folder.name}
+    # verify exactly as training will load it: by hub id from the cache, offline, or as a folder
+    load_name, revision = (args.model_name, args.revision) if local_dir is None else (str(folder), None)
+    verify_and_record(folder, load_name, revision, source, require_weights=True)
+    return 0
+
+
+def run_dataset_download(args: argparse.Namespace) -> int:
+    with explained_hub_errors(args.dataset, args.revision, flag="--dataset"):
+        download_dataset(args.dataset, args.revision, args.token, args.force_download)
+    report_dataset(args.dataset, args.revision, verify_dataset(args.dataset, args.revision))
+    return 0
+
+
+def run_verify_only(args: argparse.Namespace) -> int:
+    if args.local_dir:
+        reverify_folder(Path(args.local_dir).resolve())
+        return 0
+    folder = cached_model_folder(args.model_name, args.revision)
+    source = {"model_name": args.model_name, "revision": args.revision, "commit": folder.name}
+    verify_and_record(folder, args.model_name, args.revision, source, require_weights=True)
+    return 0
+
+
+def run_init(args: argparse.Namespace) -> int:
+    request = InitRequest(
+        args.init,
+        size_overrides(args),
+        args.tokenizer_from,
+        args.tokenizer,
+        args.vocab_size,
+        args.with_weights,
+        args.dtype,
+        args.seed,
+    )
+    verified = create_model_folder(request, Path(args.local_dir).resolve(), args.overwrite)
+    report_verified(verified, request.description())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,9 +144,8 @@ def create_model_folder(request: InitRequest, target: Path, overwrite: bool) -> 
     check_init_target(target, overwrite)
     dtype_bytes = 4 if request.dtype == "float32" else 2
     if request.with_weights:  # fail before the slow tokenizer training; the vocab can only shrink from here
-        vocab_bound = (
-            (request.vocab_size or preset.default_vocab_size) if request.tokenizer_from else 0
-        )  # 0: not known yet
+        # a reused tokenizer's vocabulary is not known yet: 0 counts the model without its embeddings
+        vocab_bound = (request.vocab_size or preset.default_vocab_size) if request.tokenizer_from else 0
         estimate = preset_parameter_count(preset, vocab_bound)
         check_weights_fit(
             estimate, dtype_bytes, available_memory_bytes(), free_disk_bytes(target.parent), target.parent
