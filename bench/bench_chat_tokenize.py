@@ -33,25 +33,14 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
-    REPO_ROOT,
-    Stopwatch,
-    bench_arg_parser,
-    fresh_dir,
-    interleaved,
-    machine_info,
-    make_corpus,
-    print_goal,
-    print_table,
-    route_table,
-    wall_cpu_tokens,
-    work_folder,
-    write_results,
-)
+from common import REPO_ROOT, Stopwatch, bench_arg_parser, fresh_dir, machine_info, work_folder, write_results
+from inputs import make_corpus
+from ratios import report_routes, run_routes
 
 FULL = {"conversations": 50_000, "vocab": 16384, "seq": 2048, "reps": 3}
 QUICK = {"conversations": 1_000, "vocab": 512, "seq": 256, "reps": 1}
@@ -248,6 +237,26 @@ def compare_routes(fsdp_dir: Path, trl_dir: Path, tokenizer: Any) -> dict[str, A
     }
 
 
+LABELS = {
+    "fsdp_train": "fsdp_train ChatEncoder + tokenize_to_file + PackedBlocks",
+    "trl": "trl map(apply_chat_template, assistant mask) + wrapped packing",
+    "tokenizer_floor": "tokenizer floor: encode_batch of pre-rendered conversations",
+}
+
+
+def routes(
+    dataset: Any, ours_tokenizer: Any, trl_tokenizer: Any, work: Path, seq: int
+) -> dict[str, Callable[[], dict[str, Any]]]:
+    """The routes over the same conversations, each writing to a fresh folder under work; the conversations the
+    floor tokenizes are rendered here, once, untimed."""
+    rendered = render_all(dataset, ours_tokenizer)
+    return {
+        "fsdp_train": lambda: fsdp_train_route(dataset, ours_tokenizer, fresh_dir(work, "fsdp"), seq),
+        "trl": lambda: trl_route(dataset, trl_tokenizer, fresh_dir(work, "trl"), seq),
+        "tokenizer_floor": lambda: tokenizer_floor(rendered, ours_tokenizer),
+    }
+
+
 # --- main ---------------------------------------------------------------------------------------------------
 
 
@@ -280,28 +289,13 @@ def main(argv: list[str] | None = None) -> int:
             f"tokenizer vocab {len(ours_tokenizer):,}; made in {time.perf_counter() - start:.0f}s"
         )
 
-        rendered = render_all(dataset, ours_tokenizer)
-
-        runs = interleaved(
-            reps,
-            {
-                "fsdp_train": lambda: fsdp_train_route(dataset, ours_tokenizer, fresh_dir(work, "fsdp"), p["seq"]),
-                "trl": lambda: trl_route(dataset, trl_tokenizer, fresh_dir(work, "trl"), p["seq"]),
-                "tokenizer_floor": lambda: tokenizer_floor(rendered, ours_tokenizer),
-            },
-            summary=wall_cpu_tokens,
-        )
+        runs = run_routes(reps, routes(dataset, ours_tokenizer, trl_tokenizer, work, p["seq"]))
         check = compare_routes(work / "fsdp", work / "trl", ours_tokenizer)
-    labels = {
-        "fsdp_train": "fsdp_train ChatEncoder + tokenize_to_file + PackedBlocks",
-        "trl": "trl map(apply_chat_template, assistant mask) + wrapped packing",
-        "tokenizer_floor": "tokenizer floor: encode_batch of pre-rendered conversations",
-    }
-    seconds, cpu, ratio, rows = route_table(runs, "trl", "fsdp_train", labels, check["conversations"], "blocks")
+    headers = ["route", "wall (s)", "conversations/s", "CPU (s)", "tokens", "blocks", "wall per rep (s)"]
+    figures = report_routes(runs, "trl", LABELS, headers, check["conversations"], "blocks", goal=1.5)
     # What each route spends besides the tokenizer (rendering, masks, dataset writes), in CPU seconds.
+    cpu = figures["cpu_seconds"]
     beyond_floor = {name: cpu[name] - cpu["tokenizer_floor"] for name in ("fsdp_train", "trl")}
-    print_table(["route", "wall (s)", "conversations/s", "CPU (s)", "tokens", "blocks", "wall per rep (s)"], rows)
-    print_goal(ratio, "trl / fsdp_train", 1.5)
     print(
         f"CPU seconds beyond the tokenizer floor: fsdp_train {beyond_floor['fsdp_train']:.1f}, "
         f"trl {beyond_floor['trl']:.1f}; the tokenizer alone is {cpu['tokenizer_floor'] / cpu['trl']:.0%} of trl's CPU time"
@@ -316,11 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "machine": info,
             "params": {**p, "reps": reps, "turns": turns, "content_chars": chars},
-            "ratios": ratio,
-            "goal": ">= 1.5",
-            "goal_met": {key: value >= 1.5 for key, value in ratio.items()},
-            "seconds": seconds,
-            "cpu_seconds": cpu,
+            **figures,
             "cpu_seconds_beyond_tokenizer_floor": beyond_floor,
             "check": check,
             "runs": runs,

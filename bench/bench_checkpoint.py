@@ -36,19 +36,18 @@ from typing import Any
 import numpy as np
 from common import (
     REPO_ROOT,
-    LaunchError,
     bench_arg_parser,
     drop_page_cache,
     folder_bytes,
     interleaved,
     machine_info,
-    make_train_inputs,
     median,
     print_table,
-    torchrun,
     work_folder,
     write_results,
 )
+from inputs import make_train_inputs
+from launch import LaunchError, torchrun
 
 FULL = {"hidden": 512, "layers": 8, "vocab": 8192, "reps": 6, "train_reps": 2, "seq": 128, "ckpt_freq": 5}
 QUICK = {"hidden": 64, "layers": 2, "vocab": 512, "reps": 1, "train_reps": 1, "seq": 32, "ckpt_freq": 2}

@@ -26,7 +26,7 @@ with beta 0.1, one epoch over the same pairs; the three alternate in ABBA order,
    (timed from the trainer's log line) into a fresh save folder, so every repetition computes them again.
 2. ours, LoRA: `--peft lora --lora-rank 16` (every attention and MLP Linear), reference auto = the same model with
    its adapters off (a second forward per micro-batch).
-3. baseline, TRL-style (written in this file, not imported): the same HF model under FSDP2 (fully_shard per decoder
+3. baseline, TRL-style (dpo_baseline.py: written, not imported): the same HF model under FSDP2 (fully_shard per decoder
    layer, then the root; bf16 MixedPrecisionPolicy; weights loaded shard by shard), a second, frozen reference copy
    sharded the same way; each step every process takes --baseline-pairs pairs in a seeded random order, tokenised
    as TRL's DPOTrainer does (the prompt rendered with the generation prompt, each completion the rest of the full
@@ -66,32 +66,27 @@ preset, seq 2048, responses and prompts of 20-400 tokens. Without a GPU they rea
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_peft import gpus_hidden, status_bytes, trainer_worker
-from common import (
-    REPO_ROOT,
+from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from dpo_baseline import trl_tokenize
+from inputs import init_model_folder, make_corpus
+from launch import (
     LaunchError,
-    bench_arg_parser,
     failed_launch,
-    interleaved,
-    machine_info,
-    make_corpus,
-    median,
-    print_table,
+    gpus_hidden,
+    rank_figures,
     report_failures,
-    take_metric_windows,
+    run_trainer,
     torchrun,
-    work_folder,
-    write_results,
+    trainer_worker,
 )
+from ratios import device_results, failure_text, mode_figures, mode_ratios, numbered_runs, print_goal_ratios
 
 CPU_FULL = {
     "label": "CPU, 2 processes",
@@ -158,7 +153,6 @@ GOALS = {  # ratio key -> (comparison, bound, description)
     "full_over_baseline_peak": ("<=", 0.7, "ours (full weights) / baseline, peak memory per rank"),
     "full_over_baseline_pairs_per_s": (">=", 1.5, "ours (full weights) / baseline, pairs/s"),
 }
-GIB = 2**30
 BETA = 0.1
 # The Llama-3 chat template (tests/fixtures/chat_templates/llama3.jinja) and the special tokens it uses
 LLAMA3_TEMPLATE = (
@@ -192,14 +186,8 @@ def make_tokenizer(folder: Path, docs: list[str], vocab: int) -> Any:
 
 def init_model(work: Path, tokenizer_dir: Path, p: dict[str, Any]) -> Path:
     """model_download.py --init <preset> [overrides] --tokenizer <dir> --with-weights (bf16 safetensors)."""
-    model_dir = work / "model"
-    cmd = [sys.executable, str(REPO_ROOT / "model_download.py"), "--init", p["preset"], *p["overrides"]]
-    cmd += ["--tokenizer", str(tokenizer_dir), "--with-weights", "--dtype", "bfloat16"]
-    cmd += ["--local-dir", str(model_dir), "--overwrite"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"model_download.py --init failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return model_dir
+    flags = [*p["overrides"], "--tokenizer", str(tokenizer_dir), "--with-weights", "--dtype", "bfloat16"]
+    return init_model_folder(work / "model", p["preset"], flags)
 
 
 def make_pairs(tokenizer: Any, p: dict[str, Any], seed: int = 1) -> list[dict[str, list[dict[str, str]]]]:
@@ -244,24 +232,6 @@ def save_pairs(pairs: list[dict], folder: Path) -> Path:
     return folder
 
 
-def trl_tokenize(tokenizer: Any, pairs: list[dict]) -> list[dict[str, list[int]]]:
-    """TRL DPOTrainer's preprocessing: maybe_apply_chat_template (the prompt rendered with the generation prompt;
-    each completion = the full render less the prompt's text), then the prompt and each completion tokenised
-    separately without special tokens (the template writes BOS). TRL appends EOS to each completion; not here, so
-    the trained tokens equal ours."""
-    out = []
-    for pair in pairs:
-        prompt = tokenizer.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True)
-        row = {"prompt": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
-        for key in ("chosen", "rejected"):
-            full = tokenizer.apply_chat_template(pair["prompt"] + pair[key], tokenize=False)
-            if not full.startswith(prompt):
-                raise RuntimeError("the template renders the prompt differently with a response after it")
-            row[key] = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
-        out.append(row)
-    return out
-
-
 def prepare(work: Path, p: dict[str, Any], name: str) -> dict[str, Any]:
     """The tokenizer, model folder, preference dataset and the baseline's tokenised pairs for configuration p."""
     start = time.perf_counter()
@@ -298,205 +268,7 @@ def prepare(work: Path, p: dict[str, Any], name: str) -> dict[str, Any]:
     return {"dataset": dataset, "model": model_dir, "baseline_pairs": pairs_file, "data": stats, "work": folder}
 
 
-# --- The baseline: a TRL-style DPO step under FSDP2 (runs under torchrun) ---------------------------------------
-
-
-def selective_log_softmax(logits: Any, index: Any) -> Any:
-    """TRL's trl.trainer.utils.selective_log_softmax: log_softmax(logits)[index] per token. fp32: gather less a
-    row-wise logsumexp; bf16/fp16 (ours: the logits of a bf16 forward): log_softmax one row at a time."""
-    import torch
-    import torch.nn.functional as F
-
-    if logits.dtype in (torch.float32, torch.float64):
-        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
-        return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    rows = [F.log_softmax(row, dim=-1).gather(-1, i.unsqueeze(-1)).squeeze(-1) for row, i in zip(logits, index)]
-    return torch.stack(rows)
-
-
-def concatenated_logps(model: Any, batch: dict[str, Any]) -> Any:
-    """TRL's concatenated_forward: one forward of chosen + rejected, labels = inputs rolled left, the completion
-    tokens' log-probs summed per sequence ([2 x pairs], chosen first)."""
-    import torch
-
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    labels = torch.roll(batch["input_ids"], shifts=-1, dims=1)
-    loss_mask = torch.roll(batch["loss_mask"], shifts=-1, dims=1).bool()
-    per_token = selective_log_softmax(logits, labels).float()
-    return per_token.masked_fill(~loss_mask, 0.0).sum(-1)
-
-
-def collate(rows: list[dict[str, list[int]]], pad_id: int, device: Any) -> dict[str, Any]:
-    """TRL's concatenated inputs after flush_left: chosen sequences then rejected ones (prompt + completion), right-
-    padded to the longest of them; attention_mask 1 on real tokens; loss_mask 1 on completion tokens."""
-    import torch
-
-    seqs = [(r["prompt"], r[k]) for k in ("chosen", "rejected") for r in rows]
-    width = max(len(a) + len(b) for a, b in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(seqs), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (prompt, completion) in enumerate(seqs):
-        n = len(prompt) + len(completion)
-        ids[i, :n] = torch.tensor(prompt + completion)
-        attention[i, :n] = 1
-        loss_mask[i, len(prompt) : n] = 1
-    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def build_sharded(model_dir: Path, mesh: Any, compute: str, device: Any, trainable: bool) -> Any:
-    """The HF model built on meta, fully_shard per decoder layer then the root (bf16 MixedPrecisionPolicy, fp32
-    reduce), each rank's shards loaded from the safetensors tensor by tensor (no full copy on any rank)."""
-    import torch
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import distribute_tensor
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.use_cache = False
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.tie_weights()  # accelerate's meta parameters replace the tied head's Parameter with a second one
-    mp = MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16, "fp32": None}[compute], reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    model.to_empty(device=device)
-    for name, value in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = value.to(device)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for file in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if key in params:
-                        param = params.pop(key)
-                        full = f.get_tensor(key).to(device=device, dtype=torch.float32)
-                        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                        param.to_local().copy_(shard.to_local())
-    if params:
-        raise RuntimeError(f"no weights for {sorted(params)[:5]} in {model_dir}")
-    model.requires_grad_(trainable)
-    return model.train(trainable)
-
-
-def baseline_worker(config_file: str) -> int:
-    """One torchrun process of the TRL-style run; rank 0 writes the windows, every rank its RSS figures."""
-    c = json.loads(Path(config_file).read_text())
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    import transformers  # noqa: F401  (imported before the idle reading, as fsdp_train's runtime is)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    idle = status_bytes("VmRSS")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    mesh = init_device_mesh(device.type, (world,))
-    model_dir = Path(c["model"])
-    policy = build_sharded(model_dir, mesh, c["precision"], device, trainable=True)
-    reference = build_sharded(model_dir, mesh, c["precision"], device, trainable=False)
-    decay = [p for p in policy.parameters() if p.ndim >= 2]
-    no_decay = [p for p in policy.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
-    try:
-        optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(0.9, 0.95), eps=1e-8, fused=True)
-    except (RuntimeError, ValueError):
-        optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(0.9, 0.95), eps=1e-8, foreach=True)
-    rows = json.loads(Path(c["pairs"]).read_text())
-    order = np.random.default_rng(c["seed"]).permutation(len(rows))
-    per_rank, steps = c["pairs_per_rank"], len(rows) // (c["pairs_per_rank"] * world)
-    peaks, windows, check = [idle], [], {}
-
-    def reset_peak() -> None:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            peaks.append(status_bytes("VmHWM"))
-            Path("/proc/self/clear_refs").write_text("5")
-
-    def peak_now() -> float:
-        return torch.cuda.max_memory_allocated(device) if cuda else status_bytes("VmHWM")
-
-    dist.barrier()
-    for step in range(steps):
-        reset_peak()
-        start = time.perf_counter()
-        first = step * per_rank * world + rank * per_rank
-        batch = collate([rows[i] for i in order[first : first + per_rank]], c["pad_id"], device)
-        policy_logps = concatenated_logps(policy, batch)
-        with torch.no_grad():
-            reference_logps = concatenated_logps(reference, batch)
-        chosen = policy_logps[:per_rank] - reference_logps[:per_rank]
-        rejected = policy_logps[per_rank:] - reference_logps[per_rank:]
-        losses = -F.logsigmoid(BETA * (chosen - rejected))
-        if step == 0:  # compared with our precomputed reference of the same pairs
-            check = {"pairs": order[first : first + per_rank].tolist(), "reference_logps": reference_logps.tolist()}
-        losses.mean().backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        figures = torch.tensor(
-            [
-                losses.detach().sum().item(),
-                float(per_rank),
-                float(batch["input_ids"].numel()),
-                float(batch["attention_mask"].sum()),
-                float(batch["loss_mask"].sum()),
-                ((chosen - rejected).detach() > 0).float().sum().item(),
-            ],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(figures)
-        peak = torch.tensor([peak_now()], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        elapsed = time.perf_counter() - start
-        loss, pairs, padded, real, trained, right = figures.tolist()
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        windows.append(
-            {
-                "step": step + 1,
-                "seconds": elapsed,
-                "pairs": int(pairs),
-                "pairs_per_s": pairs / elapsed,
-                "loss": loss / pairs,
-                "accuracy": right / pairs,
-                "grad_norm": float(norm),
-                "padded_tokens": int(padded),
-                "real_tokens": int(real),
-                "trained_tokens": int(trained),
-                "mem_peak_alloc_gb": float(peak.item()) / GIB,
-            }
-        )
-        if rank == 0:
-            print(f"baseline step {step + 1}/{steps}: {json.dumps(windows[-1])}", flush=True)
-    peaks.append(status_bytes("VmHWM"))
-    figures = {"idle_rss_bytes": idle, "run_peak_rss_bytes": max(peaks), "code": 0, "reference_check": check}
-    Path(f"{c['out']}.rank{rank}.json").write_text(json.dumps(figures))
-    if rank == 0:
-        Path(f"{c['out']}.windows.json").write_text(json.dumps(windows))
-    dist.destroy_process_group()
-    return 0
-
-
 # --- One run ---------------------------------------------------------------------------------------------------
-
-
-def rank_figures(work: Path, prefix: str, nproc: int) -> tuple[float, float]:
-    """(highest idle RSS, highest whole-run peak RSS) over the ranks, GiB."""
-    ranks = [json.loads(f.read_text()) for f in sorted(work.glob(f"{prefix}.rank*.json"))]
-    if len(ranks) != nproc:
-        raise RuntimeError(f"{prefix}: {len(ranks)} of {nproc} ranks wrote their RSS")
-    return max(r["idle_rss_bytes"] for r in ranks) / GIB, max(r["run_peak_rss_bytes"] for r in ranks) / GIB
 
 
 def window_figures(windows: list[dict[str, Any]], precompute_s: float, on_cpu: bool, idle: float) -> dict[str, Any]:
@@ -539,19 +311,17 @@ def run_ours(inputs: dict[str, Any], p: dict[str, Any], mode: str, rep: int, on_
     args += ["--reference", "precomputed"] if mode == "full" else ["--peft", "lora", "--lora-rank", str(p["lora_rank"])]
     prefix = work / f"{exp}.rss"
     start = time.perf_counter()
-    try:
-        proc = torchrun(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], timeout=1800)
-    except LaunchError as exc:
-        return failed_launch(exc)
+    run = run_trainer(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], save_dir / exp)
+    if run.failure:
+        return run.failure
     launch_s = time.perf_counter() - start
-    log = proc.stdout + proc.stderr
+    log = run.log
     token_check = check_tokens(save_dir, inputs["baseline_pairs"]) if rep == 0 else None
     references = list(save_dir.glob(".token_cache/*/train.reference-*.f64"))
     if token_check is not None and references:
         token_check["reference_logps"] = np.fromfile(references[0], dtype=np.float64).tolist()
-    records = take_metric_windows(save_dir / exp)
     windows = []
-    for r in records:
+    for r in run.windows:
         seconds = r["trained_tokens"] / r["trained_tokens_per_s"]
         windows.append(
             {
@@ -624,13 +394,14 @@ def run_baseline(inputs: dict[str, Any], p: dict[str, Any], rep: int, on_cpu: bo
         "lr": p["lr"],
         "seed": 0,
         "pad_id": tokenizer.pad_token_id,
+        "beta": BETA,
         "out": str(prefix),
     }
     config_file = work / f"baseline_{rep}.json"
     config_file.write_text(json.dumps(config))
     start = time.perf_counter()
     try:
-        torchrun(Path(__file__), ["--baseline-worker", str(config_file)], p["nproc"], timeout=1800)
+        torchrun(Path(__file__).with_name("dpo_baseline.py"), [str(config_file)], p["nproc"], timeout=1800)
     except LaunchError as exc:
         return failed_launch(exc)
     launch_s = time.perf_counter() - start
@@ -666,8 +437,8 @@ def compare_references(ours: list[float], baseline: dict[str, list]) -> dict[str
 
 
 def summary(r: dict[str, Any]) -> str:
-    if r["status"] != "ok":
-        return r["status"] + (f": {r['error']}" if "error" in r else "")
+    if (failed := failure_text(r)) is not None:
+        return failed
     pre = f", precompute {r['precompute_s']:.1f}s" if r["precompute_s"] else ""
     return (
         f"{r['pairs_per_s']:.3f} pairs/s (windows {', '.join(f'{t:.2f}' for t in r['windows_pairs_per_s'])}; "
@@ -711,30 +482,13 @@ RATIOS = {  # key -> (numerator mode, denominator mode, figure)
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians per mode, the ratios of the medians, and the per-repetition ratios."""
-    fig: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
-        ok = [r for r in runs[mode] if r["status"] == "ok"]
-        fig[mode] = {k: median([r[k] for r in ok]) for k in FIGURE_KEYS if ok and all(r.get(k) is not None for r in ok)}
-        for key in ("trainable", "total", "real_tokens", "packing", "token_check"):
-            if ok and key in ok[0]:
-                fig[mode][key] = ok[0][key]
+    fig = mode_figures(runs, FIGURE_KEYS, ("trainable", "total", "real_tokens", "packing", "token_check"))
     check = fig["full"].get("token_check", {})
     baseline_ok = [r for r in runs["baseline"] if r["status"] == "ok"]
     if "reference_logps" in check and baseline_ok:
         check["reference"] = compare_references(check.pop("reference_logps"), baseline_ok[0]["reference_check"])
-    ratios, per_rep = {}, {}
-    for key, (a, b, k) in RATIOS.items():
-        if k in fig[a] and k in fig[b] and fig[b][k]:
-            ratios[key] = fig[a][k] / fig[b][k]
-            per_rep[key] = [ra[k] / rb[k] for ra, rb in zip(runs[a], runs[b]) if ra.get(k) and rb.get(k)]
+    ratios, per_rep = mode_ratios(fig, runs, RATIOS)
     return {"figures": fig, "ratios": ratios, "ratios_per_rep": per_rep}
-
-
-def goal_verdicts(ratios: dict[str, float]) -> dict[str, bool | None]:
-    verdicts: dict[str, bool | None] = {}
-    for key, (op, bound, _) in GOALS.items():
-        verdicts[key] = None if key not in ratios else (ratios[key] <= bound if op == "<=" else ratios[key] >= bound)
-    return verdicts
 
 
 def table_rows(label: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
@@ -782,14 +536,8 @@ HEADERS = [
 
 
 def print_ratios(label: str, s: dict[str, Any]) -> None:
-    ratios, per_rep, verdicts = s["ratios"], s["ratios_per_rep"], goal_verdicts(s["ratios"])
-    for key, (op, bound, what) in GOALS.items():
-        if key not in ratios:
-            print(f"{label}: {what}: not measured")
-            continue
-        reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
-        verdict = "met" if verdicts[key] else "NOT met"
-        print(f"{label}: {what}: {ratios[key]:.3f} (per rep {reps}; goal {op} {bound}: {verdict})")
+    print_goal_ratios(label, s, GOALS)
+    ratios, per_rep = s["ratios"], s["ratios_per_rep"]
     for key in RATIOS:
         if key in ratios and key not in GOALS:
             reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
@@ -846,18 +594,14 @@ def main(argv: list[str] | None = None) -> int:
         inputs = prepare(work, p, "cpu")
         results["data"] = {"cpu": inputs["data"]}
         cpu_runs, cpu_summary = measure(inputs, p, reps, on_cpu=True)
-        results["cpu"] = {"summary": cpu_summary, "runs": cpu_runs, "goal_met": goal_verdicts(cpu_summary["ratios"])}
+        results["cpu"] = device_results(cpu_runs, cpu_summary, GOALS)
         if gpu:
             g = {**GPU_FULL, "reps": args.reps or GPU_FULL["reps"]}
             results["params"]["gpu"] = g
             gpu_inputs = prepare(work, g, "gpu")
             results["data"]["gpu"] = gpu_inputs["data"]
             gpu_runs, gpu_summary = measure(gpu_inputs, g, g["reps"], on_cpu=False)
-            results["gpu"] = {
-                "summary": gpu_summary,
-                "runs": gpu_runs,
-                "goal_met": goal_verdicts(gpu_summary["ratios"]),
-            }
+            results["gpu"] = device_results(gpu_runs, gpu_summary, GOALS)
         else:
             results["gpu"] = gpu_note
     rows = table_rows(p["label"], cpu_summary, cpu_runs)
@@ -874,15 +618,13 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = time.perf_counter() - started
     print(f"benchmark time: {results['seconds'] / 60:.1f} minutes")
     write_results(args.results_dir, "dpo", results)
-    all_runs = {f"cpu {m} {i}": r for m, rs in cpu_runs.items() for i, r in enumerate(rs)}
+    all_runs = numbered_runs("cpu", cpu_runs)
     if gpu:
-        all_runs |= {f"gpu {m} {i}": r for m, rs in gpu_runs.items() for i, r in enumerate(rs)}
+        all_runs |= numbered_runs("gpu", gpu_runs)
     return report_failures(all_runs)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:  # ours, launched by torchrun from run_ours
         sys.exit(trainer_worker(sys.argv[2], sys.argv[3:]))
-    if sys.argv[1:2] == ["--baseline-worker"]:  # the TRL-style run, launched by torchrun from run_baseline
-        sys.exit(baseline_worker(sys.argv[2]))
     sys.exit(main())

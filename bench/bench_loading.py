@@ -31,18 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
-    bench_arg_parser,
-    interleaved,
-    machine_info,
-    make_corpus,
-    make_llama_folder,
-    median,
-    print_table,
-    torchrun,
-    work_folder,
-    write_results,
-)
+from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from inputs import make_corpus, make_llama_folder
+from launch import torchrun
 
 FULL = {"hidden": 768, "layers": 12, "vocab": 16384, "reps": 2, "dtypes": ("bfloat16", "float32")}
 QUICK = {"hidden": 64, "layers": 2, "vocab": 512, "reps": 1, "dtypes": ("bfloat16",)}

@@ -24,27 +24,13 @@ MFU column is labelled nominal: it proves the plumbing, not a figure.
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from common import (
-    REPO_ROOT,
-    LaunchError,
-    bench_arg_parser,
-    failed_launch,
-    machine_info,
-    make_corpus,
-    median,
-    print_table,
-    report_failures,
-    save_text_dataset,
-    take_metric_windows,
-    torchrun,
-    work_folder,
-    write_results,
-)
+from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_table, work_folder, write_results
+from inputs import corpus_and_model
+from launch import report_failures, run_trainer
 
 FULL = {
     "preset": "1B",
@@ -73,18 +59,6 @@ QUICK = {
 PHASES = ("data", "forward", "backward", "update")
 
 
-def prepare(work: Path, p: dict[str, Any]) -> tuple[Path, Path]:
-    """The saved corpus and the model folder (model_download.py --init, no weights)."""
-    dataset = save_text_dataset(make_corpus(p["corpus_chars"]), work / "dataset")
-    model_dir = work / "model"
-    cmd = [sys.executable, str(REPO_ROOT / "model_download.py"), "--init", p["preset"]]
-    cmd += ["--tokenizer-from", str(dataset), "--local-dir", str(model_dir), "--overwrite"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"model_download.py --init failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return dataset, model_dir
-
-
 def flops_per_token(model_dir: Path, seq: int) -> float:
     """fsdp_train.py's own estimate, on a meta-device model (nothing allocated)."""
     from fsdp_lib.model.build import build_model_skeleton, flops_per_token
@@ -104,12 +78,10 @@ def run_setting(
     args += ["--activation-checkpointing", ac, "--compile", compile_, "--ckpt-freq", "0", "--lr", "1e-4"]
     if p["peak_tflops"]:
         args += ["--peak-tflops", str(p["peak_tflops"])]
-    try:
-        torchrun(REPO_ROOT / "fsdp_train.py", args, nproc=1, timeout=1800)
-    except LaunchError as exc:
-        return failed_launch(exc)
-    finally:
-        records = take_metric_windows(work / "outputs" / exp)
+    run = run_trainer(REPO_ROOT / "fsdp_train.py", args, 1, work / "outputs" / exp)
+    if run.failure:
+        return run.failure
+    records = run.windows
     steady = records[1:]
     if not steady:
         raise RuntimeError(f"{exp}: {len(records)} metric windows; need --steps >= 2 x --log-freq")
@@ -143,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results: dict[str, dict[str, Any]] = {}
     with work_folder(args, "bench_mfu_") as work:
-        dataset, model_dir = prepare(work, p)
+        dataset, model_dir = corpus_and_model(work, p["corpus_chars"], p["preset"])
         fpt = flops_per_token(model_dir, p["seq"])
         sweep = itertools.product(p["micro_batches"], p["activation_checkpointing"], p["compile"])
         for micro_batch, ac, compile_ in sweep:

@@ -24,8 +24,8 @@ Every run is one `torchrun --nproc_per_node 2 fsdp_train.py` launch (gloo, one O
 --steps optimizer steps at the same per-process batch, sequence length, precision, data and seed; the LoRA and
 QLoRA runs add `--peft lora|qlora --lora-rank 16` (adapters on every attention and MLP Linear of the decoder
 layers: --lora-target-modules auto). The three modes alternate in ABBA order (full lora qlora, qlora lora full,
-...), --reps repetitions each, medians reported. fsdp_train.py runs unchanged through `main()` from a worker in
-this file that only notes its process's resident set size (RSS) before and after. Measures per run:
+...), --reps repetitions each, medians reported. fsdp_train.py runs unchanged through `main()` from a worker
+(launch.trainer_worker) that only notes its process's resident set size (RSS) before and after. Measures per run:
 
 - tokens/s: fsdp_train.py's own `tokens_per_s` from metrics.jsonl, median of the logging windows of --log-freq
   steps after the first (warm-up) window.
@@ -64,35 +64,15 @@ ratios (repetition i of each mode ran next to each other) are printed too.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import re
-import resource
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import (
-    REPO_ROOT,
-    LaunchError,
-    bench_arg_parser,
-    failed_launch,
-    interleaved,
-    machine_info,
-    make_corpus,
-    make_llama_folder,
-    median,
-    print_table,
-    report_failures,
-    save_text_dataset,
-    take_metric_windows,
-    torchrun,
-    work_folder,
-    write_results,
-)
+from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
+from launch import gpus_hidden, rank_figures, report_failures, run_trainer, trainer_worker
+from ratios import device_results, failure_text, mode_figures, mode_ratios, numbered_runs, print_goal_ratios
 
 # 125M preset widened to 768 so that NF4 blocks split over 2 ranks (see the docstring): 125,264,640 parameters
 WIDE_125M = ["--hidden-size", "768", "--num-layers", "16", "--num-heads", "12", "--num-kv-heads", "4"]
@@ -148,49 +128,10 @@ GOALS = {  # ratio key -> (comparison, bound, description)
     "qlora_over_lora_base": ("<=", 0.35, "QLoRA / LoRA, resident frozen base weights"),
     "lora_over_full_tokens_per_s": (">=", 0.95, "LoRA / full fine-tuning, tokens/s"),
 }
-GIB = 2**30
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}  # fsdp_lib.model.memory_plan.format_bytes: powers of 1000
 BASE_LINE = re.compile(r"frozen base stored as (\S+), ([\d.]+) (B|KB|MB|GB|TB) on this rank")
 PEFT_LINE = re.compile(r"--peft \w+: ([\d,]+) trainable of ([\d,]+) parameters")
 MODEL_LINE = re.compile(r"model \S+: ([\d,]+) parameters")
-
-
-# --- The worker: fsdp_train.main under torchrun, noting its resident set ------------------------------------------
-
-
-def status_bytes(key: str) -> int:
-    """A /proc/self/status figure (VmRSS, VmHWM) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def trainer_worker(out_prefix: str, argv: list[str]) -> int:
-    """fsdp_train.main(argv); writes <out_prefix>.rank<R>.json: this rank's RSS after importing fsdp_train (the
-    runtime every mode pays) and its peak RSS over the whole run. fsdp_train resets the peak (VmHWM) at every
-    metric window, so the peak is read just before each reset and at exit (ru_maxrss alone would miss a peak
-    before the last reset)."""
-    import fsdp_train as ft
-    from fsdp_lib.train import metrics
-
-    idle = status_bytes("VmRSS")
-    peaks = [idle]
-    reset = metrics.reset_peak_memory
-
-    def noting_reset(device: Any) -> None:
-        peaks.append(status_bytes("VmHWM"))
-        reset(device)
-
-    metrics.reset_peak_memory = noting_reset
-    code = 1
-    try:
-        code = ft.main(argv)
-    finally:
-        peaks += [status_bytes("VmHWM"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]
-        figures = {"idle_rss_bytes": idle, "run_peak_rss_bytes": max(peaks), "code": code}
-        Path(f"{out_prefix}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(figures))
-    return code
 
 
 # --- Inputs ------------------------------------------------------------------------------------------------------
@@ -198,14 +139,8 @@ def trainer_worker(out_prefix: str, argv: list[str]) -> int:
 
 def init_model(work: Path, dataset: Path, p: dict[str, Any], name: str) -> Path:
     """model_download.py --init <preset> [overrides] --with-weights (bf16 safetensors), tokenizer trained on the corpus."""
-    model_dir = work / name
-    cmd = [sys.executable, str(REPO_ROOT / "model_download.py"), "--init", p["preset"], *p["overrides"]]
-    cmd += ["--tokenizer-from", str(dataset), "--with-weights", "--dtype", "bfloat16"]
-    cmd += ["--local-dir", str(model_dir), "--overwrite"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"model_download.py --init failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return model_dir
+    flags = [*p["overrides"], "--tokenizer-from", str(dataset), "--with-weights", "--dtype", "bfloat16"]
+    return init_model_folder(work / name, p["preset"], flags)
 
 
 def prepare(work: Path, quick: bool, gpu: bool) -> tuple[Path, Path, Path | None]:
@@ -264,20 +199,15 @@ def run_mode(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode
     if mode != "none":
         args += ["--lora-rank", str(p["lora_rank"])]
     prefix = work / f"{exp}.rss"
-    try:
-        proc = torchrun(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], timeout=1800)
-    except LaunchError as exc:
-        take_metric_windows(work / "outputs" / exp)
-        return failed_launch(exc)
-    records = take_metric_windows(work / "outputs" / exp)
+    run = run_trainer(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], work / "outputs" / exp)
+    if run.failure:
+        return run.failure
+    records = run.windows
     steady = [r for r in records[1:] if r["step"] % p["log_freq"] == 0]
     if not steady:
         raise RuntimeError(f"{exp}: {len(records)} metric windows; need --steps >= 2 x --log-freq")
-    ranks = [json.loads(f.read_text()) for f in sorted(work.glob(f"{prefix.name}.rank*.json"))]
-    if len(ranks) != p["nproc"]:
-        raise RuntimeError(f"{exp}: {len(ranks)} of {p['nproc']} ranks wrote their RSS")
+    idle, run_peak = rank_figures(work, prefix.name, p["nproc"])
     peak = max(r["mem_peak_alloc_gb"] for r in steady)
-    idle = max(r["idle_rss_bytes"] for r in ranks) / GIB
     on_cpu = p is not GPU_FULL
     return {
         "status": "ok",
@@ -287,15 +217,15 @@ def run_mode(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode
         "windows_peak_gib": [r["mem_peak_alloc_gb"] for r in records],
         "idle_rss_gib": idle,
         "peak_above_runtime_gib": peak - idle if on_cpu else None,
-        "run_peak_rss_gib": max(r["run_peak_rss_bytes"] for r in ranks) / GIB,
+        "run_peak_rss_gib": run_peak,
         "last_loss": records[-1]["loss"],
-        **parse_log(proc.stdout + proc.stderr),
+        **parse_log(run.log),
     }
 
 
 def summary(r: dict[str, Any]) -> str:
-    if r["status"] != "ok":
-        return r["status"] + (f": {r['error']}" if "error" in r else "")
+    if (failed := failure_text(r)) is not None:
+        return failed
     base = f", base {r['base_bytes'] / 1e6:.1f} MB" if "base_bytes" in r else ""
     return (
         f"{r['tokens_per_s']:.1f} tokens/s (windows {', '.join(f'{t:.0f}' for t in r['windows_tokens_per_s'])}), "
@@ -309,12 +239,7 @@ def summary(r: dict[str, Any]) -> str:
 def summarise(runs: dict[str, list[dict[str, Any]]], p: dict[str, Any], params: tuple[int, int]) -> dict[str, Any]:
     """Medians per mode, the goal ratios (of medians, and per repetition), and the decoder Linear weights' share."""
     keys = ("tokens_per_s", "peak_gib", "peak_above_runtime_gib", "run_peak_rss_gib", "base_bytes", "last_loss")
-    fig: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
-        ok = [r for r in runs[mode] if r["status"] == "ok"]
-        fig[mode] = {k: median([r[k] for r in ok]) for k in keys if ok and all(r.get(k) is not None for r in ok)}
-        if ok:
-            fig[mode] |= {k: ok[-1][k] for k in ("trainable", "total", "base_dtypes") if k in ok[-1]}
+    fig = mode_figures(runs, keys, ("trainable", "total", "base_dtypes"))
     pairs = {
         "lora_over_full_peak": ("lora", "none", "peak_gib"),
         "qlora_over_lora_base": ("qlora", "lora", "base_bytes"),
@@ -324,11 +249,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], p: dict[str, Any], params: 
         "lora_over_full_peak_above_runtime": ("lora", "none", "peak_above_runtime_gib"),
         "qlora_over_full_peak_above_runtime": ("qlora", "none", "peak_above_runtime_gib"),
     }
-    ratios, per_rep = {}, {}
-    for key, (a, b, k) in pairs.items():
-        if k in fig[a] and k in fig[b]:
-            ratios[key] = fig[a][k] / fig[b][k]
-            per_rep[key] = [ra[k] / rb[k] for ra, rb in zip(runs[a], runs[b]) if ra.get(k) and rb.get(k)]
+    ratios, per_rep = mode_ratios(fig, runs, pairs)
     out = {"figures": fig, "ratios": ratios, "ratios_per_rep": per_rep}
     total, non_linear = params
     dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[p["precision"]]
@@ -346,13 +267,6 @@ def summarise(runs: dict[str, list[dict[str, Any]]], p: dict[str, Any], params: 
             "qlora_over_lora": qlora_linear / lora_linear,
         }
     return out
-
-
-def goal_verdicts(ratios: dict[str, float]) -> dict[str, bool | None]:
-    verdicts: dict[str, bool | None] = {}
-    for key, (op, bound, _) in GOALS.items():
-        verdicts[key] = None if key not in ratios else (ratios[key] <= bound if op == "<=" else ratios[key] >= bound)
-    return verdicts
 
 
 def table_rows(label: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any]]], p: dict[str, Any]) -> list[list]:
@@ -382,16 +296,8 @@ def table_rows(label: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any
 
 
 def print_ratios(label: str, s: dict[str, Any]) -> None:
-    ratios, per_rep, verdicts = s["ratios"], s["ratios_per_rep"], goal_verdicts(s["ratios"])
-    for key, (op, bound, what) in GOALS.items():
-        if key not in ratios:
-            print(f"{label}: {what}: not measured")
-            continue
-        reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
-        print(
-            f"{label}: {what}: {ratios[key]:.3f} (per rep {reps}; goal {op} {bound}: "
-            f"{'met' if verdicts[key] else 'NOT met'})"
-        )
+    print_goal_ratios(label, s, GOALS)
+    ratios = s["ratios"]
     for key in sorted(set(ratios) - set(GOALS)):
         print(f"{label}: {key.replace('_', ' ')}: {ratios[key]:.3f} (reported)")
     if "decoder_linear" in s:
@@ -402,22 +308,6 @@ def print_ratios(label: str, s: dict[str, Any]) -> None:
             f"{d['qlora_bytes_per_rank'] / 1e6:.2f} MB / LoRA {d['lora_bytes_per_rank'] / 1e6:.2f} MB = "
             f"{d['qlora_over_lora']:.3f} ({d['qlora_bytes_per_weight']:.3f} bytes per NF4 weight)"
         )
-
-
-@contextlib.contextmanager
-def gpus_hidden(hide: bool) -> Iterator[None]:
-    """With `hide`, the launches below see no GPU (CUDA_VISIBLE_DEVICES=""), so the CPU rows run on the CPU on a
-    machine that has one too."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hide:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if hide and saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        elif hide:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def measure(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], reps: int) -> tuple[dict, dict]:
@@ -447,16 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     with work_folder(args, "bench_peft_") as work:
         dataset, cpu_model, gpu_model = prepare(work, args.quick, gpu)
         cpu_runs, cpu_summary = measure(work, dataset, cpu_model, p, reps)
-        results["cpu"] = {"summary": cpu_summary, "runs": cpu_runs, "goal_met": goal_verdicts(cpu_summary["ratios"])}
+        results["cpu"] = device_results(cpu_runs, cpu_summary, GOALS)
         if gpu_model is not None:
             g = {**GPU_FULL, "reps": args.reps or GPU_FULL["reps"]}
             results["params"]["gpu"] = g
             gpu_runs, gpu_summary = measure(work, dataset, gpu_model, GPU_FULL, g["reps"])
-            results["gpu"] = {
-                "summary": gpu_summary,
-                "runs": gpu_runs,
-                "goal_met": goal_verdicts(gpu_summary["ratios"]),
-            }
+            results["gpu"] = device_results(gpu_runs, gpu_summary, GOALS)
         else:
             results["gpu"] = gpu_note
     rows = table_rows(p["label"], cpu_summary, cpu_runs, p)
@@ -485,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"1 GPU, 1B, bf16: {gpu_note}")
     write_results(args.results_dir, "peft", results)
-    all_runs = {f"cpu {m} {i}": r for m, rs in cpu_runs.items() for i, r in enumerate(rs)}
+    all_runs = numbered_runs("cpu", cpu_runs)
     if gpu_model is not None:
-        all_runs |= {f"gpu {m} {i}": r for m, rs in gpu_runs.items() for i, r in enumerate(rs)}
+        all_runs |= numbered_runs("gpu", gpu_runs)
     return report_failures(all_runs)
 
 

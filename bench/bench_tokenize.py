@@ -25,26 +25,15 @@ Goal: run_clm time / fsdp_train time >= 1.5.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
-    Stopwatch,
-    bench_arg_parser,
-    fresh_dir,
-    interleaved,
-    machine_info,
-    make_corpus,
-    print_goal,
-    print_table,
-    route_table,
-    save_text_dataset,
-    wall_cpu_tokens,
-    work_folder,
-    write_results,
-)
+from common import Stopwatch, bench_arg_parser, fresh_dir, machine_info, work_folder, write_results
+from inputs import make_corpus, save_text_dataset
+from ratios import report_routes, run_routes
 
 FULL = {"corpus_chars": 20_000_000, "vocab": 16384, "seq": 1024, "reps": 5}
 QUICK = {"corpus_chars": 1_000_000, "vocab": 512, "seq": 128, "reps": 1}
@@ -130,6 +119,22 @@ def check_token_streams(fsdp_dir: Path, clm_dir: Path, tokenizer: Any) -> dict[s
     }
 
 
+LABELS = {
+    "fsdp_train": "fsdp_train tokenize_to_file + PackedBlocks",
+    "run_clm": "run_clm map(tokenize) + map(group_texts)",
+    "tokenizer_floor": "tokenizer floor: encode_batch ids only",
+}
+
+
+def routes(dataset: Any, tokenizer: Any, work: Path, seq: int) -> dict[str, Callable[[], dict[str, Any]]]:
+    """The routes over the same dataset and tokenizer, each writing to a fresh folder under work."""
+    return {
+        "fsdp_train": lambda: fsdp_train_route(dataset, tokenizer, fresh_dir(work, "fsdp"), seq),
+        "run_clm": lambda: run_clm_route(dataset, tokenizer, fresh_dir(work, "clm"), seq),
+        "tokenizer_floor": lambda: tokenizer_floor(dataset, tokenizer),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = bench_arg_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     p = QUICK if args.quick else FULL
@@ -151,24 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         dataset = datasets.load_from_disk(str(work / "dataset"))
         print(f"corpus: {len(dataset):,} documents, {corpus_mb:.1f} MB; tokenizer vocab {len(tokenizer):,}")
 
-        runs = interleaved(
-            reps,
-            {
-                "fsdp_train": lambda: fsdp_train_route(dataset, tokenizer, fresh_dir(work, "fsdp"), p["seq"]),
-                "run_clm": lambda: run_clm_route(dataset, tokenizer, fresh_dir(work, "clm"), p["seq"]),
-                "tokenizer_floor": lambda: tokenizer_floor(dataset, tokenizer),
-            },
-            summary=wall_cpu_tokens,
-        )
+        runs = run_routes(reps, routes(dataset, tokenizer, work, p["seq"]))
         check = check_token_streams(work / "fsdp", work / "clm", tokenizer)
-    labels = {
-        "fsdp_train": "fsdp_train tokenize_to_file + PackedBlocks",
-        "run_clm": "run_clm map(tokenize) + map(group_texts)",
-        "tokenizer_floor": "tokenizer floor: encode_batch ids only",
-    }
-    seconds, cpu, ratio, rows = route_table(runs, "run_clm", "fsdp_train", labels, corpus_mb, "trained_tokens")
-    print_table(["route", "wall (s)", "MB/s", "CPU (s)", "tokens kept", "target tokens", "wall per rep (s)"], rows)
-    print_goal(ratio, "run_clm / fsdp_train", 1.5)
+    headers = ["route", "wall (s)", "MB/s", "CPU (s)", "tokens kept", "target tokens", "wall per rep (s)"]
+    figures = report_routes(runs, "run_clm", LABELS, headers, corpus_mb, "trained_tokens", goal=1.5)
     print(
         f"token check: fsdp_train stream == documents + one EOS each: {check['fsdp_stream_equals_docs_plus_eos']} "
         f"({check['document_tokens']:,} document tokens + {check['eos_added']:,} EOS); run_clm keeps "
@@ -180,11 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "machine": info,
             "params": {**p, "reps": reps, "corpus_mb": corpus_mb, "documents": check["documents"]},
-            "ratios": ratio,
-            "goal": ">= 1.5",
-            "goal_met": {key: value >= 1.5 for key, value in ratio.items()},
-            "seconds": seconds,
-            "cpu_seconds": cpu,
+            **figures,
             "token_check": check,
             "runs": runs,
         },

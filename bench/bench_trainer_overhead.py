@@ -31,17 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import (
-    bench_arg_parser,
-    interleaved,
-    machine_info,
-    make_train_inputs,
-    median,
-    print_table,
-    torchrun,
-    work_folder,
-    write_results,
-)
+from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from inputs import make_train_inputs
+from launch import torchrun
 
 FULL = {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 256, "batch": 2, "steps": 30, "log_freq": 5, "reps": 6}
 QUICK = {"hidden": 64, "layers": 2, "vocab": 512, "seq": 64, "batch": 2, "steps": 8, "log_freq": 2, "reps": 1}

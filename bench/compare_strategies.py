@@ -31,7 +31,6 @@ Writes <results-dir>/compare_strategies.json, .md (the table, the rule and the r
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,22 +38,16 @@ from typing import Any
 
 from common import (
     REPO_ROOT,
-    LaunchError,
     bench_arg_parser,
-    failed_launch,
     format_table,
     interleaved,
     machine_info,
-    make_corpus,
     median,
-    multinode_launch,
-    report_failures,
-    save_text_dataset,
-    take_metric_windows,
-    torchrun,
     work_folder,
     write_results,
 )
+from inputs import corpus_and_model
+from launch import report_failures, run_trainer
 
 FULL = {"steps": 20, "log_freq": 5, "seq": 256, "batch": 4, "nproc": 2, "lr": 3e-4}
 # --quick: the tiny preset on a generated corpus; 4 steps, 2 metric windows (the first is warm-up)
@@ -146,18 +139,6 @@ def recommend(results: dict[str, dict[str, Any]], budget_gb: float) -> tuple[str
 # --- Running --------------------------------------------------------------------------------------------------
 
 
-def prepare_quick(work: Path, p: dict[str, Any]) -> tuple[Path, Path]:
-    """A generated corpus (saved dataset) and `model_download.py --init tiny` with a tokenizer trained on it."""
-    dataset = save_text_dataset(make_corpus(p["corpus_chars"]), work / "dataset")
-    model_dir = work / "model"
-    cmd = [sys.executable, str(REPO_ROOT / "model_download.py"), "--init", "tiny"]
-    cmd += ["--tokenizer-from", str(dataset), "--local-dir", str(model_dir), "--overwrite"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"model_download.py --init failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return dataset, model_dir
-
-
 def run_setting(
     setting: Setting, rep: int, work: Path, dataset: str, model: str, p: dict[str, Any], nnodes: int
 ) -> dict[str, Any]:
@@ -167,15 +148,10 @@ def run_setting(
     args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
     args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
     args += ["--ckpt-freq", "0", "--lr", str(p["lr"]), "--seed", "0", *setting.trainer_args()]
-    try:
-        if nnodes > 1:
-            multinode_launch(args, nnodes, p["nproc"], rdzv_id=exp, timeout=p["timeout_s"])
-        else:
-            torchrun(REPO_ROOT / "fsdp_train.py", args, nproc=p["nproc"], timeout=p["timeout_s"])
-    except LaunchError as exc:
-        return failed_launch(exc)
-    finally:
-        records = take_metric_windows(work / "outputs" / exp)
+    run = run_trainer(REPO_ROOT / "fsdp_train.py", args, p["nproc"], work / "outputs" / exp, p["timeout_s"], nnodes)
+    if run.failure:
+        return run.failure
+    records = run.windows
     if len(records) < 2:
         return {"status": "failed", "error": f"{len(records)} metric windows; need --steps >= 2 x log-freq"}
     return {
@@ -294,7 +270,8 @@ def run_all(args: Any, p: dict[str, Any], settings: list[Setting], nnodes: int) 
     with work_folder(args, "compare_strategies_") as work:
         work = work.resolve()
         if args.quick:
-            dataset, model = map(str, prepare_quick(work, p))
+            # the tiny preset with a tokenizer trained on a generated corpus
+            dataset, model = map(str, corpus_and_model(work, p["corpus_chars"], "tiny", timeout=600))
         else:
             # launches run from the repository root: paths given relative to here must still point at the inputs
             dataset, model = (

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, bench_arg_parser, machine_info, make_train_inputs, work_folder, write_results
+from common import REPO_ROOT, bench_arg_parser, machine_info, work_folder, write_results
+from inputs import make_train_inputs
 
 sys.path.insert(0, str(REPO_ROOT))
 from fsdp_lib.testing import kill_tree, launch_env, torchrun_command, worker_pid  # noqa: E402
