@@ -20,6 +20,7 @@ from fsdp_lib.hub.download import (
     offline_mode_message,
 )
 from fsdp_lib.model.memory_plan import format_bytes
+from fsdp_lib.records.schema import dataset_kind
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 """Put on the checking interpreter's sys.path, so that it imports this checkout's fsdp_lib."""
@@ -87,8 +88,11 @@ def report_dataset(repo_id: str, revision: str, splits: dict[str, dict[str, Any]
     columns = set(splits.get("train", {}).get("columns", []))
     if "train" not in splits:
         log("  note: no 'train' split; fsdp_train.py -d needs one")
-    elif not columns & {"text", "messages"}:
-        log("  note: no 'text' or 'messages' column; train with fsdp_train.py -d ... --text-column NAME")
+    elif dataset_kind(columns) is None:
+        log(
+            "  note: no 'text' or 'messages' column, nor 'prompt', 'chosen' and 'rejected'; train with "
+            "fsdp_train.py -d ... --text-column NAME"
+        )
     hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
     log(f"offline use: export HF_HOME={hf_home}, then fsdp_train.py -d {repo_id}")
     if revision != "main":
