@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
-from fsdp_lib.config import TrainConfig, load_config, resolve_precision, validate_config
+from fsdp_lib.checks import validate_config
+from fsdp_lib.config import TrainConfig, load_config, resolve_precision
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks
 from fsdp_lib.data.mixture import MixedBlocks

@@ -243,7 +243,8 @@ def test_auto_loss_chunk_keeps_one_chunks_fp32_logits_within_the_budget(vocab, e
 
 
 def test_loss_chunk_tokens_takes_auto_or_a_whole_number():
-    from fsdp_lib.config import TrainConfig, validate_config
+    from fsdp_lib.checks import validate_config
+    from fsdp_lib.config import TrainConfig
 
     def problems(value: str) -> list[str]:
         return [p for p in validate_config(TrainConfig(loss_chunk_tokens=value), 1) if "--loss-chunk-tokens" in p]

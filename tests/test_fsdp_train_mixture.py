@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_lib.config import TrainConfig, load_config, validate_config
+from fsdp_lib.checks import validate_config
+from fsdp_lib.config import TrainConfig, load_config
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.plan import DataPlan
 from tests.fsdp_helpers import (

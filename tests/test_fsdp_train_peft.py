@@ -236,7 +236,8 @@ def test_qlora_keeps_weights_that_are_not_whole_blocks_and_refuses_uneven_splits
 
 
 def config_problems(args: list[str]) -> list[str]:
-    from fsdp_lib.config import load_config, validate_config
+    from fsdp_lib.checks import validate_config
+    from fsdp_lib.config import load_config
     from fsdp_lib.model.build import peft_problems
 
     cfg = load_config(args)

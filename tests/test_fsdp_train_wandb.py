@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import fsdp_train as ft
-from fsdp_lib.config import TrainConfig, load_config, validate_config
+from fsdp_lib.checks import validate_config
+from fsdp_lib.config import TrainConfig, load_config
 from fsdp_lib.train.metrics import start_wandb
 from tests.fsdp_helpers import output_of, run_trainer, trainer_args
 

@@ -15,7 +15,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, as for fsdp_train.py
-from fsdp_lib.config import load_config, validate_config  # noqa: E402
+from fsdp_lib.checks import validate_config  # noqa: E402
+from fsdp_lib.config import load_config  # noqa: E402
 from fsdp_lib.data.plan import build_data, total_steps  # noqa: E402
 from fsdp_lib.model.adapters import adapter_key, init_adapters  # noqa: E402
 from fsdp_lib.offline import resolve_model_dir  # noqa: E402

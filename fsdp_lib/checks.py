@@ -1,0 +1,289 @@
+"""Validating a run's settings before any process group or model exists: validate_config collects every problem,
+each naming its flag and the fix, in a fixed order (fsdp_train.py raises them as one ConfigError). The checks that
+need the model itself (adapter targets, a QLoRA base) are fsdp_lib.model.build's."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from fsdp_lib.config import (
+    LORA_FLAGS,
+    TrainConfig,
+    changed_dpo_flags,
+    changed_flags,
+    parse_data_slice,
+    parse_data_weights,
+)
+from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
+
+
+def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Check everything that can be checked before any process group or model exists."""
+    problems = _required_problems(cfg) + _range_problems(cfg) + _value_problems(cfg)
+    problems += _device_problems(cfg, world_size)
+    problems += _peft_problems(cfg)
+    problems += _dpo_problems(cfg)
+    problems += _batch_problems(cfg, world_size)
+    if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
+        problems.append(
+            f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"
+        )
+    if cfg.wandb == "on":
+        problems += _wandb_problems()
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
+    for name in cfg.dataset_name:
+        problems += _dataset_problems(name)
+    problems += _mixture_problems(cfg)
+    if cfg.model_name:
+        problems += _model_problems(cfg)
+    return problems
+
+
+def _required_problems(cfg: TrainConfig) -> list[str]:
+    """-e, -d and -m are given, and -e names a folder, not a path."""
+    problems: list[str] = []
+    for flag, value in (
+        ("--experiment-name/-e", cfg.experiment_name),
+        ("--dataset-name/-d", cfg.dataset_name),
+        ("--model-name/-m", cfg.model_name),
+    ):
+        if not value:
+            problems.append(f"{flag} is required")
+    if cfg.experiment_name and (os.sep in cfg.experiment_name or cfg.experiment_name in (".", "..")):
+        problems.append(f"--experiment-name '{cfg.experiment_name}' must be a plain folder name, not a path")
+    return problems
+
+
+def _range_problems(cfg: TrainConfig) -> list[str]:
+    """Counts that must be at least 1, and amounts that must not be negative."""
+    positive = {
+        "--num-epochs": cfg.num_epochs,
+        "--batch-size": cfg.batch_size,
+        "--grad-accum-steps": cfg.grad_accum_steps,
+        "--seq-length": cfg.seq_length,
+        "--log-freq": cfg.log_freq,
+        "--keep-last": cfg.keep_last,
+        "--ac-every-n-layers": cfg.ac_every_n_layers,
+        "--max-bad-steps": cfg.max_bad_steps,
+        "--collective-timeout-s": cfg.collective_timeout_s,
+        "--init-timeout-s": cfg.init_timeout_s,
+        "--sample-max-new-tokens": cfg.sample_max_new_tokens,
+    }
+    problems = [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
+    non_negative = {
+        "--max-steps": cfg.max_steps,
+        "--warmup-steps": cfg.warmup_steps,
+        "--ckpt-freq": cfg.ckpt_freq,
+        "--eval-freq": cfg.eval_freq,
+        "--eval-max-blocks": cfg.eval_max_blocks,
+        "--weight-decay": cfg.weight_decay,
+        "--grad-clip": cfg.grad_clip,
+        "--min-lr": cfg.min_lr,
+        "--peak-tflops": cfg.peak_tflops,
+        "--hybrid-shard-size": cfg.hybrid_shard_size,
+        "--global-batch-size": cfg.global_batch_size,
+    }
+    problems += [f"{flag} must not be negative (got {value})" for flag, value in non_negative.items() if value < 0]
+    return problems
+
+
+def _value_problems(cfg: TrainConfig) -> list[str]:
+    """Values a flag's type cannot check: choices given in --config, the loss chunk, the prompts file, fractions and
+    the learning rates."""
+    problems: list[str] = []
+    for f in dataclasses.fields(TrainConfig):  # argparse checks choices on the command line; this covers --config
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            flag = "--" + f.name.replace("_", "-")
+            problems.append(f"{flag} {getattr(cfg, f.name)!r} is not one of {', '.join(choices)}")
+    if cfg.loss_chunk_tokens != "auto" and not str(cfg.loss_chunk_tokens).strip().isdigit():
+        problems.append(
+            f"--loss-chunk-tokens {cfg.loss_chunk_tokens!r}: expected auto or a whole number of tokens (0 = full logits)"
+        )
+    if cfg.sample_prompts and not Path(cfg.sample_prompts).is_file():
+        problems.append(f"--sample-prompts {cfg.sample_prompts}: no such file (one prompt per line, or .jsonl)")
+    if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
+        problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")
+    if not cfg.lr > 0 or not math.isfinite(cfg.lr):
+        problems.append(f"--lr must be a positive number (got {cfg.lr})")
+    elif cfg.min_lr > cfg.lr:
+        problems.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}; lower --min-lr")
+    return problems
+
+
+def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """fp16 needs CUDA; --sharding hybrid needs shard groups that divide the world (and no QLoRA across them)."""
+    problems: list[str] = []
+    if cfg.precision == "fp16" and not torch.cuda.is_available():
+        problems.append(
+            "--precision fp16 needs a CUDA GPU (CPU fp16 kernels are slow and incomplete); use fp32 or bf16"
+        )
+    if cfg.sharding == "hybrid":
+        shard = cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if shard < 1 or world_size % shard:
+            problems.append(
+                f"--sharding hybrid: world size {world_size} is not a multiple of the shard group size "
+                f"{shard}; set --hybrid-shard-size to a divisor of {world_size}"
+            )
+        if cfg.peft == "qlora" and shard > 1:  # NF4's all-gather asks the mesh for one group; a 2-D mesh has two
+            problems.append(
+                f"--peft qlora with --sharding hybrid (shard groups of {shard}): torchao's NF4 weights shard over a "
+                f"1-D mesh only; use --sharding full (or none: one copy of the 4-bit base per process)"
+            )
+    return problems
+
+
+def _batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """--global-batch-size must split evenly over the processes and micro-batches; then it sets the accumulation."""
+    if cfg.global_batch_size <= 0 or cfg.batch_size < 1:
+        return []
+    per_step = world_size * cfg.batch_size
+    accum, rest = divmod(cfg.global_batch_size, per_step)
+    if rest or accum < 1:
+        return [
+            f"--global-batch-size {cfg.global_batch_size} is not a multiple of processes x --batch-size "
+            f"({world_size} x {cfg.batch_size} = {per_step}); choose a multiple of {per_step} or change -b"
+        ]
+    if cfg.grad_accum_steps not in (1, accum):
+        return [
+            f"--grad-accum-steps {cfg.grad_accum_steps} contradicts --global-batch-size {cfg.global_batch_size} "
+            f"({world_size} processes x -b {cfg.batch_size} needs {accum}); pass only one of them"
+        ]
+    cfg.grad_accum_steps = accum
+    return []
+
+
+def _peft_problems(cfg: TrainConfig) -> list[str]:
+    """The adapter flags that can be checked without the model (the targets and --adapter: adapters.py)."""
+    if cfg.peft == "none":
+        changed = changed_flags(cfg, LORA_FLAGS)
+        return [f"{', '.join(changed)} need --peft lora or qlora (got --peft none)"] if changed else []
+    problems = []
+    if cfg.lora_rank < 1:
+        problems.append(f"--lora-rank must be at least 1 (got {cfg.lora_rank}); 8-64 is usual")
+    if not cfg.lora_alpha > 0 or not math.isfinite(cfg.lora_alpha):
+        problems.append(f"--lora-alpha must be a positive number (got {cfg.lora_alpha}); 2 x --lora-rank is usual")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").is_file():
+        problems.append(f"--adapter {cfg.adapter}: not a PEFT adapter folder (no adapter_config.json)")
+    for package in ("peft",) + (("torchao",) if cfg.peft == "qlora" else ()):
+        if not _installed(package):
+            problems.append(
+                f"--peft {cfg.peft} needs the {package} package, which is not installed; pip install -r "
+                f"requirements.txt" + (", or use --peft lora" if package == "torchao" else "")
+            )
+    return problems
+
+
+def _dpo_problems(cfg: TrainConfig) -> list[str]:
+    """The preference flags: only with --objective dpo (or auto, where the dataset decides), and in range."""
+    if cfg.objective == "lm":
+        changed = changed_dpo_flags(cfg)
+        return [f"{', '.join(changed)} need --objective dpo (got --objective lm)"] if changed else []
+    problems = []
+    if not cfg.dpo_beta > 0 or not math.isfinite(cfg.dpo_beta):
+        problems.append(f"--dpo-beta must be a positive number (got {cfg.dpo_beta}); 0.1 is usual")
+    if not 0.0 <= cfg.dpo_label_smoothing < 0.5:
+        problems.append(f"--dpo-label-smoothing must be in [0, 0.5) (got {cfg.dpo_label_smoothing})")
+    elif cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
+        problems.append(
+            f"--dpo-label-smoothing {cfg.dpo_label_smoothing} applies to --dpo-loss sigmoid (conservative DPO); "
+            f"the {cfg.dpo_loss} loss has no such term"
+        )
+    if not cfg.sft_weight >= 0 or not math.isfinite(cfg.sft_weight):
+        problems.append(f"--sft-weight must not be negative (got {cfg.sft_weight})")
+    if cfg.reference == "live" and cfg.peft != "none" and cfg.adapter:
+        problems.append(
+            f"--reference live with --peft {cfg.peft} means adapters off, which is the base without --adapter "
+            f"{cfg.adapter}, not the starting model; use --reference precomputed (or auto)"
+        )
+    if cfg.objective == "dpo" and cfg.document_masking == "off":
+        problems.append(
+            "--objective dpo packs a pair's sequences as separate documents: it needs --document-masking on"
+        )
+    return problems
+
+
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds None for it (an import that was blocked)
+        return False
+
+
+def _wandb_problems() -> list[str]:
+    """wandb is optional: a missing (or broken) install is a flag problem, not a traceback on rank 0 later."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError as exc:
+        return [f"--wandb on needs the wandb package ({exc}); pip install wandb, or leave --wandb off"]
+    return []
+
+
+def _mixture_problems(cfg: TrainConfig) -> list[str]:
+    """-d given several times: a mixture. Its weights must match the datasets; some settings take one dataset."""
+    if cfg.data_weights and len(cfg.dataset_name) < 2:
+        return [f"--data-weights {cfg.data_weights} needs two or more datasets (-d given several times)"]
+    if len(cfg.dataset_name) < 2:
+        return []
+    problems = []
+    if len(set(cfg.dataset_name)) < len(cfg.dataset_name):
+        problems.append(f"-d/--dataset-name names a dataset twice ({', '.join(cfg.dataset_name)}); raise its weight")
+    if cfg.data_weights:
+        weights = parse_data_weights(cfg.data_weights)
+        if weights is None or len(weights) != len(cfg.dataset_name):
+            problems.append(
+                f"--data-weights {cfg.data_weights}: expected {len(cfg.dataset_name)} numbers separated by commas, "
+                f"one per -d in order (e.g. {','.join(['1'] * len(cfg.dataset_name))})"
+            )
+        elif not all(math.isfinite(w) and w > 0 for w in weights):
+            problems.append(f"--data-weights {cfg.data_weights}: every weight must be a positive number")
+    if cfg.objective == "dpo":
+        problems.append("--objective dpo trains on one preference dataset; give -d once")
+    if cfg.data_slice:
+        problems.append(f"--data-slice {cfg.data_slice} selects rows of one dataset; give -d once")
+    return problems
+
+
+def _dataset_problems(name: str) -> list[str]:
+    if is_hub_dataset_id(name):  # resolved from the HF_HOME cache only, never the network
+        try:
+            hub_dataset_snapshot(name)
+        except ValueError as exc:
+            return [f"--dataset-name/-d {exc}"]
+        return []
+    path = Path(name)
+    if not path.is_dir():
+        return [f"--dataset-name {path}: no such folder; create it with data_hf.py --save_dir {path}"]
+    if not any((path / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        return [f"--dataset-name {path}: not a dataset written by data_hf.py (no dataset_dict.json or state.json)"]
+    return []
+
+
+def _model_problems(cfg: TrainConfig) -> list[str]:
+    try:
+        model_dir = resolve_model_dir(cfg.model_name)
+    except FileNotFoundError as exc:
+        return [str(exc)]
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
+        return [f"--model-name {cfg.model_name}: cannot read config.json in {model_dir} ({exc})"]
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions and cfg.seq_length > max_positions:
+        return [
+            f"--seq-length {cfg.seq_length} exceeds the model's max_position_embeddings {max_positions}; "
+            f"lower --seq-length"
+        ]
+    return []
