@@ -37,7 +37,6 @@ from fsdp_lib.hub.dataset import download_dataset, report_dataset, verify_datase
 from fsdp_lib.hub.download import cached_model_folder, download_model, explained_hub_errors
 from fsdp_lib.hub.presets import SIZE_FLAGS, SIZE_PRESETS, preset_parameter_count, size_problems
 from fsdp_lib.hub.scratch import InitRequest, create_model_folder
-from fsdp_lib.hub.tokenizer import train_bpe_tokenizer  # noqa: F401 - bench/bench_dpo.py imports it from here
 from fsdp_lib.hub.verify import report_verified, reverify_folder, verify_and_record
 
 # ---------------------------------------------------------------------------------------------------------

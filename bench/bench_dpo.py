@@ -174,7 +174,7 @@ PEFT_LINE = re.compile(r"--peft \w+: ([\d,]+) trainable of ([\d,]+) parameters")
 
 def make_tokenizer(folder: Path, docs: list[str], vocab: int) -> Any:
     """model_download.py's byte-level BPE trained on `docs`, plus the Llama-3 template and its special tokens."""
-    from model_download import train_bpe_tokenizer
+    from fsdp_lib.hub.tokenizer import train_bpe_tokenizer
 
     batches = [docs[i : i + 1000] for i in range(0, len(docs), 1000)]
     tokenizer = train_bpe_tokenizer(batches, vocab, 4096, len(docs))
