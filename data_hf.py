@@ -53,15 +53,16 @@ from fsdp_lib.convert.publish import (
     SUMMARY_NAME,
     TMP_TAG,
     clean_stale_temporaries,
-    looks_like_output,
     occupied,
     publish,
     remove_path,
+    replace_problem,
 )
 from fsdp_lib.convert.reading import piece_bytes_for
 from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers
+from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import DATASET_COLUMNS
 
@@ -162,6 +163,13 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors = []
     if not args.data_folder.exists():
         errors.append(f"--data_folder {args.data_folder} does not exist; pass the folder that holds your files")
+    elif (kind := folder_kind(args.data_folder)) is not None and kind.kind != "split folders":
+        instead = (
+            f"train on it with fsdp_train.py -d {args.data_folder}"
+            if kind.kind == "dataset"
+            else "pass the folder that holds your raw files"
+        )
+        errors.append(f"--data_folder {kind.describe(args.data_folder)}, not raw files; {instead}")
     if not args.extensions:
         errors.append(f"--extensions is empty; e.g. --extensions {' '.join(DEFAULT_EXTENSIONS)}")
     if not 1 <= args.max_chars <= MAX_MAX_CHARS:
@@ -182,11 +190,8 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             errors.append(
                 f"--save_dir {save_dir} already exists; pass --overwrite to replace it, or choose another path"
             )
-        elif not looks_like_output(save_dir):
-            errors.append(
-                f"--save_dir {save_dir} is not a dataset written by data_hf.py (no state.json, dataset_dict.json or "
-                f"{SUMMARY_NAME}); refusing to delete it even with --overwrite: choose another --save_dir"
-            )
+        elif problem := replace_problem(save_dir):
+            errors.append(problem)
         elif args.data_folder.exists() and args.data_folder.resolve().is_relative_to(save_dir.resolve()):
             errors.append(
                 f"--data_folder {args.data_folder} is inside --save_dir {save_dir}, which --overwrite replaces"

@@ -40,6 +40,7 @@ from fsdp_lib.organize.plan import (
     EXIT_IO_ERROR,
     EXIT_REFUSED,
     MANIFEST_NAME,
+    MAX_SPLITS,
     MODES,
     OrganizeError,
     Settings,
@@ -128,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_args(args: argparse.Namespace) -> Settings:
     """Check every flag before touching the disk; report all problems at once."""
     problems = []
-    if args.num_dirs < 1:
-        problems.append(f"--num-dirs must be at least 1 (got {args.num_dirs})")
+    if not 1 <= args.num_dirs <= MAX_SPLITS:
+        problems.append(
+            f"--num-dirs must be between 1 and {MAX_SPLITS:,} (got {args.num_dirs:,}): one split folder per "
+            "worker that preprocesses them"
+        )
     try:
         extensions = parse_extensions(args.extensions)
     except OrganizeError as exc:

@@ -19,6 +19,7 @@ from fsdp_lib.config import (
     parse_data_slice,
     parse_data_weights,
 )
+from fsdp_lib.markers import TOKEN_CACHE, folder_kind
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
@@ -57,6 +58,16 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
             problems.append(f"{flag} is required")
     if cfg.experiment_name and (os.sep in cfg.experiment_name or cfg.experiment_name in (".", "..")):
         problems.append(f"--experiment-name '{cfg.experiment_name}' must be a plain folder name, not a path")
+    elif cfg.experiment_name.startswith("."):  # .token_cache and the tools' temporaries live beside experiments
+        problems.append(
+            f"--experiment-name '{cfg.experiment_name}': names starting with '.' are the project's own folders under "
+            f"--save-dir ({TOKEN_CACHE}, temporaries); choose a plain name"
+        )
+    elif cfg.experiment_name and (kind := folder_kind(cfg.experiment_dir)) and kind.kind != "experiment":
+        problems.append(
+            f"--experiment-name {cfg.experiment_name}: {kind.describe(cfg.experiment_dir)}, not an experiment; "
+            "choose another --experiment-name or --save-dir"
+        )
     return problems
 
 

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 from fsdp_lib.errors import ExperimentLockedError
+from fsdp_lib.markers import EXPERIMENT_LOCK
 from fsdp_lib.runtime import log
 
-LOCK_FILE = "run.lock"
+LOCK_FILE = EXPERIMENT_LOCK
 
 
 LOCK_REFRESH_S = 30.0  # the holder touches its lock file this often...

@@ -10,7 +10,9 @@ import shutil
 import socket
 from pathlib import Path
 
-SUMMARY_NAME = "data_hf_summary.json"  # the run summary, saved in the dataset folder: it marks the folder as ours
+from fsdp_lib.markers import DATASET_SUMMARY, folder_kind
+
+SUMMARY_NAME = DATASET_SUMMARY  # the run summary, saved in the dataset folder: it marks the folder as ours
 # The temporary folders beside --save_dir: .NAME<tag><host>-<pid>-<random>, so a later run can tell whose they are.
 TMP_TAG = ".data_hf-tmp-"
 OLD_TAG = ".data_hf-old-"
@@ -23,10 +25,21 @@ def occupied(save_dir: Path) -> bool:
     return save_dir.exists() or save_dir.is_symlink()
 
 
-def looks_like_output(folder: Path) -> bool:
-    """Whether `folder` is empty or a dataset (data_hf.py's or save_to_disk's): what --overwrite may replace."""
-    names = ("state.json", "dataset_dict.json", SUMMARY_NAME)
-    return any((folder / name).is_file() for name in names) or not any(folder.iterdir())
+def replace_problem(save_dir: Path) -> str | None:
+    """Why --overwrite may not replace the folder `save_dir`, or None when it is empty or a dataset (data_hf.py's or
+    save_to_disk's). An experiment, a model, split folders or an unknown folder are never replaced."""
+    kind = folder_kind(save_dir)
+    if kind is not None and kind.kind == "dataset" or not any(save_dir.iterdir()):
+        return None
+    if kind is not None:
+        return (
+            f"--save_dir {kind.describe(save_dir)}; data_hf.py replaces only a dataset, even with --overwrite: "
+            "choose another --save_dir"
+        )
+    return (
+        f"--save_dir {save_dir} is not a dataset written by data_hf.py (no {SUMMARY_NAME}, dataset_dict.json or "
+        "datasets' state.json); refusing to delete it even with --overwrite: choose another --save_dir"
+    )
 
 
 def _owner_pid(name: str, prefix: str, host: str) -> int | None:

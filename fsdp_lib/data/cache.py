@@ -20,6 +20,7 @@ from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, tokenize_pairs_to_file
 from fsdp_lib.errors import TrainError
 from fsdp_lib.integrity import commit_files, recorded_problems, staged, staged_writes
+from fsdp_lib.markers import TOKEN_CACHE
 from fsdp_lib.runtime import Dist, log
 
 
@@ -179,7 +180,7 @@ def load_token_stream(
     if pairs is not None:  # prompts are cut to fit a block: the sequences depend on --seq-length
         version = f"pairs-v{PairEncoder.VERSION}|chat-v{ChatEncoder.VERSION}|fit-{pairs.max_tokens}"
     key = hashlib.sha256(f"{fingerprint}|{cache_key}|{version}".encode()).hexdigest()[:20]
-    cache_dir = Path(cfg.save_dir) / ".token_cache" / key
+    cache_dir = Path(cfg.save_dir) / TOKEN_CACHE / key
     paths = stream_paths(cache_dir / f"{split_name}.tokens")
     failed_path = cache_dir / f"{split_name}.failed"
     if d.local_rank == 0 and paths["tokens"].exists():

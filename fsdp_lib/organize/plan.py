@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fsdp_lib.markers import SPLITS_MANIFEST
+
 DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 
 
@@ -19,7 +21,8 @@ MODES = ("copy", "link", "symlink", "move")
 
 
 # Hidden, so that data tools crawling dst_root (which skip hidden files) never read it as training text.
-MANIFEST_NAME = ".organize_manifest.json"
+MANIFEST_NAME = SPLITS_MANIFEST
+MAX_SPLITS = 10_000  # a bound checked before any work: a typo of 1e9 folders would plan for hours
 
 
 MANIFEST_FORMAT = 1

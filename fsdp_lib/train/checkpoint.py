@@ -31,6 +31,7 @@ from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
+from fsdp_lib.markers import EXPERIMENT_STATE
 from fsdp_lib.model.adapters import target_names
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
@@ -377,7 +378,7 @@ class Checkpointer:
             _fsync_dir(self.root)
             fault_point("kill_after_rename", self.d, step)
             write_json_atomic(
-                self.cfg.experiment_dir / "state.json",
+                self.cfg.experiment_dir / EXPERIMENT_STATE,
                 {
                     "latest_checkpoint": str(final),
                     "step": step,

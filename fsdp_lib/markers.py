@@ -1,0 +1,71 @@
+"""What a folder is, told by the marker each tool leaves in the folders it writes: a dataset (data_hf.py's summary, or
+datasets' save_to_disk files), split folders (organize_data.py's manifest), a training experiment (fsdp_train.py's
+checkpoints, lock, metrics or state), a model (an HF config with a model type) or the token cache. A tool replaces
+only a folder of its own kind and names any other kind when it refuses; no torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATASET_SUMMARY = "data_hf_summary.json"  # data_hf.py's run summary, saved in the dataset folder
+SPLITS_MANIFEST = ".organize_manifest.json"  # organize_data.py's plan, in --dst-root
+EXPERIMENT_LOCK = "run.lock"  # fsdp_train.py: one run per experiment
+EXPERIMENT_STATE = "state.json"  # fsdp_train.py: the newest checkpoint of an experiment
+TOKEN_CACHE = ".token_cache"  # fsdp_train.py: tokenised datasets, under --save-dir beside the experiments
+
+
+@dataclass(frozen=True)
+class FolderKind:
+    kind: str  # "dataset", "split folders", "experiment", "model" or "token cache"
+    evidence: str  # the file or folder that says so
+
+    def describe(self, folder: Path) -> str:
+        what = {
+            "dataset": "a dataset (data_hf.py or save_to_disk)",
+            "split folders": "split folders of organize_data.py",
+            "experiment": "a training experiment of fsdp_train.py",
+            "model": "a model folder",
+            "token cache": "fsdp_train.py's token cache",
+        }[self.kind]
+        return f"{folder} is {what} ({self.evidence})"
+
+
+def _json_keys(path: Path) -> set[str]:
+    try:
+        value: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return set(value) if isinstance(value, dict) else set()
+
+
+def folder_kind(folder: Path) -> FolderKind | None:
+    """The kind of `folder` by its markers, or None for a folder no tool of ours wrote (or no folder)."""
+    if not folder.is_dir():
+        return None
+    if folder.name == TOKEN_CACHE:
+        return FolderKind("token cache", folder.name)
+    if (folder / EXPERIMENT_LOCK).is_file():
+        return FolderKind("experiment", EXPERIMENT_LOCK)
+    if "latest_checkpoint" in _json_keys(folder / EXPERIMENT_STATE):
+        return FolderKind("experiment", EXPERIMENT_STATE)
+    if (folder / "checkpoint").is_dir() and any(p.name.startswith("step_") for p in (folder / "checkpoint").iterdir()):
+        return FolderKind("experiment", "checkpoint/")
+    if (folder / "config.yaml").is_file() and (folder / "metrics.jsonl").is_file():
+        return FolderKind("experiment", "config.yaml, metrics.jsonl")
+    if (folder / SPLITS_MANIFEST).is_file():
+        return FolderKind("split folders", SPLITS_MANIFEST)
+    if (folder / DATASET_SUMMARY).is_file():
+        return FolderKind("dataset", DATASET_SUMMARY)
+    if "splits" in _json_keys(folder / "dataset_dict.json"):
+        return FolderKind("dataset", "dataset_dict.json")
+    if "_data_files" in _json_keys(folder / "state.json"):
+        return FolderKind("dataset", "state.json")
+    model_files = ("*.safetensors", "pytorch_model*.bin", "tokenizer.json", "tokenizer_config.json")
+    if _json_keys(folder / "config.json") & {"model_type", "architectures"} and any(
+        next(folder.glob(pattern), None) for pattern in model_files
+    ):
+        return FolderKind("model", "config.json")
+    return None

@@ -1,0 +1,188 @@
+"""Bad input across the tools, as a careless user gives it: each case is refused with a message naming the flag (or
+the folder) and the fix and a non-zero exit, and every byte that existed before is still there afterwards. Most
+cases run no training step: the tools refuse before any work."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import data_hf
+import fsdp_train
+import organize_data
+from tests.fsdp_helpers import make_dataset
+
+# --- the folders a user already has -------------------------------------------------------------------------------
+
+
+def make_experiment(folder: Path) -> Path:
+    """What fsdp_train.py leaves in outputs/EXP: a checkpoint, its state, metrics, the config and an export."""
+    (folder / "checkpoint" / "step_00000002").mkdir(parents=True)
+    (folder / "checkpoint" / "step_00000002" / "__0_0.distcp").write_bytes(b"\x00shard" * 64)
+    (folder / "state.json").write_text(json.dumps({"latest_checkpoint": "checkpoint/step_00000002", "step": 2}))
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    (folder / "config.yaml").write_text("experiment_name: exp\n")
+    (folder / "final").mkdir()
+    (folder / "final" / "model.safetensors").write_bytes(b"weights" * 32)
+    return folder
+
+
+def make_model_folder(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (folder / "model.safetensors").write_bytes(b"weights" * 32)
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def make_splits(folder: Path) -> Path:
+    (folder / "split_00").mkdir(parents=True)
+    (folder / "split_00" / "a.txt").write_text("some text\n")
+    (folder / ".organize_manifest.json").write_text(json.dumps({"format": 1, "files": {}}))
+    return folder
+
+
+def make_raw(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("The capital of Norland is Vesk.\n\nA second paragraph of plain text.\n")
+    return folder
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a folder): what must be unchanged after a refusal."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+# --- the cases ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    run: Callable[[Path], int]  # the tool's main() on argv built under the test's folder; returns the exit code
+    message: tuple[str, ...]  # what the error must say (all of them)
+    exit_code: int = 2
+
+
+def data_hf_case(name: str, argv: Callable[[Path], list[str]], *message: str, exit_code: int = 1) -> Case:
+    return Case(name, lambda root: data_hf.main([str(a) for a in argv(root)]), message, exit_code)
+
+
+def organize_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
+    return Case(name, lambda root: organize_data.main([str(a) for a in argv(root)]), message)
+
+
+def trainer_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
+    return Case(name, lambda root: fsdp_train.main([str(a) for a in argv(root)]), message)
+
+
+def trainer_flags(root: Path, experiment: str) -> list[str | Path]:
+    return ["-e", experiment, "-d", root / "dataset", "-m", root / "model", "--save-dir", root / "outputs"]
+
+
+CASES = [
+    data_hf_case(
+        "data_hf --overwrite onto a training experiment",
+        lambda r: ["--data_folder", r / "raw", "--save_dir", r / "outputs" / "exp", "--overwrite"],
+        "--save_dir",
+        "a training experiment of fsdp_train.py",
+        "replaces only a dataset",
+        "choose another --save_dir",
+    ),
+    data_hf_case(
+        "data_hf --overwrite onto a model folder",
+        lambda r: ["--data_folder", r / "raw", "--save_dir", r / "model", "--overwrite"],
+        "--save_dir",
+        "a model folder (config.json)",
+        "choose another --save_dir",
+    ),
+    data_hf_case(
+        "data_hf --overwrite onto organize_data's split folders",
+        lambda r: ["--data_folder", r / "raw", "--save_dir", r / "splits", "--overwrite"],
+        "split folders of organize_data.py",
+        "choose another --save_dir",
+    ),
+    data_hf_case(
+        "data_hf --overwrite onto a folder of the user's own files",
+        lambda r: ["--data_folder", r / "splits", "--save_dir", r / "raw", "--overwrite"],
+        "not a dataset written by data_hf.py",
+        "refusing to delete it even with --overwrite",
+    ),
+    data_hf_case(
+        "data_hf reading a dataset it already wrote",
+        lambda r: ["--data_folder", r / "dataset", "--save_dir", r / "again"],
+        "--data_folder",
+        "is a dataset",
+        "not raw files",
+        "fsdp_train.py -d",
+    ),
+    data_hf_case(
+        "data_hf reading a training experiment",
+        lambda r: ["--data_folder", r / "outputs" / "exp", "--save_dir", r / "again"],
+        "--data_folder",
+        "a training experiment of fsdp_train.py",
+        "pass the folder that holds your raw files",
+    ),
+    data_hf_case(
+        "data_hf reading a model folder",
+        lambda r: ["--data_folder", r / "model", "--save_dir", r / "again"],
+        "--data_folder",
+        "a model folder",
+        "pass the folder that holds your raw files",
+    ),
+    organize_case(
+        "organize_data with a billion split folders",
+        lambda r: ["--src-dir", r / "raw", "--dst-root", r / "new_splits", "--num-dirs", "1000000000", "--dry-run"],
+        "--num-dirs must be between 1 and 10,000",
+    ),
+    organize_case(
+        "organize_data with no split folders",
+        lambda r: ["--src-dir", r / "raw", "--dst-root", r / "new_splits", "--num-dirs", "0"],
+        "--num-dirs must be between 1 and 10,000",
+    ),
+    trainer_case(
+        "fsdp_train with the token cache as the experiment",
+        lambda r: trainer_flags(r, ".token_cache"),
+        "--experiment-name '.token_cache'",
+        "the project's own folders",
+        "choose a plain name",
+    ),
+    trainer_case(
+        "fsdp_train with an experiment named like a dataset folder under --save-dir",
+        lambda r: trainer_flags(r, "corpus"),
+        "--experiment-name corpus",
+        "is a dataset",
+        "not an experiment",
+        "choose another --experiment-name or --save-dir",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def user_folders(tmp_path_factory) -> Path:
+    """One user's folders, shared by the cases (each case must leave them byte-identical)."""
+    root = tmp_path_factory.mktemp("user")
+    make_raw(root / "raw")
+    make_splits(root / "splits")
+    make_experiment(root / "outputs" / "exp")
+    make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
+    make_model_folder(root / "model")
+    assert data_hf.main(["--data_folder", str(root / "raw"), "--save_dir", str(root / "dataset")]) == 0
+    return root
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_refused_by_name_and_touches_nothing(case: Case, user_folders: Path, capsys) -> None:
+    before = snapshot(user_folders)
+    code = case.run(user_folders)
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert code == case.exit_code, said
+    for part in case.message:
+        assert part in said, f"{case.name}: {part!r} not in {said!r}"
+    assert "Traceback" not in said
+    assert snapshot(user_folders) == before, f"{case.name}: existing data changed"
