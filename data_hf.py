@@ -199,8 +199,10 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[str, SplitWriter]]:
-    """Read the input and write the dataset into the empty folder `tmp`. Returns the summary and the writers."""
+def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[str, SplitWriter], int]:
+    """Read the input and write the dataset into the empty folder `tmp`. Returns the summary, the writers, and the
+    records an auto run found shaped like conversations or preference pairs but could not use, when it found nothing
+    else: their strings are no text dataset (the run is refused)."""
     started = time.monotonic()
     files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
     files, text_files_skipped = record_inputs(files, args.data_format)
@@ -242,15 +244,25 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
         args.data_format, tally.plain_text_rows, rows["messages"], rows["preference"],
         tally.conversation_shaped_as_text, tally.preference_shaped_as_text,
     )  # fmt: skip
-    if args.data_format == "auto" and column != "text":
-        tally.adopt_chat_problems()
+    shaped = tally.conversation_shaped_as_text + tally.preference_shaped_as_text
+    unusable = (
+        shaped if column == "text" and not tally.plain_text_rows and not rows["messages"] + rows["preference"] else 0
+    )
+    if args.data_format == "auto" and (column != "text" or unusable):
+        tally.adopt_chat_problems()  # why the records failed, counted by reason in the summary
     chosen = finish_writers(writers, column, splits, tmp)
-    return build_summary(tally, args, chosen, column, time.monotonic() - started), chosen
+    return build_summary(tally, args, chosen, column, time.monotonic() - started), chosen, unusable
 
 
-def _refusals(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) -> list[str]:
     """Why the converted dataset must not be published."""
     refusals = []
+    if args.data_format == "auto" and unusable:
+        refusals.append(
+            f"--format auto: all {unusable} record(s) have the shape of conversations or preference pairs but none "
+            "could be used (the counts by reason above say why); fix them and rerun, or pass --format text to keep "
+            "their strings as plain text"
+        )
     problems = sum(summary["counts_by_reason"].values())
     if args.strict and problems:
         refusals.append(f"--strict: {problems} problem(s) found (listed above); fix them or drop --strict")
@@ -281,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data_hf: error: cannot create a folder beside --save_dir {args.save_dir}: {err}", file=sys.stderr)
         return 1
     try:
-        summary, writers = convert(args, tmp)
+        summary, writers, unusable = convert(args, tmp)
         print_summary(summary)
-        refusals = _refusals(summary, args)
+        refusals = _refusals(summary, args, unusable)
         if refusals:
             raise DataHfError("; ".join(refusals))
         for split, writer in writers.items():

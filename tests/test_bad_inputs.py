@@ -52,6 +52,12 @@ def make_raw(folder: Path) -> Path:
     return folder
 
 
+def make_records(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "records.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder
+
+
 def snapshot(root: Path) -> dict[str, bytes | None]:
     """Every path under `root` with its bytes (None for a folder): what must be unchanged after a refusal."""
     return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
@@ -134,6 +140,19 @@ CASES = [
         "a model folder",
         "pass the folder that holds your raw files",
     ),
+    data_hf_case(
+        "data_hf --format auto on conversations that are all invalid",
+        lambda r: ["--data_folder", r / "bad_chat", "--save_dir", r / "again"],
+        "--format auto: all 4 record(s) have the shape of conversations or preference pairs but none could be used",
+        "unknown_role",
+        "pass --format text",
+    ),
+    data_hf_case(
+        "data_hf --format auto on preference pairs whose responses are all identical",
+        lambda r: ["--data_folder", r / "same_pairs", "--save_dir", r / "again"],
+        "--format auto: all 4 record(s)",
+        "identical_responses",
+    ),
     organize_case(
         "organize_data with a billion split folders",
         lambda r: ["--src-dir", r / "raw", "--dst-root", r / "new_splits", "--num-dirs", "1000000000", "--dry-run"],
@@ -171,6 +190,9 @@ def user_folders(tmp_path_factory) -> Path:
     make_experiment(root / "outputs" / "exp")
     make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
     make_model_folder(root / "model")
+    wizard = [{"role": "wizard", "content": "see https://example.com"}, {"role": "assistant", "content": "ok"}]
+    make_records(root / "bad_chat", [{"messages": wizard}] * 4)
+    make_records(root / "same_pairs", [{"prompt": f"q{i}", "chosen": "same", "rejected": "same"} for i in range(4)])
     assert data_hf.main(["--data_folder", str(root / "raw"), "--save_dir", str(root / "dataset")]) == 0
     return root
 
