@@ -215,9 +215,6 @@ def run(cfg: TrainConfig) -> int:
     d = setup_distributed(cfg)
     stop = StopRequest()
     seed_everything(cfg.seed + d.rank)
-    if d.is_main:
-        cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
     prompts = load_sample_prompts(cfg, data.tokenizer)
     bundle = build_model(cfg, precision, d)
@@ -236,6 +233,9 @@ def run(cfg: TrainConfig) -> int:
         )
     elif cfg.export_only:
         raise CheckpointError(f"--export-only: no complete checkpoint in {checkpointer.root}")
+    if d.is_main:  # only now: a run refused by the checks above (a resume of another model or data) writes nothing
+        cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     if cfg.export_only:
         export(bundle, data, cfg, d)
         return 0

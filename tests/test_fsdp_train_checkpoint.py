@@ -141,11 +141,14 @@ def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, tmp_p
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
     assert run_trainer(args).returncode == 0
+    config = next(tmp_path.glob("*/config.yaml"))
+    written = config.read_bytes()
     changed = [*args, "--seq-length", "16", "--max-steps", "8"]
     refused = run_trainer(changed)
     assert refused.returncode != 0
     assert "seq_length: checkpoint 32 vs now 16" in output_of(refused) and "--force-resume" in output_of(refused)
     assert checkpoints(tmp_path) == ["step_00000004"]
+    assert config.read_bytes() == written, "the refused run rewrote config.yaml with its settings"
     # changing only what may change (length of the run, logging, checkpoint frequency) is accepted
     allowed = run_trainer([*args, "--max-steps", "6", "--log-freq", "2", "--ckpt-freq", "3"])
     assert allowed.returncode == 0 and "at step 4" in output_of(allowed), output_of(allowed)
