@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -289,6 +290,51 @@ def test_rerun_finishes_an_interrupted_run(
     assert manifest_of(dst)["complete"] is True
 
 
+@pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_is_one_line_and_a_rerun_finishes(
+    src: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    signum: int,
+    expected: int,
+) -> None:
+    dst = tmp_path / "splits"
+    argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "3")
+    real_place_file = organize_data.place_file
+    calls = []
+
+    def stopped_at_the_third_file(source: Path, dest: Path, mode: str) -> None:
+        calls.append(dest)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signum)  # Ctrl-C is SIGINT to the process group; a scheduler sends SIGTERM
+        real_place_file(source, dest, mode)
+
+    monkeypatch.setattr(organize_data, "place_file", stopped_at_the_third_file)
+    code, _, err = run(capsys, *argv)
+    assert code == expected
+    assert err.strip().splitlines() == [
+        "organize_data.py: interrupted; the files placed so far are complete: rerun the same command to finish"
+    ]
+    monkeypatch.setattr(organize_data, "place_file", real_place_file)
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "2 already in place" in out
+    assert manifest_of(dst)["complete"] is True
+
+
+def test_file_names_in_any_encoding_are_split_and_rerun(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = tmp_path / "raw"
+    src.mkdir()
+    (Path(os.fsdecode(os.fsencode(src) + b"/caf\xe9.txt"))).write_bytes(b"Latin-1 name\n")  # not UTF-8
+    write(src / "plain.txt", "plain\n")
+    dst = tmp_path / "splits"
+    code, out, err = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
+    assert code == 0, err
+    assert sorted(os.fsencode(p.name) for p in split_files(dst)) == [b"caf\xe9.txt", b"plain.txt"]
+    code, out, _ = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
+    assert code == 0 and "2 already in place" in out
+
+
 def test_a_failed_copy_leaves_no_file_under_the_real_name(
     src: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -383,8 +429,7 @@ def test_move_rerun_finishes_an_interrupted_move(
         real_place_file(source, dest, mode)
 
     monkeypatch.setattr(organize_data, "place_file", dies_on_the_seventh_file)
-    with pytest.raises(KeyboardInterrupt):
-        organize_data.main([str(a) for a in argv])
+    assert run(capsys, *argv)[0] == 130  # Ctrl-C: one line, no traceback
     assert len(expected_sources(src)) == len(sources) - 6
     monkeypatch.setattr(organize_data, "place_file", real_place_file)
     assert run(capsys, *argv)[0] == 0
