@@ -31,6 +31,7 @@ from fsdp_lib.hub.presets import SIZE_PRESETS, preset_config_kwargs, preset_para
 from fsdp_lib.hub.verify import VERIFICATION_RECORD, read_verification_record
 from fsdp_lib.hub.weights import ExpectedTensor, TensorInfo, compare_weights, read_safetensors_header
 from fsdp_lib.model.memory_plan import format_memory_plan, training_memory_plan
+from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 from tests.fsdp_helpers import wait_until
 
 REPO_ID = "org/tiny"
@@ -648,6 +649,34 @@ def test_init_reuses_an_existing_tokenizer(tiny_model: Path, tmp_path: Path):
         json.loads((target / "config.json").read_text())["vocab_size"]
         == json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     )
+
+
+@pytest.mark.parametrize("kind", ["messages", "preference"])
+def test_tokenizer_trains_on_the_turns_of_a_chat_or_preference_dataset(kind: str, tmp_path: Path):
+    """--tokenizer-from a conversation or preference dataset: the BPE learns the turns' contents (it used to fail on
+    the missing text column with a traceback)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    def turns(i: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"Quelle est la capitale {i}?"}, {"role": "assistant", "content": "Vesk"}]
+
+    columns = (
+        {"messages": [turns(i) for i in range(40)]}
+        if kind == "messages"
+        else {
+            name: [turns(i)[:1] if name == "prompt" else turns(i)[1:] for i in range(40)] for name in PREFERENCE_COLUMNS
+        }
+    )
+    path = tmp_path / "ds"
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+    target = tmp_path / "m"
+    assert (
+        md.main(["--init", "tiny", "--tokenizer-from", str(path), "--vocab-size", "300", "--local-dir", str(target)])
+        == 0
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert len(tokenizer.tokenize("Quelle est la capitale")) < len(tokenizer.tokenize("Xqzw vjkp ry fgbnm"))
 
 
 def test_tokenizer_dataset_problems_are_named(tmp_path: Path, capsys):

@@ -12,6 +12,7 @@ from typing import Any
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.presets import SizePreset
 from fsdp_lib.records.dataset import load_text_dataset
+from fsdp_lib.records.schema import PREFERENCE_COLUMNS, dataset_kind
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 TEXT_BATCH_SIZE = 1000
@@ -29,9 +30,17 @@ def load_tokenizer_corpus(path: Path) -> Any:
 
 
 def iter_text_batches(dataset: Any, batch_size: int = TEXT_BATCH_SIZE) -> Iterator[list[str]]:
-    """Batches of the text column read from the memory-mapped Arrow files; the column is never materialised."""
-    for batch in dataset.select_columns(["text"]).iter(batch_size=batch_size):
-        yield [text for text in batch["text"] if text]
+    """Batches of the dataset's texts read from the memory-mapped Arrow files (the columns are never materialised):
+    the text column, or the content of every turn of a chat or preference dataset."""
+    kind = dataset_kind(dataset.column_names)
+    columns = ["text"] if kind == "text" else ["messages"] if kind == "messages" else list(PREFERENCE_COLUMNS)
+    for batch in dataset.select_columns(columns).iter(batch_size=batch_size):
+        if kind == "text":
+            yield [text for text in batch["text"] if text]
+        else:
+            yield [
+                turn["content"] for column in columns for turns in batch[column] for turn in turns if turn["content"]
+            ]
 
 
 def train_bpe_tokenizer(
