@@ -45,6 +45,7 @@ from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
+from fsdp_lib.model.hf_files import model_folder_problems
 from fsdp_lib.model.hf_weights import export_hf_model
 from fsdp_lib.offline import resolve_model_dir
 from fsdp_lib.runtime import (
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         problems = problems or peft_problems(cfg)  # the adapter flags against the model, built on meta
+        problems = problems or model_folder_problems(resolve_model_dir(cfg.model_name))  # files whole, vocab fits
         if problems:
             raise ConfigError(problems)
     except ConfigError as exc:

@@ -86,8 +86,22 @@ def trainer_case(name: str, argv: Callable[[Path], list[str]], *message: str) ->
     return Case(name, lambda root: fsdp_train.main([str(a) for a in argv(root)]), message)
 
 
-def trainer_flags(root: Path, experiment: str) -> list[str | Path]:
-    return ["-e", experiment, "-d", root / "dataset", "-m", root / "model", "--save-dir", root / "outputs"]
+def trainer_flags(root: Path, experiment: str, model: str = "model") -> list[str | Path]:
+    flags = ["-e", experiment, "-d", root / "dataset", "-m", root / model, "--save-dir", root / "outputs"]
+    return [*flags, "--seq-length", "64"]
+
+
+def damaged_models(model: Path, root: Path) -> None:
+    """Copies of a real tiny model, each damaged the way downloads and hand edits damage them."""
+    import shutil
+
+    for name in ("cut_weights", "bad_tokenizer", "small_vocab"):
+        shutil.copytree(model, root / name)
+    weights = root / "cut_weights" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a download that stopped early
+    (root / "bad_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    config = json.loads((root / "small_vocab" / "config.json").read_text())
+    (root / "small_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 8}))
 
 
 CASES = [
@@ -164,6 +178,27 @@ CASES = [
         "--num-dirs must be between 1 and 10,000",
     ),
     trainer_case(
+        "fsdp_train on a model whose safetensors file was cut short",
+        lambda r: trainer_flags(r, "run", "cut_weights"),
+        "--model-name",
+        "model.safetensors",
+        "truncated",
+        "fetch the model again",
+    ),
+    trainer_case(
+        "fsdp_train on a model whose tokenizer.json is not JSON",
+        lambda r: trainer_flags(r, "run", "bad_tokenizer"),
+        "tokenizer.json is not valid JSON",
+        "restore it or fetch the model again",
+    ),
+    trainer_case(
+        "fsdp_train on a model whose embedding is smaller than its tokenizer",
+        lambda r: trainer_flags(r, "run", "small_vocab"),
+        "the tokenizer has",
+        "ids but the model's embedding has",
+        "Use the model's own tokenizer, or resize the embedding",
+    ),
+    trainer_case(
         "fsdp_train with the token cache as the experiment",
         lambda r: trainer_flags(r, ".token_cache"),
         "--experiment-name '.token_cache'",
@@ -182,7 +217,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def user_folders(tmp_path_factory) -> Path:
+def user_folders(tmp_path_factory, inputs) -> Path:
     """One user's folders, shared by the cases (each case must leave them byte-identical)."""
     root = tmp_path_factory.mktemp("user")
     make_raw(root / "raw")
@@ -190,6 +225,7 @@ def user_folders(tmp_path_factory) -> Path:
     make_experiment(root / "outputs" / "exp")
     make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
     make_model_folder(root / "model")
+    damaged_models(inputs[1], root)
     wizard = [{"role": "wizard", "content": "see https://example.com"}, {"role": "assistant", "content": "ok"}]
     make_records(root / "bad_chat", [{"messages": wizard}] * 4)
     make_records(root / "same_pairs", [{"prompt": f"q{i}", "chosen": "same", "rejected": "same"} for i in range(4)])

@@ -29,7 +29,8 @@ from fsdp_lib.hub.download import check_free_space, explain_hub_error
 from fsdp_lib.hub.plan import glob_escape, plan_download
 from fsdp_lib.hub.presets import SIZE_PRESETS, preset_config_kwargs, preset_parameter_count
 from fsdp_lib.hub.verify import VERIFICATION_RECORD, read_verification_record
-from fsdp_lib.hub.weights import ExpectedTensor, TensorInfo, compare_weights, read_safetensors_header
+from fsdp_lib.hub.weights import ExpectedTensor, compare_weights
+from fsdp_lib.model.hf_files import TensorInfo, read_safetensors_header
 from fsdp_lib.model.memory_plan import format_memory_plan, training_memory_plan
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 from tests.fsdp_helpers import wait_until
@@ -409,10 +410,10 @@ def test_safetensors_header_with_trailing_bytes_or_garbage(tmp_path: Path):
     save_file({"w": torch.zeros(4, 4)}, path)
     assert read_safetensors_header(path) == {"w": TensorInfo((4, 4), "F32", "model.safetensors")}
     path.write_bytes(path.read_bytes() + b"junk")
-    with pytest.raises(ToolError, match="trailing bytes"):
+    with pytest.raises(ValueError, match="trailing bytes"):
         read_safetensors_header(path)
     path.write_bytes((10**9).to_bytes(8, "little") + b"{}")
-    with pytest.raises(ToolError, match="truncated"):
+    with pytest.raises(ValueError, match="truncated"):
         read_safetensors_header(path)
 
 

@@ -4,71 +4,14 @@ an architecture expects, after the installed transformers' own key conversions. 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fsdp_lib.hub.console import ToolError
+from fsdp_lib.model.hf_files import TensorInfo, read_safetensors_header
 
-# bytes per element of each safetensors dtype tag (https://github.com/huggingface/safetensors format spec)
-SAFETENSORS_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
 FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: tuple[int, ...]
-    dtype: str  # safetensors tag, e.g. "BF16"
-    file: str
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor shapes and dtypes from a safetensors file's header, checking that the data is all there.
-
-    Format: 8-byte little-endian header length N, N bytes of JSON, then the data; each tensor's data_offsets
-    are relative to byte 8 + N. A file shorter than the largest end offset was cut off mid-download.
-    """
-    file_size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise ToolError(f"{path}: {file_size} bytes, too short to be a safetensors file (truncated)")
-        header_size = int.from_bytes(prefix, "little")
-        if header_size > file_size - 8:
-            raise ToolError(f"{path}: header claims {header_size} bytes but the file has {file_size} (truncated)")
-        try:
-            header = json.loads(handle.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ToolError(f"{path}: unreadable safetensors header ({exc}); the file is corrupt") from exc
-    if not isinstance(header, dict):
-        raise ToolError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
-    tensors: dict[str, TensorInfo] = {}
-    data_end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(offset) for offset in entry["data_offsets"])
-            shape, dtype = tuple(int(dim) for dim in entry["shape"]), str(entry["dtype"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ToolError(f"{path}: malformed header entry for tensor {name!r}; the file is corrupt") from exc
-        expected_bytes = _numel(shape) * SAFETENSORS_DTYPE_BYTES.get(dtype, 0)
-        if dtype in SAFETENSORS_DTYPE_BYTES and end - begin != expected_bytes:
-            raise ToolError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape needs {expected_bytes}")
-        tensors[name] = TensorInfo(shape, dtype, path.name)
-        data_end = max(data_end, end)
-    expected_size = 8 + header_size + data_end
-    if file_size != expected_size:
-        verdict = "truncated" if file_size < expected_size else "has trailing bytes"
-        raise ToolError(f"{path}: {file_size} bytes on disk, the header says {expected_size}: the file {verdict}")
-    return tensors
 
 
 def read_bin_weights(path: Path) -> dict[str, TensorInfo]:
@@ -86,13 +29,6 @@ def read_bin_weights(path: Path) -> dict[str, TensorInfo]:
     }
 
 
-def _numel(shape: Iterable[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 def read_weights(folder: Path, files: list[str]) -> tuple[dict[str, TensorInfo], list[str]]:
     """All tensors in the given weight files, plus one problem line per unreadable or truncated file."""
     tensors: dict[str, TensorInfo] = {}
@@ -101,7 +37,7 @@ def read_weights(folder: Path, files: list[str]) -> tuple[dict[str, TensorInfo],
         try:
             reader = read_safetensors_header if name.endswith(".safetensors") else read_bin_weights
             tensors.update(reader(folder / name))
-        except ToolError as exc:
+        except (ToolError, ValueError) as exc:  # a damaged .bin, or a safetensors file that is not whole
             problems.append(str(exc))
     return tensors, problems
 

@@ -1,14 +1,25 @@
-"""The weight files of a Hugging Face model folder, listed by one function for the trainer and model_download.py.
-No torch here: model_download.py imports it for its checks."""
+"""The files of a Hugging Face model folder: its weight files, listed by one function for the trainer and
+model_download.py, their safetensors headers read against the file size, and the checks that find a damaged folder
+before a run starts. No torch here (transformers is imported inside the vocabulary check): model_download.py imports
+it for its checks."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
+# bytes per element of each safetensors dtype tag (https://github.com/huggingface/safetensors format spec)
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
 
 
 def shards_from_index(index: dict[str, Any], index_name: str) -> list[str]:
@@ -45,6 +56,50 @@ def hf_weight_files(folder: Path) -> tuple[list[str], list[str]]:
     return names, []
 
 
+def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]:
+    """What in a model folder would stop a run part-way, found before any process group or tokenising: weight files
+    missing, cut short or with a broken header (safetensors headers read against the file size), JSON files that do
+    not parse, and a tokenizer with more ids than the model's embedding has rows. Each problem names the file."""
+    names, problems = hf_weight_files(folder)
+    redownload = "fetch the model again (model_download.py verifies what it downloads)"
+    problems = [f"{flag} {folder}: {problem}; {redownload}" for problem in problems]
+    for name in names:
+        if name.endswith(".safetensors"):
+            try:
+                read_safetensors_header(folder / name)
+            except (OSError, ValueError) as exc:
+                problems.append(f"{flag}: {exc}; {redownload}")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            problems.append(f"{flag}: {path} is not valid JSON ({exc}); restore it or {redownload}")
+    return problems or _vocabulary_problems(folder, flag)
+
+
+def _vocabulary_problems(folder: Path, flag: str) -> list[str]:
+    """A tokenizer whose ids reach past the embedding: every such id would fail at its first forward."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for files it cannot use
+        return [f"{flag}: cannot load the config or the tokenizer of {folder} ({type(exc).__name__}: {exc})"]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:
+        return [
+            f"{flag} {folder}: the tokenizer has {len(tokenizer):,} ids but the model's embedding has {vocab:,} rows "
+            f"(config.json vocab_size): ids {vocab:,} and up would fail at their first step. Use the model's own "
+            "tokenizer, or resize the embedding and save the model before training"
+        ]
+    return []
+
+
 def weights_identity(folder: Path, samples: int = 16, sample_bytes: int = 65536) -> str:
     """A short fingerprint of the folder's weights that tells two bases apart without reading them all (an 8B model
     and its instruct variant share config and shapes): each weight file's name and size, and a hash of `samples`
@@ -64,3 +119,59 @@ def weights_identity(folder: Path, samples: int = 16, sample_bytes: int = 65536)
                 fh.seek(max(0, size - sample_bytes) * i // max(1, samples - 1))
                 digest.update(fh.read(sample_bytes))
     return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str  # safetensors tag, e.g. "BF16"
+    file: str
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor shapes and dtypes from a safetensors file's header, checking that the data is all there.
+
+    Format: 8-byte little-endian header length N, N bytes of JSON, then the data; each tensor's data_offsets
+    are relative to byte 8 + N. A file shorter than the largest end offset was cut off mid-download.
+    """
+    file_size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: {file_size} bytes, too short to be a safetensors file (truncated)")
+        header_size = int.from_bytes(prefix, "little")
+        if header_size > file_size - 8:
+            raise ValueError(f"{path}: header claims {header_size} bytes but the file has {file_size} (truncated)")
+        try:
+            header = json.loads(handle.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: unreadable safetensors header ({exc}); the file is corrupt") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
+    tensors: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape, dtype = tuple(int(dim) for dim in entry["shape"]), str(entry["dtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: malformed header entry for tensor {name!r}; the file is corrupt") from exc
+        expected_bytes = _numel(shape) * SAFETENSORS_DTYPE_BYTES.get(dtype, 0)
+        if dtype in SAFETENSORS_DTYPE_BYTES and end - begin != expected_bytes:
+            raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape needs {expected_bytes}")
+        tensors[name] = TensorInfo(shape, dtype, path.name)
+        data_end = max(data_end, end)
+    expected_size = 8 + header_size + data_end
+    if file_size != expected_size:
+        verdict = "truncated" if file_size < expected_size else "has trailing bytes"
+        raise ValueError(f"{path}: {file_size} bytes on disk, the header says {expected_size}: the file {verdict}")
+    return tensors
+
+
+def _numel(shape: Iterable[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
