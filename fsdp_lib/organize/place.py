@@ -161,7 +161,8 @@ def is_in_place(source: Path, dest: Path, mode: str) -> bool:
 def temp_path_for(dest: Path) -> Path:
     """Hidden sibling of dest: never a planned name (hidden sources are skipped) and ignored by data tools."""
     name = f".{dest.name}{TMP_SUFFIX}"
-    if len(os.fsencode(name)) > 255:  # NAME_MAX (in bytes, for a name in any encoding): a long source name must not make its temp name unusable
+    # NAME_MAX counts bytes (a name in any encoding): a long source name must not make its temp name unusable
+    if len(os.fsencode(name)) > 255:
         name = f".{hashlib.sha1(os.fsencode(dest.name)).hexdigest()}{TMP_SUFFIX}"
     return dest.with_name(name)
 
