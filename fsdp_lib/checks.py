@@ -38,12 +38,25 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         problems += _wandb_problems()
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
+    elif cfg.chat_template:
+        problems += _text_file_problems("--chat-template", Path(cfg.chat_template))
     for name in cfg.dataset_name:
         problems += _dataset_problems(name)
     problems += _mixture_problems(cfg)
     if cfg.model_name:
         problems += _model_problems(cfg)
     return problems
+
+
+def _text_file_problems(flag: str, path: Path) -> list[str]:
+    """A file the run reads as text must be UTF-8 (read here once, before any process group, to say so plainly)."""
+    try:
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        return [f"{flag} {path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); save it as UTF-8"]
+    except OSError as exc:
+        return [f"{flag} {path}: cannot be read ({exc.strerror})"]
+    return []
 
 
 def _required_problems(cfg: TrainConfig) -> list[str]:
@@ -119,6 +132,8 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
         )
     if cfg.sample_prompts and not Path(cfg.sample_prompts).is_file():
         problems.append(f"--sample-prompts {cfg.sample_prompts}: no such file (one prompt per line, or .jsonl)")
+    elif cfg.sample_prompts:
+        problems += _text_file_problems("--sample-prompts", Path(cfg.sample_prompts))
     if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
         problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")
     if not cfg.lr > 0 or not math.isfinite(cfg.lr):

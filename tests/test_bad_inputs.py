@@ -199,6 +199,19 @@ CASES = [
         "Use the model's own tokenizer, or resize the embedding",
     ),
     trainer_case(
+        "fsdp_train with --sample-prompts that are not UTF-8",
+        lambda r: [*trainer_flags(r, "run"), "--sample-prompts", r / "latin1_prompts.txt"],
+        "--sample-prompts",
+        "not UTF-8 text (byte 18 is 0xe9)",
+        "save it as UTF-8",
+    ),
+    trainer_case(
+        "fsdp_train with a --chat-template that is not UTF-8",
+        lambda r: [*trainer_flags(r, "run"), "--chat-template", r / "latin1_prompts.txt"],
+        "--chat-template",
+        "not UTF-8 text",
+    ),
+    trainer_case(
         "fsdp_train with the token cache as the experiment",
         lambda r: trainer_flags(r, ".token_cache"),
         "--experiment-name '.token_cache'",
@@ -226,6 +239,7 @@ def user_folders(tmp_path_factory, inputs) -> Path:
     make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
     make_model_folder(root / "model")
     damaged_models(inputs[1], root)
+    (root / "latin1_prompts.txt").write_bytes("The capital of caf\u00e9 is".encode("latin-1") + b"\n")
     wizard = [{"role": "wizard", "content": "see https://example.com"}, {"role": "assistant", "content": "ok"}]
     make_records(root / "bad_chat", [{"messages": wizard}] * 4)
     make_records(root / "same_pairs", [{"prompt": f"q{i}", "chosen": "same", "rejected": "same"} for i in range(4)])

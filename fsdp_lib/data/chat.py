@@ -289,7 +289,7 @@ def chat_encoder(
         return None
     dataset = dataset or cfg.datasets_label
     if cfg.chat_template:
-        tokenizer.chat_template = Path(cfg.chat_template).read_text()
+        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError(
             f"--dataset-name {dataset} holds conversations, but the tokenizer of --model-name "

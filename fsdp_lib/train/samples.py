@@ -34,11 +34,11 @@ def load_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
     if not cfg.sample_prompts:
         return []
     path = Path(cfg.sample_prompts)
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix != ".jsonl":
         return [SamplePrompt(line, tokenizer(line)["input_ids"]) for line in lines]
     if cfg.chat_template:
-        tokenizer.chat_template = Path(cfg.chat_template).read_text()
+        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError(
             f"--sample-prompts {path}: conversations need a chat template; the tokenizer has none (--chat-template FILE)"
