@@ -290,7 +290,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str) -> Any:
-    """YAML 1.1 reads on/off as booleans; map them back, and check types of the file's values."""
+    """YAML 1.1 reads on/off as booleans and 1e-4 as a string; map them back, and check types of the file's values."""
     f = {x.name: x for x in dataclasses.fields(TrainConfig)}[name]
     if f.metadata.get("choices") == ON_OFF and isinstance(value, bool):
         return "on" if value else "off"
@@ -300,6 +300,12 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
             errors.append(f"{source}: key '{name}' has value {value!r}; expected a string or a list of strings")
             return []
         return values
+    if isinstance(value, str) and str(f.type) in ("int", "float"):
+        # 1e-4 is a float on the command line but a string to YAML 1.1 (it wants 1.0e-4): read it as argparse would
+        try:
+            value = {"int": int, "float": float}[str(f.type)](value.strip())
+        except ValueError:
+            pass  # refused below, naming the key
     expected = {"int": int, "float": (int, float), "bool": bool, "str": (str, int, float)}[str(f.type)]
     if not isinstance(value, expected) or (str(f.type) == "int" and isinstance(value, bool)):
         errors.append(f"{source}: key '{name}' has value {value!r}; expected {str(f.type)}")

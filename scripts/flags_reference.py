@@ -27,7 +27,8 @@ rerun the script; tests/test_docs.py fails while this page differs from what it 
 
 Every flag also takes the underscore spelling (`--seq_length`); abbreviations are refused (`--max-step` is not
 `--max-steps`). YAML keys for `--config` are the same names, with dashes or underscores, and the command line
-overrides the file. `python fsdp_train.py --help` prints the same list. Every flag problem is found before any
+overrides the file; values are read as on the command line (`lr: 1e-4`, `on`/`off`, `max-steps: 1_000`).
+`python fsdp_train.py --help` prints the same list. Every flag problem is found before any
 process group or model exists and reported together, each naming the flag and the fix (exit code 2).
 
 The flags most runs change are in the [README](../README.md#flags-people-change-most); what each part does is in

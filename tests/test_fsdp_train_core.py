@@ -90,6 +90,13 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     cfg_file.write_text("seq_lenght: 256\n")
     with pytest.raises(ConfigError, match="unknown key 'seq_lenght'"):
         load_config(["--config", str(cfg_file)])
+    # written as on the command line: YAML 1.1 reads 1e-4 as a string, "20" is quoted; both are read as argparse would
+    cfg_file.write_text("lr: 1e-4\nweight-decay: 5e-2\nwarmup-steps: '20'\nmax-steps: 1_000\n")
+    cfg = load_config(["--config", str(cfg_file)])
+    assert (cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps) == (1e-4, 0.05, 20, 1000)
+    cfg_file.write_text("lr: fast\nwarmup-steps: 2.5\n")
+    with pytest.raises(ConfigError, match="key 'lr' has value 'fast'; expected float"):
+        load_config(["--config", str(cfg_file)])
 
 
 def test_lr_schedule_shapes():
