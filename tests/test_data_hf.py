@@ -156,7 +156,7 @@ def test_unsafe_yaml_tag_never_executes(tmp_path: Path) -> None:
     ("name", "content", "reason"),
     [
         ("binary.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
-        ("utf16.txt", "hello".encode("utf-16"), "binary"),
+        ("fake_bom.txt", b"\xff\xfe\x00\xd8\x00\x00", "binary"),  # a UTF-16 BOM, then a lone surrogate: not UTF-16
         ("empty.txt", b"", "empty_file"),
         ("blank.md", b"  \n\t\n", "empty_file"),
         ("empty.json", b"", "empty_file"),
@@ -206,6 +206,25 @@ def test_legacy_encodings_are_decoded_not_dropped(tmp_path: Path) -> None:
     latin1 = read_file(tmp_path / "latin1.txt")
     assert latin1.rows == ["\x81 undefined in cp1252 \u00e9"] and latin1.fallback_encoding == "latin-1"
     assert read_file(tmp_path / "latin1.jsonl").rows == ["gar\u00e7on"]
+
+
+def test_utf16_and_utf32_text_with_a_bom_is_read_not_called_binary(tmp_path: Path, monkeypatch) -> None:
+    """Windows editors and PowerShell write UTF-16 with a BOM; it used to be skipped as 'binary' (NUL bytes)."""
+    (tmp_path / "notes.txt").write_bytes("caf\u00e9 du matin".encode("utf-16"))
+    (tmp_path / "rows.jsonl").write_bytes(('{"t": "gar\u00e7on"}\n{"t": "deux"}\n').encode("utf-16-be"))
+    (tmp_path / "rows.jsonl").write_bytes(b"\xfe\xff" + (tmp_path / "rows.jsonl").read_bytes())  # BOM, big-endian
+    (tmp_path / "values.json").write_bytes(json.dumps(["trente-deux", "bits"]).encode("utf-32"))
+    notes = read_file(tmp_path / "notes.txt")
+    assert notes.rows == ["caf\u00e9 du matin"] and notes.fallback_encoding == "utf-16" and notes.problems == []
+    assert read_file(tmp_path / "rows.jsonl").rows == ["gar\u00e7on", "deux"]
+    assert read_file(tmp_path / "values.json").rows == ["trente-deux", "bits"]
+    # too large to decode whole: named as UTF-16 with the fix, never as binary data
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)
+    (tmp_path / "big.txt").write_bytes(("ligne de texte\n" * 400).encode("utf-16"))
+    result = read_file(tmp_path / "big.txt", start=0, end=1024)
+    assert [p.detail for p in result.problems] == [
+        "UTF-16 text too large to read in pieces; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"
+    ]
 
 
 def test_utf8_bom_is_dropped(tmp_path: Path) -> None:

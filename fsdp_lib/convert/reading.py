@@ -80,6 +80,27 @@ def _align(fh: io.BufferedReader, offset: int, size: int, kind: str) -> int:
     return size
 
 
+def _unicode_encoding(start: bytes) -> str | None:
+    """ "utf-32" or "utf-16" when `start` opens with that encoding's byte-order mark (UTF-32's first: FF FE 00 00
+    starts like UTF-16's FF FE), else None."""
+    boms = (
+        ((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "utf-32"),
+        ((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE), "utf-16"),
+    )
+    return next((name for marks, name in boms if start.startswith(marks)), None)
+
+
+def _too_large(unicode: str) -> str:
+    """A UTF-16/32 file too large to decode whole is not read in pieces (a cut may split a character)."""
+    name = unicode.upper()
+    return f"{name} text too large to read in pieces; convert it to UTF-8 (iconv -f {name} -t UTF-8)"
+
+
+def _file_start(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(4)
+
+
 def _read_bytes(path: str, kind: str, start: int, end: int | None) -> tuple[int, bytes]:
     """(offset, bytes) of the piece [start, end) after boundary alignment; the whole file when end is None."""
     with open(path, "rb") as fh:
@@ -216,7 +237,10 @@ def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extrac
     has_nul, encoding, depth = _scan_large_file(path)
     result.bytes_read = os.path.getsize(path)
     if has_nul:
-        result.problems.append(Problem(path, "binary", "the file contains NUL bytes"))
+        unicode = _unicode_encoding(_file_start(path))
+        result.problems.append(
+            Problem(path, "binary", _too_large(unicode) if unicode else "the file contains NUL bytes")
+        )
         return
     if encoding != "utf-8-sig":
         result.fallback_encoding = encoding
@@ -236,20 +260,28 @@ def _raw_items(
         return
     offset, data = _read_bytes(path, kind, start, end)
     result.bytes_read = len(data)
+    unicode = _unicode_encoding(data if whole else _file_start(path))
+    if unicode and whole:  # UTF-16/32 text with its BOM (Windows editors, PowerShell): read as the UTF-8 it says
+        try:
+            data = data.decode(unicode).encode("utf-8")
+        except UnicodeDecodeError:
+            unicode = None  # a BOM on bytes that are not that encoding: judged as bytes below
     if b"\x00" in data:
         where = "the file contains" if whole else f"bytes {offset}-{offset + len(data)} contain"
-        result.problems.append(Problem(path, "binary", f"{where} NUL bytes"))
+        result.problems.append(Problem(path, "binary", _too_large(unicode) if unicode else f"{where} NUL bytes"))
         return
     if whole and (not data or data.isspace()):
         result.problems.append(Problem(path, "empty_file", "0 bytes" if not data else "only whitespace"))
         return
     if kind == "jsonl":
+        result.fallback_encoding = unicode
         yield from _jsonl_items(data, result, extraction)
         return
     depth = YamlDepthBound()
     if kind == "yaml":
         depth.feed(data)
-    text, result.fallback_encoding = decode_bytes(data, at_file_start=offset == 0)
+    text, fallback = decode_bytes(data, at_file_start=offset == 0)
+    result.fallback_encoding = unicode or fallback
     del data  # a piece is held once, as text
     yield from _items_in_memory(kind, text, yaml_loader(depth), result, extraction)
 
