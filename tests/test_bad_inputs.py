@@ -82,6 +82,12 @@ def organize_case(name: str, argv: Callable[[Path], list[str]], *message: str) -
     return Case(name, lambda root: organize_data.main([str(a) for a in argv(root)]), message)
 
 
+def model_download_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
+    import model_download
+
+    return Case(name, lambda root: model_download.main([str(a) for a in argv(root)]), message, 1)
+
+
 def trainer_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
     return Case(name, lambda root: fsdp_train.main([str(a) for a in argv(root)]), message)
 
@@ -166,6 +172,27 @@ CASES = [
         lambda r: ["--data_folder", r / "same_pairs", "--save_dir", r / "again"],
         "--format auto: all 4 record(s)",
         "identical_responses",
+    ),
+    model_download_case(
+        "model_download --init --overwrite onto a training experiment",
+        lambda r: [
+            "--init",
+            "tiny",
+            "--tokenizer-from",
+            r / "dataset",
+            "--local-dir",
+            r / "outputs" / "exp",
+            "--overwrite",
+        ],
+        "--local-dir",
+        "a training experiment of fsdp_train.py",
+        "--overwrite replaces only a model folder",
+    ),
+    model_download_case(
+        "model_download --init --overwrite onto a dataset",
+        lambda r: ["--init", "tiny", "--tokenizer-from", r / "dataset", "--local-dir", r / "dataset", "--overwrite"],
+        "--local-dir",
+        "is a dataset",
     ),
     organize_case(
         "organize_data with a billion split folders",

@@ -23,6 +23,7 @@ from fsdp_lib.hub.presets import (
 )
 from fsdp_lib.hub.tokenizer import build_tokenizer, save_tokenizer
 from fsdp_lib.hub.verify import VerifiedModel, verify_model, write_verification_record
+from fsdp_lib.markers import folder_kind
 from fsdp_lib.model.memory_plan import format_bytes, format_count
 
 MAX_SHARD_SIZE = "5GB"  # --with-weights shard size; also bounds the extra memory needed while saving
@@ -71,6 +72,11 @@ def check_init_target(path: Path, overwrite: bool) -> None:
     if not overwrite:
         raise ToolError(
             f"--local-dir {path} is not empty; pass --overwrite to replace the model in it, or pick a new folder"
+        )
+    kind = folder_kind(path)
+    if kind is not None and kind.kind != "model":
+        raise ToolError(
+            f"--local-dir {kind.describe(path)}; --overwrite replaces only a model folder: pick a new folder"
         )
     if not (path / "config.json").is_file():
         raise ToolError(
