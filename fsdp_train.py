@@ -47,6 +47,7 @@ from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
 from fsdp_lib.model.hf_files import model_folder_problems
 from fsdp_lib.model.hf_weights import export_hf_model
+from fsdp_lib.noise import quiet_optional_imports
 from fsdp_lib.offline import resolve_model_dir
 from fsdp_lib.runtime import (
     ENV_RANK,
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
         cfg = load_config(argv)
+        if cfg.peft != "qlora":  # torchao is QLoRA's; its import-time warnings are noise to everyone else
+            quiet_optional_imports()
         lock = ExperimentLock(cfg.experiment_dir)
         if ENV_RANK == 0:  # the other ranks would see rank 0's own lock; torchrun stops them if rank 0 exits
             lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation

@@ -38,6 +38,7 @@ from fsdp_lib.hub.download import cached_model_folder, download_model, explained
 from fsdp_lib.hub.presets import SIZE_FLAGS, SIZE_PRESETS, preset_parameter_count, size_problems
 from fsdp_lib.hub.scratch import InitRequest, create_model_folder
 from fsdp_lib.hub.verify import report_verified, reverify_folder, verify_and_record
+from fsdp_lib.noise import quiet_optional_imports
 
 # ---------------------------------------------------------------------------------------------------------
 # the flags
@@ -215,6 +216,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_optional_imports()  # model_download never uses torchao: its import-time warnings are noise here
     args = build_parser().parse_args(argv)
     problems = validate_args(args)
     if problems:

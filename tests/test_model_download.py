@@ -642,6 +642,19 @@ def test_with_weights_refused_when_memory_is_short(corpus: Path, tmp_path: Path,
     assert not target.exists() and not list(tmp_path.iterdir())
 
 
+def test_a_cpu_user_sees_no_import_noise_of_optional_packages(corpus: Path, tmp_path: Path, repo_root: Path):
+    """transformers imports torchao whenever it is installed; its 'Failed to load ... .so' lines and torch's pytree
+    deprecation warnings reached every model_download run, though model_download never uses torchao."""
+    argv = ["--init", "tiny", "--tokenizer-from", str(corpus), "--local-dir", str(tmp_path / "m")]
+    run = subprocess.run(
+        [sys.executable, "model_download.py", *argv], cwd=repo_root, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    output = run.stdout + run.stderr
+    assert "verified --init tiny" in output
+    assert "Failed to load" not in output and "_pytree" not in output, output
+
+
 def test_init_reuses_an_existing_tokenizer(tiny_model: Path, tmp_path: Path):
     target = tmp_path / "reused"
     assert md.main(["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target)]) == 0
