@@ -14,6 +14,7 @@ import torch
 from tests.fsdp_helpers import (
     killed_at_step,
     losses_by_step,
+    make_model,
     output_of,
     run_trainer,
     trainer_args,
@@ -155,6 +156,29 @@ def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, tmp_p
     forced = run_trainer([*changed, "--force-resume"])
     assert forced.returncode == 0, output_of(forced)
     assert "because of --force-resume" in output_of(forced) and "step_00000008" in checkpoints(tmp_path)
+
+
+def test_a_resume_onto_another_model_names_both_and_force_resume_does_not_break_it(inputs, tmp_path):
+    """The refusal names the two model folders (not only their hashes); --force-resume cannot load weights of
+    another shape and says the checkpoint is intact (it used to advise moving the healthy checkpoint aside)."""
+    from fsdp_lib.testing import llama_sizes
+
+    dataset, model = inputs
+    other = make_model(tmp_path / "wider", with_weights=True, dtype="bfloat16", sizes=llama_sizes(64, 2, 128))
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "2"
+    assert run_trainer(args).returncode == 0
+    swapped = [*args, "-m", str(other)]
+    refused = run_trainer(swapped)
+    assert refused.returncode != 0
+    assert f"model: checkpoint {str(model)!r} (" in output_of(refused) and f"vs now {str(other)!r} (" in output_of(
+        refused
+    )
+    forced = run_trainer([*swapped, "--force-resume"])
+    assert forced.returncode != 0
+    assert "cannot be loaded into this one, even with --force-resume. The checkpoint is intact" in output_of(forced)
+    assert "fsdp_lib" not in output_of(forced), "a traceback of our code"  # (torchrun prints its own)
+    assert checkpoints(tmp_path) == ["step_00000002"]
 
 
 @pytest.mark.parametrize("fault", ["ckpt_write@1:8", "side_files_write@0:8"])

@@ -207,14 +207,29 @@ class Checkpointer:
             )
         return payload
 
-    def check_compatible(self, saved: dict, path: Path, model_config: Any) -> None:
+    def changed_settings(self, payload: dict, model_config: Any) -> list[str]:
+        """The pinned settings (RESUME_PINNED) in which this run differs from the checkpoint's payload."""
+        saved = payload["fingerprint"]
         # A key the checkpoint lacks was added by a later version of this script: not a change of settings.
         changed = [k for k in RESUME_PINNED if k in saved and saved[k] != self.fingerprint.get(k)]
         if "model" in changed and saved["model"] == config_fingerprint(model_config, with_path=True):
             changed.remove("model")  # written by an older version, whose model fingerprint included the path
+        return changed
+
+    def _difference(self, key: str, payload: dict) -> str:
+        """One changed setting as the user knows it: the model and dataset by their names, then their hashes."""
+        was, now = payload["fingerprint"].get(key), self.fingerprint.get(key)
+        flag = {"model": "model_name", "tokenizer": "model_name", "dataset": "dataset_name"}.get(key)
+        named = payload.get("config", {}).get(flag) if flag else None
+        if flag and named is not None and named != getattr(self.cfg, flag):
+            return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
+        return f"{key}: checkpoint {was!r} vs now {now!r}"
+
+    def check_compatible(self, payload: dict, path: Path, model_config: Any) -> None:
+        changed = self.changed_settings(payload, model_config)
         if not changed:
             return
-        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {self.fingerprint.get(k)!r}" for k in changed)
+        details = "; ".join(self._difference(k, payload) for k in changed)
         if self.cfg.force_resume:
             log(f"WARNING: resuming from {path} although settings changed ({details}) because of --force-resume")
             return
@@ -233,7 +248,7 @@ class Checkpointer:
         )
 
         payload = self.read_state(path)
-        self.check_compatible(payload["fingerprint"], path, model.config)
+        self.check_compatible(payload, path, model.config)
         try:
             if optimizer is None:
                 model_sd = get_model_state_dict(model, options=self.options)
@@ -248,6 +263,12 @@ class Checkpointer:
                     model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.load_options
                 )
         except CHECKPOINT_FAILURES as exc:
+            if "model" in self.changed_settings(payload, model.config):  # --force-resume across architectures
+                raise CheckpointError(
+                    f"checkpoint {path} holds another model ({self._difference('model', payload)}); its weights "
+                    "cannot be loaded into this one, even with --force-resume. The checkpoint is intact: rerun with "
+                    "its --model-name, or use a new --experiment-name to start this model from scratch."
+                ) from exc
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}). "
                 f"Move that folder aside to resume from the previous checkpoint."
