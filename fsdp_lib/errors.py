@@ -1,7 +1,14 @@
 """The errors a user can fix. main() reports each as one message (no traceback) and exits non-zero:
-ConfigError 2, the others 1."""
+ConfigError 2, the others 1. Also what a failed write says: the OS error in words, with the path."""
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+# Below this much free space after a failed write, a full disk is the likely cause (the larger of the two).
+LOW_DISK_BYTES, LOW_DISK_FRACTION = 256 * 2**20, 0.01
 
 
 class TrainError(RuntimeError):
@@ -22,3 +29,24 @@ class CheckpointError(TrainError):
 
 class ExperimentLockedError(TrainError):
     """Another live run holds the experiment's lock."""
+
+
+def explain_write_error(error: BaseException, folder: Path) -> str:
+    """A failed write in words: the OS error anywhere in the exception's chain as its strerror and path ("No space
+    left on device: /ckpt/x"), and, when the file system of `folder` is nearly full, that as the likely cause;
+    libraries that lose the errno (torch's zip writer says "unexpected pos 704 vs 598") are still explained."""
+    text, cause = f"{type(error).__name__}: {error}", error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            text = f"{os.strerror(cause.errno)}: {cause.filename or folder} ({type(error).__name__}: {error})"
+            break
+        cause = cause.__cause__ or cause.__context__
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        return text
+    if usage.free < max(LOW_DISK_BYTES, LOW_DISK_FRACTION * usage.total) and "No space left" not in text:
+        text += (
+            f"; only {usage.free / 2**20:,.0f} MiB are free on the file system of {folder}: no space left on device?"
+        )
+    return text

@@ -285,3 +285,25 @@ def test_bad_input_is_refused_by_name_and_touches_nothing(case: Case, user_folde
         assert part in said, f"{case.name}: {part!r} not in {said!r}"
     assert "Traceback" not in said
     assert snapshot(user_folders) == before, f"{case.name}: existing data changed"
+
+
+def test_a_full_disk_is_named_even_when_the_library_lost_the_errno(tmp_path: Path, monkeypatch) -> None:
+    """torch's zip writer turns ENOSPC into 'unexpected pos 704 vs 598'; the OS error is said in words either way."""
+    import shutil
+    from collections import namedtuple
+
+    from fsdp_lib.errors import explain_write_error
+
+    usage = namedtuple("usage", "total used free")
+    lost = RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                        "data/0: unexpected pos 704 vs 598")  # fmt: skip
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 2**30, 100 * 2**30 - 2**20, 2**20))
+    said = explain_write_error(lost, tmp_path)
+    assert "unexpected pos 704 vs 598" in said and f"only 1 MiB are free on the file system of {tmp_path}" in said
+    assert said.endswith("no space left on device?")
+    wrapped = RuntimeError("write failed")
+    wrapped.__cause__ = OSError(30, "Read-only file system", str(tmp_path / "x.distcp"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 2**30, 2**30, 99 * 2**30))
+    assert explain_write_error(wrapped, tmp_path) == (
+        f"Read-only file system: {tmp_path / 'x.distcp'} (RuntimeError: write failed)"
+    )

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
-from fsdp_lib.errors import CheckpointError
+from fsdp_lib.errors import CheckpointError, explain_write_error
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE
@@ -366,10 +366,11 @@ class Checkpointer:
     def _agree_or_fail(self, error: BaseException | None, tmp: Path) -> None:
         """Every rank learns whether any rank failed, so a failed write never hangs the others."""
         if all_ranks_agree(error is not None, self.d):
+            said = None if error is None else explain_write_error(error, self.root)  # before the space is freed
             if self.d.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             errors: list[str | None] = [None] * self.d.world_size  # rank 0 reports them all, once
-            dist.all_gather_object(errors, None if error is None else str(error), group=self.d.cpu_group)
+            dist.all_gather_object(errors, said, group=self.d.cpu_group)
             where = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(errors) if text)
             previous = self.latest_complete_name()
             raise CheckpointError(
