@@ -180,8 +180,12 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         errors.append(f"--min-chars {args.min_chars} exceeds --max-chars {args.max_chars}: every row would be dropped")
     if not 0.0 <= args.val_fraction < 1.0:
         errors.append(f"--val-fraction {args.val_fraction} must be in [0, 1), e.g. 0.01")
-    if args.num_proc < 1:
-        errors.append(f"--num-proc {args.num_proc} must be 1 or more")
+    most_workers = max(64, 2 * _available_cores())  # each worker is a process with its own memory
+    if not 1 <= args.num_proc <= most_workers:
+        errors.append(
+            f"--num-proc {args.num_proc} must be between 1 and {most_workers} (twice this machine's "
+            f"{_available_cores()} cores, at least 64): each worker is a process with its own memory"
+        )
     save_dir = args.save_dir
     if occupied(save_dir):
         if not save_dir.is_dir():

@@ -194,6 +194,12 @@ CASES = [
         "--local-dir",
         "is a dataset",
     ),
+    data_hf_case(
+        "data_hf with a million worker processes",
+        lambda r: ["--data_folder", r / "raw", "--save_dir", r / "again", "--num-proc", "1000000"],
+        "--num-proc 1000000 must be between 1 and",
+        "each worker is a process with its own memory",
+    ),
     organize_case(
         "organize_data with a billion split folders",
         lambda r: ["--src-dir", r / "raw", "--dst-root", r / "new_splits", "--num-dirs", "1000000000", "--dry-run"],
