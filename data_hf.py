@@ -62,6 +62,7 @@ from fsdp_lib.convert.reading import piece_bytes_for
 from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers
+from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import DATASET_COLUMNS
@@ -278,6 +279,15 @@ def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        with sigterm_as_interrupt():
+            return _convert_and_publish(argv)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: the temporary folder is gone, --save_dir untouched
+        print("data_hf: interrupted; nothing was written", file=sys.stderr)
+        return interrupt_exit_code(interrupt)
+
+
+def _convert_and_publish(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     args.extensions = normalize_extensions(args.extensions)
     errors = validate_args(args)
@@ -333,9 +343,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except KeyboardInterrupt:
-        print("data_hf: interrupted; nothing was written", file=sys.stderr)
-        return 130
     finally:
         if tmp.exists():
             remove_path(tmp)

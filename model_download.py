@@ -38,6 +38,7 @@ from fsdp_lib.hub.download import cached_model_folder, download_model, explained
 from fsdp_lib.hub.presets import SIZE_FLAGS, SIZE_PRESETS, preset_parameter_count, size_problems
 from fsdp_lib.hub.scratch import InitRequest, create_model_folder
 from fsdp_lib.hub.verify import report_verified, reverify_folder, verify_and_record
+from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.noise import quiet_optional_imports
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,16 +225,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model_download.py: error: {problem}", file=sys.stderr)
         return 2
     try:
-        if args.dataset:
-            return run_dataset_download(args)
-        if args.init:
-            return run_init(args)
-        if args.verify_only:
-            return run_verify_only(args)
-        return run_download(args)
+        with sigterm_as_interrupt():
+            if args.dataset:
+                return run_dataset_download(args)
+            if args.init:
+                return run_init(args)
+            if args.verify_only:
+                return run_verify_only(args)
+            return run_download(args)
     except ToolError as exc:
         print(f"model_download.py: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as interrupt:  # downloads resume file by file; --init builds in a staging folder
+        print("model_download.py: interrupted; rerun the same command to resume, nothing half-written is kept")
+        return interrupt_exit_code(interrupt)
 
 
 if __name__ == "__main__":

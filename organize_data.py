@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.organize.place import (
     check_destination,
     device_of_nearest_existing,
@@ -69,8 +69,6 @@ from fsdp_lib.organize.plan import (
 # --------------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------------
-
-EXIT_CTRL_C, EXIT_SIGTERM = 130, 143  # the shell's codes for a run stopped by SIGINT or SIGTERM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,28 +267,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on bad flags; callers of main() get the code
         return exc.code if isinstance(exc.code, int) else EXIT_REFUSED
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        return run(args)
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, below): every placed file landed whole, by a rename
-        code = EXIT_SIGTERM if sys.exc_info()[1].args == ("SIGTERM",) else EXIT_CTRL_C
+        with sigterm_as_interrupt():
+            return run(args)
+    except KeyboardInterrupt as interrupt:  # every placed file landed whole, by a rename
         print(
             "organize_data.py: interrupted; the files placed so far are complete: rerun the same command to finish",
             file=sys.stderr,
         )
-        return code
+        return interrupt_exit_code(interrupt)
     except OrganizeError as exc:
         print(f"organize_data.py: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # e.g. no permission to create --dst-root: say so plainly, no traceback
         print(f"organize_data.py: error: {exc}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_IO_ERROR
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ cases run no training step: the tools refuse before any work."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,3 +315,26 @@ def test_a_full_disk_is_named_even_when_the_library_lost_the_errno(tmp_path: Pat
     assert explain_write_error(wrapped, tmp_path) == (
         f"Read-only file system: {tmp_path / 'x.distcp'} (RuntimeError: write failed)"
     )
+
+
+@pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_ends_data_hf_and_model_download_with_one_line(
+    signum: int, expected: int, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Interrupted mid-run: one line, the shell's exit code, no traceback, nothing half-written left behind."""
+    import model_download
+
+    def interrupted(*args, **kwargs) -> None:
+        os.kill(os.getpid(), signum)
+
+    raw = make_raw(tmp_path / "raw")
+    monkeypatch.setattr(data_hf, "print_summary", interrupted)  # after the conversion, before the publish
+    assert data_hf.main(["--data_folder", str(raw), "--save_dir", str(tmp_path / "ds")]) == expected
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "data_hf: interrupted; nothing was written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]  # no dataset, no temporary folder
+
+    monkeypatch.setattr(model_download, "run_download", interrupted)
+    assert model_download.main(["--model-name", "org/name", "--local-dir", str(tmp_path / "m")]) == expected
+    said = capsys.readouterr()
+    assert said.out.strip().splitlines()[-1].startswith("model_download.py: interrupted; rerun the same command")
+    assert "Traceback" not in said.out + said.err
