@@ -40,7 +40,7 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks
 from fsdp_lib.data.mixture import MixedBlocks
 from fsdp_lib.data.plan import Prefetcher, TrainData, build_data, describe_datasets, evaluation_shares, total_steps
-from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError
+from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError, explain_write_error
 from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.model.adapters import export_adapter, merged_state_dict
@@ -379,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg)
     except (TrainError, FileNotFoundError) as exc:
         return report_error(str(exc), 1)
+    except OSError as exc:  # e.g. a read-only or full --save-dir: the OS error in words, with the path
+        return report_error(
+            f"{explain_write_error(exc, cfg.experiment_dir.parent)}; fix it and rerun the same command", 1
+        )
     finally:
         lock.release()
         if dist.is_initialized():

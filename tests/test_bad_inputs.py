@@ -338,3 +338,21 @@ def test_ctrl_c_or_sigterm_ends_data_hf_and_model_download_with_one_line(
     said = capsys.readouterr()
     assert said.out.strip().splitlines()[-1].startswith("model_download.py: interrupted; rerun the same command")
     assert "Traceback" not in said.out + said.err
+
+
+def test_an_os_error_in_the_trainer_is_one_message_with_the_path(inputs, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A read-only --save-dir (the lock file cannot be created): the OS error in words, no traceback. Simulated: the
+    tests run as root, whom no permission stops."""
+    from fsdp_lib import lock
+
+    dataset, model = inputs
+
+    def read_only(*args, **kwargs) -> None:
+        raise OSError(30, "Read-only file system", str(tmp_path / "outputs" / "run" / "run.lock"))
+
+    monkeypatch.setattr(lock.ExperimentLock, "acquire", read_only)
+    argv = ["-e", "run", "-d", str(dataset), "-m", str(model), "--save-dir", str(tmp_path / "outputs")]
+    assert fsdp_train.main([*argv, "--seq-length", "64"]) == 1
+    said = capsys.readouterr().out
+    assert f"Read-only file system: {tmp_path / 'outputs' / 'run' / 'run.lock'}" in said
+    assert "fix it and rerun the same command" in said and "Traceback" not in said
