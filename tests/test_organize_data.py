@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -257,30 +258,40 @@ def test_rerun_changes_nothing(src: Path, tmp_path: Path, capsys: pytest.Capture
     assert "0 placed" in out
 
 
+def stop_placing_at(monkeypatch: pytest.MonkeyPatch, file_number: int, stop: Callable[[Path], None]) -> list[Path]:
+    """Patch organize_data.place_file so that `stop(dest)` runs before the `file_number`-th file is placed (it
+    raises, or signals this process); returns the destinations asked for. monkeypatch.undo() restores the real one."""
+    real_place_file, calls = organize_data.place_file, []
+
+    def place_file(source: Path, dest: Path, mode: str) -> None:
+        calls.append(dest)
+        if len(calls) == file_number:
+            stop(dest)
+        real_place_file(source, dest, mode)
+
+    monkeypatch.setattr(organize_data, "place_file", place_file)
+    return calls
+
+
 def test_rerun_finishes_an_interrupted_run(
     src: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dst = tmp_path / "splits"
     argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "3")
-    real_place_file = organize_data.place_file
-    calls = []
 
-    def dies_on_the_fifth_file(source: Path, dest: Path, mode: str) -> None:
-        calls.append(dest)
-        if len(calls) == 5:
-            # What a kill mid-copy leaves behind: a partial temp file, no file under the real name.
-            write(temp_path_for(dest), b"partial")
-            raise OSError(28, "No space left on device")
-        real_place_file(source, dest, mode)
+    def disk_full(dest: Path) -> None:
+        # What a kill mid-copy leaves behind: a partial temp file, no file under the real name.
+        write(temp_path_for(dest), b"partial")
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(organize_data, "place_file", dies_on_the_fifth_file)
+    calls = stop_placing_at(monkeypatch, 5, disk_full)
     code, _, err = run(capsys, *argv)
     assert code == 1 and "rerun the same command" in err
     assert manifest_of(dst)["complete"] is False
     assert len(split_files(dst)) == 5  # four finished files and the partial temp file
     assert not calls[4].exists()
 
-    monkeypatch.setattr(organize_data, "place_file", real_place_file)
+    monkeypatch.undo()
     code, out, _ = run(capsys, *argv)
     assert code == 0
     assert "4 already in place" in out
@@ -301,22 +312,14 @@ def test_ctrl_c_or_sigterm_is_one_line_and_a_rerun_finishes(
 ) -> None:
     dst = tmp_path / "splits"
     argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "3")
-    real_place_file = organize_data.place_file
-    calls = []
-
-    def stopped_at_the_third_file(source: Path, dest: Path, mode: str) -> None:
-        calls.append(dest)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signum)  # Ctrl-C is SIGINT to the process group; a scheduler sends SIGTERM
-        real_place_file(source, dest, mode)
-
-    monkeypatch.setattr(organize_data, "place_file", stopped_at_the_third_file)
+    # Ctrl-C is SIGINT to the process group; a scheduler sends SIGTERM
+    stop_placing_at(monkeypatch, 3, lambda dest: os.kill(os.getpid(), signum))
     code, _, err = run(capsys, *argv)
     assert code == expected
     assert err.strip().splitlines() == [
         "organize_data.py: interrupted; the files placed so far are complete: rerun the same command to finish"
     ]
-    monkeypatch.setattr(organize_data, "place_file", real_place_file)
+    monkeypatch.undo()
     code, out, _ = run(capsys, *argv)
     assert code == 0 and "2 already in place" in out
     assert manifest_of(dst)["complete"] is True
@@ -419,19 +422,14 @@ def test_move_rerun_finishes_an_interrupted_move(
     sources = {name: (src / name).read_bytes() for name in expected_sources(src)}
     dst = tmp_path / "splits"
     argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "3", "--mode", "move")
-    real_place_file = organize_data.place_file
-    calls = []
 
-    def dies_on_the_seventh_file(source: Path, dest: Path, mode: str) -> None:
-        calls.append(dest)
-        if len(calls) == 7:
-            raise KeyboardInterrupt
-        real_place_file(source, dest, mode)
+    def ctrl_c(dest: Path) -> None:
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(organize_data, "place_file", dies_on_the_seventh_file)
+    stop_placing_at(monkeypatch, 7, ctrl_c)
     assert run(capsys, *argv)[0] == 130  # Ctrl-C: one line, no traceback
     assert len(expected_sources(src)) == len(sources) - 6
-    monkeypatch.setattr(organize_data, "place_file", real_place_file)
+    monkeypatch.undo()
     assert run(capsys, *argv)[0] == 0
     manifest = manifest_of(dst)
     assert {entry["source"]: (dst / dest).read_bytes() for dest, entry in manifest["files"].items()} == sources
