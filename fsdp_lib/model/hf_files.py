@@ -81,7 +81,9 @@ def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]
 
 
 def _vocabulary_problems(folder: Path, flag: str) -> list[str]:
-    """A tokenizer whose ids reach past the embedding: every such id would fail at its first forward."""
+    """A tokenizer whose vocabulary, or whose special tokens the trainer inserts (BOS, EOS, padding), reach past the
+    embedding: every such id would fail at its first forward. Added tokens beyond it (a tokenizer class that adds an
+    unknown token on load, say) are left alone: the data may never hold them."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -90,12 +92,15 @@ def _vocabulary_problems(folder: Path, flag: str) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for files it cannot use
         return [f"{flag}: cannot load the config or the tokenizer of {folder} ({type(exc).__name__}: {exc})"]
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None)
-    if vocab and len(tokenizer) > vocab:
+    rows = getattr(text, "vocab_size", None)
+    inserted = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
+    highest = max([tokenizer.vocab_size - 1, *inserted])
+    if rows and highest >= rows:
         return [
-            f"{flag} {folder}: the tokenizer has {len(tokenizer):,} ids but the model's embedding has {vocab:,} rows "
-            f"(config.json vocab_size): ids {vocab:,} and up would fail at their first step. Use the model's own "
-            "tokenizer, or resize the embedding and save the model before training"
+            f"{flag} {folder}: the tokenizer has ids up to {highest:,} (vocabulary {tokenizer.vocab_size:,}, BOS/EOS/"
+            f"padding {inserted}) but the model's embedding has {rows:,} rows (config.json vocab_size): ids {rows:,} "
+            "and up would fail at their first step. Use the model's own tokenizer, or resize the embedding and save "
+            "the model before training"
         ]
     return []
 
