@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -37,3 +38,12 @@ def inputs(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("inputs")
     return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True, dtype="bfloat16")
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python leaves SIGINT ignored when it starts with it ignored (a background job, as CI may run the suite): a test
+    of Ctrl-C gets the handler a terminal's Ctrl-C meets, KeyboardInterrupt, and the previous one back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -319,7 +319,7 @@ def test_a_full_disk_is_named_even_when_the_library_lost_the_errno(tmp_path: Pat
 
 @pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_ends_data_hf_and_model_download_with_one_line(
-    signum: int, expected: int, tmp_path: Path, monkeypatch, capsys
+    signum: int, expected: int, tmp_path: Path, monkeypatch, capsys, ctrl_c_raises
 ) -> None:
     """Interrupted mid-run: one line, the shell's exit code, no traceback, nothing half-written left behind."""
     import model_download

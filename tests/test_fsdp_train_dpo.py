@@ -373,7 +373,7 @@ def test_live_reference_copy_gives_the_precomputed_losses(dpo_inputs, dpo_run):
 def test_dpo_learns_a_fact_on_held_out_pairs(dpo_inputs, peft, tmp_path):
     """Chosen = the fact the pairs teach, rejected = a wrong city; the held-out pairs ask in another phrasing and
     reject cities no training pair rejected."""
-    data = save_pairs(tmp_path / "facts", fact_pairs(False, repeats=3), fact_pairs(True, repeats=2))
+    data = save_pairs(tmp_path / "facts_data", fact_pairs(False, repeats=3), fact_pairs(True, repeats=2))
     args = [*trainer_args("facts", data, dpo_inputs[0], tmp_path), *DPO_FLAGS, "--lr", "3e-3", "-b", "1"]
     proc = run_trainer([*args, "--max-steps", "20", "--eval-freq", "10", *peft])
     log = output_of(proc)

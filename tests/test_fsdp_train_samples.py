@@ -90,7 +90,7 @@ def test_samples_are_the_same_after_a_kill_and_rerun(sample_inputs, prompts, sam
 @pytest.mark.slow
 def test_conversation_prompts_use_the_chat_template(tmp_path):
     model = make_chat_model(tmp_path / "model")
-    data = make_chat_dataset(tmp_path / "chat", n=40)
+    data = make_chat_dataset(tmp_path / "chat_data", n=40)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps([{"role": "user", "content": "What is 2 plus 2?"}]) + "\n")
     args = [*trainer_args("chat", data, model, tmp_path), "--max-steps", "2", "--sample-prompts", str(prompts)]

@@ -309,6 +309,7 @@ def test_ctrl_c_or_sigterm_is_one_line_and_a_rerun_finishes(
     monkeypatch: pytest.MonkeyPatch,
     signum: int,
     expected: int,
+    ctrl_c_raises: None,
 ) -> None:
     dst = tmp_path / "splits"
     argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "3")
