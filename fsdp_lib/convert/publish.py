@@ -29,7 +29,7 @@ def replace_problem(save_dir: Path) -> str | None:
     """Why --overwrite may not replace the folder `save_dir`, or None when it is empty or a dataset (data_hf.py's or
     save_to_disk's). An experiment, a model, split folders or an unknown folder are never replaced."""
     kind = folder_kind(save_dir)
-    if kind is not None and kind.kind == "dataset" or not any(save_dir.iterdir()):
+    if (kind is not None and kind.kind == "dataset") or not any(save_dir.iterdir()):
         return None
     if kind is not None:
         return (
