@@ -1,116 +1,30 @@
 """Bad input across the tools, as a careless user gives it: each case is refused with a message naming the flag (or
 the folder) and the fix and a non-zero exit, and every byte that existed before is still there afterwards. Most
-cases run no training step: the tools refuse before any work."""
+cases run no training step: the tools refuse before any work. This table holds the cases that cross tools (one tool
+pointed at another's folders) and the trainer's; tests/test_bad_inputs_data_hf.py and test_bad_inputs_tools.py hold
+data_hf's own and organize_data's and model_download's."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import data_hf
 import fsdp_train
-import organize_data
-from tests.fsdp_helpers import make_dataset
-
-# --- the folders a user already has -------------------------------------------------------------------------------
-
-
-def make_experiment(folder: Path) -> Path:
-    """What fsdp_train.py leaves in outputs/EXP: a checkpoint, its state, metrics, the config and an export."""
-    (folder / "checkpoint" / "step_00000002").mkdir(parents=True)
-    (folder / "checkpoint" / "step_00000002" / "__0_0.distcp").write_bytes(b"\x00shard" * 64)
-    (folder / "state.json").write_text(json.dumps({"latest_checkpoint": "checkpoint/step_00000002", "step": 2}))
-    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
-    (folder / "config.yaml").write_text("experiment_name: exp\n")
-    (folder / "final").mkdir()
-    (folder / "final" / "model.safetensors").write_bytes(b"weights" * 32)
-    return folder
-
-
-def make_model_folder(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    (folder / "model.safetensors").write_bytes(b"weights" * 32)
-    (folder / "tokenizer.json").write_text("{}")
-    return folder
-
-
-def make_splits(folder: Path) -> Path:
-    (folder / "split_00").mkdir(parents=True)
-    (folder / "split_00" / "a.txt").write_text("some text\n")
-    (folder / ".organize_manifest.json").write_text(json.dumps({"format": 1, "files": {}}))
-    return folder
-
-
-def make_raw(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "notes.txt").write_text("The capital of Norland is Vesk.\n\nA second paragraph of plain text.\n")
-    return folder
-
-
-def make_records(folder: Path, records: list[dict]) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "records.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-    return folder
-
-
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` with its bytes (None for a folder): what must be unchanged after a refusal."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
-
-
-# --- the cases ------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    run: Callable[[Path], int]  # the tool's main() on argv built under the test's folder; returns the exit code
-    message: tuple[str, ...]  # what the error must say (all of them)
-    exit_code: int = 2
-
-
-def data_hf_case(name: str, argv: Callable[[Path], list[str]], *message: str, exit_code: int = 1) -> Case:
-    return Case(name, lambda root: data_hf.main([str(a) for a in argv(root)]), message, exit_code)
-
-
-def organize_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
-    return Case(name, lambda root: organize_data.main([str(a) for a in argv(root)]), message)
-
-
-def model_download_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
-    import model_download
-
-    return Case(name, lambda root: model_download.main([str(a) for a in argv(root)]), message, 1)
-
-
-def trainer_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
-    return Case(name, lambda root: fsdp_train.main([str(a) for a in argv(root)]), message)
-
-
-def trainer_flags(root: Path, experiment: str, model: str = "model") -> list[str | Path]:
-    flags = ["-e", experiment, "-d", root / "dataset", "-m", root / model, "--save-dir", root / "outputs"]
-    return [*flags, "--seq-length", "64"]
-
-
-def damaged_models(model: Path, root: Path) -> None:
-    """Copies of a real tiny model, each damaged the way downloads and hand edits damage them."""
-    import shutil
-
-    for name in ("cut_weights", "bad_tokenizer", "small_vocab"):
-        shutil.copytree(model, root / name)
-    weights = root / "cut_weights" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-100])  # a download that stopped early
-    (root / "bad_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
-    config = json.loads((root / "small_vocab" / "config.json").read_text())
-    (root / "small_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 8}))
-
+from tests.bad_inputs import (
+    Case,
+    check_refused,
+    data_hf_case,
+    make_raw,
+    make_user_folders,
+    model_download_case,
+    organize_case,
+    trainer_case,
+    trainer_flags,
+)
 
 CASES = [
     data_hf_case(
@@ -266,33 +180,12 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def user_folders(tmp_path_factory, inputs) -> Path:
-    """One user's folders, shared by the cases (each case must leave them byte-identical)."""
-    root = tmp_path_factory.mktemp("user")
-    make_raw(root / "raw")
-    make_splits(root / "splits")
-    make_experiment(root / "outputs" / "exp")
-    make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
-    make_model_folder(root / "model")
-    damaged_models(inputs[1], root)
-    (root / "latin1_prompts.txt").write_bytes("The capital of caf\u00e9 is".encode("latin-1") + b"\n")
-    wizard = [{"role": "wizard", "content": "see https://example.com"}, {"role": "assistant", "content": "ok"}]
-    make_records(root / "bad_chat", [{"messages": wizard}] * 4)
-    make_records(root / "same_pairs", [{"prompt": f"q{i}", "chosen": "same", "rejected": "same"} for i in range(4)])
-    assert data_hf.main(["--data_folder", str(root / "raw"), "--save_dir", str(root / "dataset")]) == 0
-    return root
+    return make_user_folders(tmp_path_factory.mktemp("user"), inputs[1])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_is_refused_by_name_and_touches_nothing(case: Case, user_folders: Path, capsys) -> None:
-    before = snapshot(user_folders)
-    code = case.run(user_folders)
-    out = capsys.readouterr()
-    said = out.out + out.err
-    assert code == case.exit_code, said
-    for part in case.message:
-        assert part in said, f"{case.name}: {part!r} not in {said!r}"
-    assert "Traceback" not in said
-    assert snapshot(user_folders) == before, f"{case.name}: existing data changed"
+    check_refused(case, user_folders, capsys)
 
 
 def test_a_full_disk_is_named_even_when_the_library_lost_the_errno(tmp_path: Path, monkeypatch) -> None:
