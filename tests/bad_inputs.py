@@ -71,24 +71,35 @@ class Case:
     run: Callable[[Path], int]  # the tool's main() on argv built under the test's folder; returns the exit code
     message: tuple[str, ...]  # what the error must say (all of them)
     exit_code: int = 2
+    # Paths under the root the case may create (documented handling that writes, e.g. a dataset with a counted
+    # skip): they must not exist before, are left out of the comparison and are removed after the case.
+    creates: tuple[str, ...] = ()
 
 
-def data_hf_case(name: str, argv: Callable[[Path], list[str]], *message: str, exit_code: int = 1) -> Case:
-    return Case(name, lambda root: data_hf.main([str(a) for a in argv(root)]), message, exit_code)
+def data_hf_case(
+    name: str, argv: Callable[[Path], list], *message: str, exit_code: int = 1, creates: tuple[str, ...] = ()
+) -> Case:
+    return Case(name, lambda root: data_hf.main([str(a) for a in argv(root)]), message, exit_code, creates)
 
 
-def organize_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
-    return Case(name, lambda root: organize_data.main([str(a) for a in argv(root)]), message)
+def organize_case(
+    name: str, argv: Callable[[Path], list], *message: str, exit_code: int = 2, creates: tuple[str, ...] = ()
+) -> Case:
+    return Case(name, lambda root: organize_data.main([str(a) for a in argv(root)]), message, exit_code, creates)
 
 
-def model_download_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
+def model_download_case(
+    name: str, argv: Callable[[Path], list], *message: str, exit_code: int = 1, creates: tuple[str, ...] = ()
+) -> Case:
     import model_download
 
-    return Case(name, lambda root: model_download.main([str(a) for a in argv(root)]), message, 1)
+    return Case(name, lambda root: model_download.main([str(a) for a in argv(root)]), message, exit_code, creates)
 
 
-def trainer_case(name: str, argv: Callable[[Path], list[str]], *message: str) -> Case:
-    return Case(name, lambda root: fsdp_train.main([str(a) for a in argv(root)]), message)
+def trainer_case(
+    name: str, argv: Callable[[Path], list], *message: str, exit_code: int = 2, creates: tuple[str, ...] = ()
+) -> Case:
+    return Case(name, lambda root: fsdp_train.main([str(a) for a in argv(root)]), message, exit_code, creates)
 
 
 def trainer_flags(root: Path, experiment: str, model: str = "model") -> list[str | Path]:
@@ -126,13 +137,28 @@ def make_user_folders(root: Path, model: Path) -> Path:
 
 
 def check_refused(case: Case, root: Path, capsys) -> None:
-    """Run one case: the exit code and every part of the message, no traceback, nothing under `root` changed."""
+    """Run one case: the exit code and every part of the message, no traceback, nothing under `root` changed but
+    the paths the case may create (which are removed afterwards, so the next case meets the same folders)."""
+    assert not any((root / path).exists() for path in case.creates), f"{case.name}: an output exists before the case"
     before = snapshot(root)
-    code = case.run(root)
-    out = capsys.readouterr()
-    said = out.out + out.err
-    assert code == case.exit_code, said
-    for part in case.message:
-        assert part in said, f"{case.name}: {part!r} not in {said!r}"
-    assert "Traceback" not in said
-    assert snapshot(root) == before, f"{case.name}: existing data changed"
+    try:
+        code = case.run(root)
+        out = capsys.readouterr()
+        said = out.out + out.err
+        assert code == case.exit_code, said
+        for part in case.message:
+            assert part in said, f"{case.name}: {part!r} not in {said!r}"
+        assert "Traceback" not in said
+        after = {path: data for path, data in snapshot(root).items() if not _under(path, case.creates)}
+        assert after == before, f"{case.name}: existing data changed"
+    finally:
+        for path in case.creates:
+            target = root / path
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in roots)
