@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
+from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
     check_destination,
     device_of_nearest_existing,
@@ -71,6 +72,13 @@ from fsdp_lib.organize.plan import (
 # --------------------------------------------------------------------------------------------------------
 
 
+def folder_path(value: str) -> Path:
+    """A folder flag's value; an empty one (an unset shell variable) is refused, not read as the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; pass a folder path (use . for the current folder)")
+    return Path(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="organize_data.py",
@@ -82,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--src_dir",
         "--src-dir",
         dest="src_dir",
-        type=Path,
+        type=folder_path,
         required=True,
         help="folder with the raw files, searched recursively",
     )
@@ -90,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dst_root",
         "--dst-root",
         dest="dst_root",
-        type=Path,
+        type=folder_path,
         required=True,
         help="where split_00 ... split_NN and the manifest are written (outside --src-dir)",
     )
@@ -127,6 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def path_problems(src_arg: Path, dst_arg: Path) -> list[str]:
+    """What is wrong with --src-dir and --dst-root as paths, before anything is read or written."""
+    src_dir, dst_root = src_arg.resolve(), dst_arg.resolve()
+    problems = []
+    if not src_dir.is_dir():
+        what = "is not a folder" if src_dir.exists() else "does not exist"
+        problems.append(f"--src-dir {src_arg} {what}; point --src-dir at the folder with your raw files")
+    elif (kind := folder_kind(src_dir)) is not None and kind.kind != "split folders":
+        problems.append(f"--src-dir {kind.describe(src_arg)}, not raw files; point --src-dir at the folder with them")
+    elif overlap := overlap_problem(src_dir, dst_root):
+        problems.append(overlap)
+    if (kind := folder_kind(dst_root)) is not None and kind.kind != "split folders":
+        problems.append(
+            f"--dst-root {kind.describe(dst_arg)}; organize_data.py does not write split folders into another tool's "
+            "folder, even with --overwrite: choose another --dst-root"
+        )
+    return problems
+
+
+def file_above(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` when it is a file (no folder can be made under it), else None."""
+    for parent in path.parents:
+        if parent.exists():
+            return parent if not parent.is_dir() else None
+    return None
+
+
 def validate_args(args: argparse.Namespace) -> Settings:
     """Check every flag before touching the disk; report all problems at once."""
     problems = []
@@ -140,12 +175,8 @@ def validate_args(args: argparse.Namespace) -> Settings:
     except OrganizeError as exc:
         problems.append(str(exc))
         extensions = []
+    problems += path_problems(args.src_dir, args.dst_root)
     src_dir, dst_root = args.src_dir.resolve(), args.dst_root.resolve()
-    if not src_dir.is_dir():
-        what = "is not a folder" if src_dir.exists() else "does not exist"
-        problems.append(f"--src-dir {args.src_dir} {what}; point --src-dir at the folder with your raw files")
-    elif overlap := overlap_problem(src_dir, dst_root):
-        problems.append(overlap)
     if args.mode == "link" and not problems and src_dir.stat().st_dev != device_of_nearest_existing(dst_root):
         problems.append(
             "--mode link needs --src-dir and --dst-root on the same filesystem (hard links cannot cross "
@@ -153,6 +184,12 @@ def validate_args(args: argparse.Namespace) -> Settings:
         )
     if problems:
         raise OrganizeError("\n  ".join(problems))
+    if blocker := file_above(dst_root):  # exit 1, as the OS error it prevents (tests pin it)
+        raise OrganizeError(
+            f"--dst-root {args.dst_root} is under {blocker}, which is a file (Not a directory); choose a folder "
+            "path for --dst-root, then rerun",
+            EXIT_IO_ERROR,
+        )
     return Settings(str(src_dir), args.num_dirs, args.balance, args.mode, extensions)
 
 

@@ -31,8 +31,9 @@ def read_manifest(dst_root: Path) -> dict | None:
     if not path.is_file():
         return None
     unreadable = (
-        f"{path} is not a manifest this version of organize_data.py can read; if dst_root holds nothing you "
-        "need, delete it, else choose another --dst-root"
+        f"--dst-root {dst_root}: {path.name} is not a manifest this version of organize_data.py can read, so "
+        f"nothing records what its split folders hold; if {dst_root} holds nothing you need, delete it, else "
+        "choose another --dst-root"
     )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

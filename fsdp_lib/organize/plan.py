@@ -256,5 +256,7 @@ def find_source_files(src_dir: Path, extensions: Sequence[str]) -> SourceScan:
                 files.append(SourceFile(rel_path, entry.stat().st_size))
             elif entry.is_symlink():
                 skipped.append(f"{rel_path} (broken symlink)")
+            else:  # a named pipe, socket or device: reading one could block forever
+                skipped.append(f"{rel_path} (not a regular file)")
     files.sort(key=lambda f: f.rel_path)
     return SourceScan(files, skipped)
