@@ -75,6 +75,8 @@ from fsdp_lib.records.schema import DATASET_COLUMNS
 DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 # A row of 100M characters is at most 400 MB of UTF-8: far from Arrow's 2 GiB limit for one string array.
 MAX_MAX_CHARS = 100_000_000
+# Endings of files that are not text: a --data_folder file with one of these is refused, not read as text.
+NOT_TEXT_ENDINGS = {".parquet", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".tar", ".pdf", ".docx"}
 
 
 class DataHfError(Exception):
@@ -99,12 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(preference pairs, for DPO).",
     )
     parser.add_argument(
-        "--data_folder", "--data-folder", dest="data_folder", type=Path, required=True,
+        "--data_folder", "--data-folder", dest="data_folder", type=_path_arg, required=True,
         help="folder to read recursively (e.g. the splits/ of organize_data.py, or the raw folder itself); "
         "hidden files and folders are skipped",
     )  # fmt: skip
     parser.add_argument(
-        "--save_dir", "--save-dir", dest="save_dir", type=Path, required=True,
+        "--save_dir", "--save-dir", dest="save_dir", type=_path_arg, required=True,
         help="output folder for datasets.load_from_disk (e.g. hf_datasets/my_corpus); must not exist unless --overwrite",
     )  # fmt: skip
     parser.add_argument(
@@ -161,24 +163,55 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace) -> list[str]:
     """Every problem with the flags, each naming the flag and the fix."""
-    errors = []
-    if not args.data_folder.exists():
-        errors.append(f"--data_folder {args.data_folder} does not exist; pass the folder that holds your files")
-    elif (kind := folder_kind(args.data_folder)) is not None and kind.kind != "split folders":
+    return [*_data_folder_problems(args), *_number_problems(args), *_save_dir_problems(args)]
+
+
+def _path_arg(value: str) -> Path:
+    """A path flag's value; an empty one (an unset shell variable) would mean the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give the folder by name")
+    return Path(value)
+
+
+def _data_folder_problems(args: argparse.Namespace) -> list[str]:
+    folder, errors = args.data_folder, []
+    if not folder.exists():
+        errors.append(f"--data_folder {folder} does not exist; pass the folder that holds your files")
+    elif not (folder.is_dir() or folder.is_file()):
+        errors.append(f"--data_folder {folder} is neither a folder nor a regular file (a pipe or a device?); pass "
+                      "the folder that holds your files")  # fmt: skip
+    elif folder.is_file() and folder.suffix.lower() not in args.extensions:
+        ending = f"ending in {folder.suffix}" if folder.suffix else "without an ending"
+        fix = f"pass --extensions {folder.suffix.lstrip('.')} to read it as plain text"
+        if not folder.suffix:
+            fix = "rename it with an ending such as .txt, or pass the folder that holds your files"
+        elif folder.suffix.lower() in NOT_TEXT_ENDINGS:
+            fix = "data_hf.py reads text files only: convert it to .jsonl or text first"
+        errors.append(f"--data_folder {folder} is a file {ending}, which --extensions does not list; {fix}")
+    elif (kind := folder_kind(folder)) is not None and kind.kind != "split folders":
         instead = (
-            f"train on it with fsdp_train.py -d {args.data_folder}"
+            f"train on it with fsdp_train.py -d {folder}"
             if kind.kind == "dataset"
             else "pass the folder that holds your raw files"
         )
-        errors.append(f"--data_folder {kind.describe(args.data_folder)}, not raw files; {instead}")
+        errors.append(f"--data_folder {kind.describe(folder)}, not raw files; {instead}")
     if not args.extensions:
         errors.append(f"--extensions is empty; e.g. --extensions {' '.join(DEFAULT_EXTENSIONS)}")
+    for ending in args.extensions:
+        if ending == "." or any(char in ending for char in "*?[]/\\"):
+            errors.append(f"--extensions {ending} is not a file ending; give endings such as txt or .md (no "
+                          "wildcards, no paths)")  # fmt: skip
+    return errors
+
+
+def _number_problems(args: argparse.Namespace) -> list[str]:
+    errors = []
     if not 1 <= args.max_chars <= MAX_MAX_CHARS:
-        errors.append(f"--max-chars {args.max_chars} must be between 1 and {MAX_MAX_CHARS}")
-    if args.min_chars < 0:
-        errors.append(f"--min-chars {args.min_chars} must be 0 or more")
+        errors.append(f"--max-chars {args.max_chars} must be between 1 and {MAX_MAX_CHARS}, e.g. --max-chars 200000")
     elif args.min_chars > args.max_chars:
         errors.append(f"--min-chars {args.min_chars} exceeds --max-chars {args.max_chars}: every row would be dropped")
+    if args.min_chars < 0:
+        errors.append(f"--min-chars {args.min_chars} must be 0 or more")
     if not 0.0 <= args.val_fraction < 1.0:
         errors.append(f"--val-fraction {args.val_fraction} must be in [0, 1), e.g. 0.01")
     most_workers = max(64, 2 * _available_cores())  # each worker is a process with its own memory
@@ -187,21 +220,29 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             f"--num-proc {args.num_proc} must be between 1 and {most_workers} (twice this machine's "
             f"{_available_cores()} cores, at least 64): each worker is a process with its own memory"
         )
+    return errors
+
+
+def _save_dir_problems(args: argparse.Namespace) -> list[str]:
     save_dir = args.save_dir
     if occupied(save_dir):
         if not save_dir.is_dir():
-            errors.append(f"--save_dir {save_dir} exists and is not a folder; choose another --save_dir")
-        elif not args.overwrite:
-            errors.append(
-                f"--save_dir {save_dir} already exists; pass --overwrite to replace it, or choose another path"
-            )
-        elif problem := replace_problem(save_dir):
-            errors.append(problem)
-        elif args.data_folder.exists() and args.data_folder.resolve().is_relative_to(save_dir.resolve()):
-            errors.append(
-                f"--data_folder {args.data_folder} is inside --save_dir {save_dir}, which --overwrite replaces"
-            )
-    return errors
+            return [f"--save_dir {save_dir} exists and is not a folder; choose another --save_dir"]
+        if not args.overwrite:
+            return [f"--save_dir {save_dir} already exists; pass --overwrite to replace it, or choose another path"]
+        if problem := replace_problem(save_dir):
+            return [problem]
+        if args.data_folder.exists() and args.data_folder.resolve().is_relative_to(save_dir.resolve()):
+            return [f"--data_folder {args.data_folder} is inside --save_dir {save_dir}, which --overwrite replaces"]
+    for parent in save_dir.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            return [f"--save_dir {save_dir}: {parent} is a file, not a folder; choose a --save_dir under a folder"]
+        if (kind := folder_kind(parent)) is not None:
+            return [
+                f"--save_dir {save_dir} is inside {kind.describe(parent)}, whose tool would delete or misread it; "
+                "give the dataset a folder of its own: choose another --save_dir, e.g. hf_datasets/NAME"
+            ]
+    return []
 
 
 def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[str, SplitWriter], int]:
@@ -216,14 +257,7 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     for problem in skipped:
         tally.add_problem(problem, skipped_file=True)
     if not files:
-        kinds = f"files with the extensions {' '.join(args.extensions)}"
-        if text_files_skipped:
-            what = "conversation" if args.data_format == "chat" else "preference"
-            kinds = f"{what} files (.json .jsonl .ndjson .yaml .yml; --format {args.data_format})"
-        raise DataHfError(
-            f"no {kinds} under --data_folder {args.data_folder} (hidden files and folders are skipped); check the path "
-            "or pass --extensions"
-        )
+        raise DataHfError(_no_files_message(args, len(text_files_skipped)))
     options = Options(args.max_chars, args.min_chars, args.val_fraction, args.data_format, args.json_mode)
     tasks = plan_tasks(files, piece_bytes_for(args.max_chars))
     splits = ["train", "validation"] if args.val_fraction > 0 else ["train"]
@@ -259,6 +293,19 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     return build_summary(tally, args, chosen, column, time.monotonic() - started), chosen, unusable
 
 
+def _no_files_message(args: argparse.Namespace, text_files: int) -> str:
+    """Why a run found nothing to read, and the fix."""
+    where = f"under --data_folder {args.data_folder} (hidden files and folders are skipped)"
+    if not text_files:
+        return f"no files with the extensions {' '.join(args.extensions)} {where}; check the path or pass --extensions"
+    what = "conversation" if args.data_format == "chat" else "preference"
+    return (
+        f"no {what} files (.json .jsonl .ndjson .yaml .yml; --format {args.data_format}) {where}: its {text_files} "
+        f"text file(s) are not read with --format {args.data_format}; pass --format text to convert plain text, or "
+        "point --data_folder at your .json/.jsonl records"
+    )
+
+
 def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) -> list[str]:
     """Why the converted dataset must not be published."""
     refusals = []
@@ -274,7 +321,9 @@ def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) 
     if summary["rows_total"] == 0:
         found = {"messages": "conversations", "preference": "preference pairs"}.get(summary["column"])
         what = f"{found} were found (see the counts by reason above)" if found else "rows were extracted"
-        refusals.append(f"no {what} from --data_folder {args.data_folder}; nothing to save")
+        short = summary.get("dropped_below_min_chars", 0)
+        fix = f": {short} row(s) were shorter than --min-chars {args.min_chars}; lower it" if short else ""
+        refusals.append(f"no {what} from --data_folder {args.data_folder}; nothing to save{fix}")
     return refusals
 
 

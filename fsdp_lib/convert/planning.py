@@ -13,6 +13,7 @@ from pathlib import Path
 from fsdp_lib.convert.extraction import RECORD_FORMATS, Extraction
 from fsdp_lib.convert.reading import file_kind
 from fsdp_lib.convert.results import Problem
+from fsdp_lib.markers import folder_kind
 
 # Small files are grouped into tasks of about this much input so that per-task overhead stays negligible.
 TASK_BYTES = 2 << 20
@@ -73,7 +74,8 @@ def find_input_files(
     """(path, size) of every file under `root` with one of `extensions`, sorted by path, and the problems met.
 
     Hidden files and folders (name starting with ".") are skipped; symlinks are followed, but each folder is
-    entered once, so link loops end. Folders in `exclude` (the output) are never entered.
+    entered once, so link loops end. Folders in `exclude` (the output) are never entered, and folders a tool wrote
+    (a dataset, an experiment, a model) are skipped with a not_raw_data problem.
     """
     wanted = set(extensions)
     if root.is_file():
@@ -96,7 +98,10 @@ def find_input_files(
         for name in sorted(subfolders):
             sub = _stat_or_none(Path(folder, name))
             if not name.startswith(".") and (sub is None or (sub.st_dev, sub.st_ino) not in excluded):
-                keep.append(name)
+                if (problem := _tool_output(Path(folder, name))) is None:
+                    keep.append(name)
+                else:
+                    problems.append(problem)
         subfolders[:] = keep
         for name in names:
             if name.startswith(".") or Path(name).suffix.lower() not in wanted:
@@ -113,6 +118,15 @@ def find_input_files(
             found.append((path, info.st_size))
     found.sort(key=lambda item: item[0].relative_to(root).parts)
     return found, problems
+
+
+def _tool_output(folder: Path) -> Problem | None:
+    """A folder a tool wrote (a dataset, an experiment, a model, the token cache), never read as raw data: its
+    metadata, tokenizer and state files would become text rows. Split folders are raw files and are read."""
+    kind = folder_kind(folder)
+    if kind is None or kind.kind == "split folders":
+        return None
+    return Problem(str(folder), "not_raw_data", f"{kind.describe(folder)}; not read as raw files")
 
 
 def _stat_or_none(path: Path) -> os.stat_result | None:

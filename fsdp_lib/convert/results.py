@@ -21,6 +21,8 @@ FILE_REASONS = {
     "too_deep": "nested deeper than the JSON/YAML parser's recursion limit",
     "no_text": "parsed, but holds no string values",
     "read_error": "could not be read (permissions, broken link, not a regular file)",
+    "not_raw_data": "a folder inside --data_folder that a tool wrote (a dataset, a training experiment, a model "
+    "folder, the token cache): its files are not raw data; not read",
     "text_file_in_chat_run": "a text file (not .json/.jsonl/.yaml) in a --format chat run: not read",
     "text_file_in_preference_run": "a text file (not .json/.jsonl/.yaml) in a --format preference run: not read",
 }

@@ -48,11 +48,16 @@ HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 def is_preference_record(record: object) -> bool:
     """Whether `record` is a preference record: an object with `chosen` and `rejected` keys, in any case. Checked
     before the conversation shapes, which a ShareGPT preference record (conversations) also has."""
+    return _pair_keys(record) == {"chosen", "rejected"}
+
+
+def _pair_keys(record: object) -> set[str]:
+    """Which of `chosen` and `rejected` (in any case) the object `record` has."""
     if not isinstance(record, dict):
-        return False
+        return set()
     # len first: this runs on every record of an auto or text run, most of which have neither key
     names = {key.lower() for key in record if isinstance(key, str) and len(key) in (6, 8)}
-    return "chosen" in names and "rejected" in names
+    return names & {"chosen", "rejected"}
 
 
 def _lower_keys(value: dict, where: str) -> dict:
@@ -195,7 +200,9 @@ def preference_json(pair: PreferencePair) -> str:
 
 def record_kind(record: object) -> str | None:
     """What an auto run may write a record as: "preference" (chosen and rejected keys, tried first: a ShareGPT
-    preference record has a conversation shape too), "chat" (a conversation shape), or None (text only)."""
-    if is_preference_record(record):
+    preference record has a conversation shape too; one of them alone is half a pair, which --format auto reports
+    as not_a_preference_pair instead of keeping its strings as text), "chat" (a conversation shape), or None (text
+    only)."""
+    if _pair_keys(record):
         return "preference"
     return "chat" if conversation_shape(record) is not None else None
