@@ -34,12 +34,21 @@ from pathlib import Path
 
 from fsdp_lib.hub.console import ToolError
 from fsdp_lib.hub.dataset import download_dataset, report_dataset, verify_dataset
-from fsdp_lib.hub.download import cached_model_folder, download_model, explained_hub_errors
+from fsdp_lib.hub.download import (
+    cached_model_folder,
+    check_download_target,
+    download_model,
+    explained_hub_errors,
+    hub_id_problem,
+)
 from fsdp_lib.hub.presets import SIZE_FLAGS, SIZE_PRESETS, preset_parameter_count, size_problems
 from fsdp_lib.hub.scratch import InitRequest, create_model_folder
 from fsdp_lib.hub.verify import report_verified, reverify_folder, verify_and_record
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.noise import quiet_optional_imports
+
+MAX_VOCAB_SIZE = 1_048_576  # --vocab-size: four times the largest published vocabulary
+MAX_SEED = 2**32 - 1  # --seed: what every seeded generator accepts
 
 # ---------------------------------------------------------------------------------------------------------
 # the flags
@@ -123,6 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def value_problems(args: argparse.Namespace) -> list[str]:
+    """The values that cannot be right whatever the command: hub ids, the revision, the seed."""
+    problems = [
+        problem
+        for problem in (
+            hub_id_problem("--model-name", args.model_name, "Qwen/Qwen2.5-0.5B"),
+            hub_id_problem("--dataset", args.dataset, "ORG/NAME", parts=(2,)),
+        )
+        if problem
+    ]
+    if not args.revision.strip() or any(char.isspace() for char in args.revision):
+        problems.append(
+            f"--revision {args.revision!r} is not a branch, tag or commit hash (empty, or with spaces); leave it out"
+            " for main"
+        )
+    if not 0 <= args.seed <= MAX_SEED:
+        problems.append(f"--seed {args.seed} must be between 0 and {MAX_SEED:,}")
+    return problems
+
+
 def validate_args(args: argparse.Namespace) -> list[str]:
     """Every flag problem at once, each naming the flag and the fix."""
     problems = []
@@ -139,8 +168,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             problems.append(
                 "--dataset downloads a dataset into the HF_HOME cache: drop --model-name/--init/--verify-only/--local-dir"
             )
-        if args.dataset.count("/") != 1:
-            problems.append(f"--dataset {args.dataset}: expected a hub id ORG/NAME")
+    problems += value_problems(args)
     if args.init:
         if args.model_name or args.verify_only:
             problems.append("--init creates a new model: drop --model-name/--verify-only")
@@ -154,12 +182,17 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             problems.append("--vocab-size applies to --tokenizer-from only; a reused --tokenizer keeps its vocabulary")
         if args.vocab_size is not None and args.vocab_size < 259:
             problems.append(f"--vocab-size {args.vocab_size} is below 259 (256 byte tokens + bos, eos, pad)")
+        if args.vocab_size is not None and args.vocab_size > MAX_VOCAB_SIZE:
+            problems.append(
+                f"--vocab-size {args.vocab_size:,} is above {MAX_VOCAB_SIZE:,}; real vocabularies hold 32,000 to"
+                " 262,144 tokens (the default: 1024 for tiny, 32000 otherwise)"
+            )
         problems += size_problems(args.init, size_overrides(args))
     else:
         used = [flag for flag, value in scratch_flags.items() if value not in (None, False)]
         if used:
             problems.append(f"{', '.join(used)} only apply with --init SIZE")
-        if not args.model_name and not args.dataset and not (args.verify_only and args.local_dir):
+        if args.model_name is None and args.dataset is None and not (args.verify_only and args.local_dir):
             problems.append(
                 "pass --model-name NAME (download), --dataset ORG/NAME, --verify-only with --model-name or"
                 " --local-dir, or --init SIZE"
@@ -174,6 +207,8 @@ def validate_args(args: argparse.Namespace) -> list[str]:
 
 def run_download(args: argparse.Namespace) -> int:
     local_dir = Path(args.local_dir).resolve() if args.local_dir else None
+    if local_dir is not None:
+        check_download_target(local_dir, args.model_name)
     with explained_hub_errors(args.model_name, args.revision):
         folder = download_model(args.model_name, args.revision, local_dir, args.token, args.force_download)
     source = {"model_name": args.model_name, "revision": args.revision, "commit": None if local_dir else folder.name}
@@ -216,9 +251,17 @@ def run_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe_os_error(exc: OSError) -> str:
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_optional_imports()  # model_download never uses torchao: its import-time warnings are noise here
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on bad flags; callers of main() get the code
+        return exc.code if isinstance(exc.code, int) else 2
     problems = validate_args(args)
     if problems:
         for problem in problems:
@@ -235,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_download(args)
     except ToolError as exc:
         print(f"model_download.py: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. a read-only or full disk: the OS error in words, with the path
+        print(f"model_download.py: error: {describe_os_error(exc)}; fix it and rerun the same command", file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:  # downloads resume file by file; --init builds in a staging folder
         print("model_download.py: interrupted; rerun the same command to resume, nothing half-written is kept")

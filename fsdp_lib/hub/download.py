@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,18 +16,50 @@ from typing import Any
 
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
-from fsdp_lib.hub.verify import remove_verification_record
+from fsdp_lib.hub.verify import VERIFICATION_RECORD, remove_verification_record
 from fsdp_lib.hub.weights import name_sample
+from fsdp_lib.markers import folder_kind
 from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes
 
 OFFLINE_HINT = "on an offline machine copy HF_HOME from one that has internet"
 
+# A hub id: NAME or ORG/NAME, each part letters, digits, '-', '_' and '.', at most 96 characters.
+HUB_ID_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?|[A-Za-z0-9]")
+
 
 def offline_mode_message(repo_id: str) -> str:
     return (
-        f"HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so {repo_id} cannot be downloaded; unset it for the download"
+        f"HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so {repo_id} cannot be downloaded: this machine is"
+        f" offline. Unset it where there is internet and rerun; {OFFLINE_HINT} (then check the copy with"
+        " --verify-only)"
     )
+
+
+def hub_id_problem(flag: str, value: str | None, example: str, parts: tuple[int, ...] = (1, 2)) -> str | None:
+    """Why `value` is not a hub id for `flag` (an empty value, a URL, a local path, spaces, too many parts), or None."""
+    if value is None:
+        return None
+    if not value.strip():
+        return f"{flag} is empty; pass a hub id such as {example}"
+    if value.startswith(("http://", "https://", "huggingface.co/", "hf.co/")):
+        guess = "/".join(part for part in value.split("/")[3:] if part not in ("datasets", "tree", "main"))
+        shown = f" ({flag} {guess})" if guess and hub_id_problem(flag, guess, example, parts) is None else ""
+        return f"{flag} {value} is a URL; pass the hub id, the part after huggingface.co/{shown}, e.g. {example}"
+    if Path(value).expanduser().exists():
+        return (
+            f"{flag} {value} is a local path; {flag} takes a hub id. A model folder needs no download: train with"
+            f" fsdp_train.py -m {value} (-d for a dataset), check a model folder with --verify-only --local-dir {value}"
+        )
+    if value.startswith((".", "/", "~")):
+        return f"{flag} {value} looks like a local path and does not exist; pass a hub id such as {example}"
+    names = value.split("/")
+    if len(names) not in parts or not all(HUB_ID_PART.fullmatch(name) for name in names):
+        return (
+            f"{flag} {value!r}: expected a hub id {'ORG/NAME' if parts == (2,) else 'ORG/NAME or NAME'} of"
+            f" letters, digits, '-', '_' and '.', e.g. {example}"
+        )
+    return None
 
 
 def explain_hub_error(exc: BaseException, repo_id: str, revision: str, flag: str = "--model-name") -> str | None:
@@ -229,3 +262,41 @@ def cached_model_folder(model_name: str, revision: str) -> Path:
             f" `python model_download.py --model-name {model_name}` where there is internet; {OFFLINE_HINT}"
         )
     return Path(cached).parent
+
+
+def check_download_target(local_dir: Path, repo_id: str) -> None:
+    """--local-dir must be new, empty, or an earlier download of this same model: a download writes model files into
+    it, which would corrupt another tool's folder or mix two models' files."""
+    if (blocker := next((p for p in local_dir.parents if p.exists()), None)) is not None and not blocker.is_dir():
+        raise ToolError(f"--local-dir {local_dir} is under {blocker}, which is a file; choose a folder path")
+    if not local_dir.exists():
+        return
+    if not local_dir.is_dir():
+        raise ToolError(f"--local-dir {local_dir} is a file; choose a folder path for --local-dir")
+    if not any(local_dir.iterdir()):
+        return
+    kind = folder_kind(local_dir)
+    if kind is not None and kind.kind != "model":
+        raise ToolError(f"--local-dir {kind.describe(local_dir)}; a download writes into it: choose a new --local-dir")
+    earlier = _recorded_source(local_dir)
+    if earlier and earlier.get("model_name") != repo_id:
+        what = earlier.get("model_name") or f"a model made with --init {earlier.get('init')}"
+        raise ToolError(
+            f"--local-dir {local_dir} holds {what} ({VERIFICATION_RECORD}); downloading {repo_id} into it would mix"
+            " two models' files: choose a new --local-dir"
+        )
+    if not earlier and not (local_dir / ".cache" / "huggingface").is_dir():
+        raise ToolError(
+            f"--local-dir {local_dir} is not empty and holds no earlier download by model_download.py (no"
+            " .cache/huggingface); choose a new or empty --local-dir"
+        )
+
+
+def _recorded_source(folder: Path) -> dict[str, Any]:
+    """The `source` of the folder's verification record, even when a weight file changed since; {} when none."""
+    try:
+        record = json.loads((folder / VERIFICATION_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    source = record.get("source") if isinstance(record, dict) else None
+    return source if isinstance(source, dict) else {}

@@ -64,6 +64,16 @@ SIZE_FLAGS: dict[str, str] = {
 }
 
 
+# Bounds checked before any work: a typo of 100000000 layers would build modules for hours.
+SIZE_LIMITS = {
+    "--num-layers": 1024,
+    "--hidden-size": 65536,
+    "--num-heads": 1024,
+    "--num-kv-heads": 1024,
+    "--intermediate-size": 262144,
+}
+
+
 def apply_size_overrides(preset: SizePreset, overrides: dict[str, int]) -> SizePreset:
     return replace(preset, **{SIZE_FLAGS[flag]: value for flag, value in overrides.items()})
 
@@ -71,6 +81,12 @@ def apply_size_overrides(preset: SizePreset, overrides: dict[str, int]) -> SizeP
 def size_problems(preset_name: str, overrides: dict[str, int]) -> list[str]:
     """What makes a custom shape unbuildable, each naming the flag and the fix (the preset's own values count too)."""
     problems = [f"{flag} {value} must be a positive integer" for flag, value in overrides.items() if value < 1]
+    problems += [
+        f"{flag} {value:,} is above {SIZE_LIMITS[flag]:,}, far beyond any published model (70B: {flag} "
+        f"{getattr(SIZE_PRESETS['70B'], SIZE_FLAGS[flag]):,}); check the number"
+        for flag, value in overrides.items()
+        if value > SIZE_LIMITS[flag]
+    ]
     if problems:
         return problems
     shape = apply_size_overrides(SIZE_PRESETS[preset_name], overrides)

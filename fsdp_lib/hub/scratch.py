@@ -63,10 +63,12 @@ class InitRequest:
 
 def check_init_target(path: Path, overwrite: bool) -> None:
     """Refuse to clobber a non-empty folder; --overwrite replaces only something that is a model folder."""
+    if (blocker := next((p for p in path.parents if p.exists()), None)) is not None and not blocker.is_dir():
+        raise ToolError(f"--local-dir {path} is under {blocker}, which is a file; choose a folder path")
     if not path.exists():
         return
     if not path.is_dir():
-        raise ToolError(f"--local-dir {path} exists and is not a folder")
+        raise ToolError(f"--local-dir {path} exists and is a file; choose a folder path for --local-dir")
     if not any(path.iterdir()):
         return
     if not overwrite:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.presets import SizePreset
+from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS, dataset_kind
 
@@ -20,6 +21,16 @@ TEXT_BATCH_SIZE = 1000
 
 def load_tokenizer_corpus(path: Path) -> Any:
     """The train split of a saved dataset (a data_hf.py folder or a cached hub dataset), read as the trainer does."""
+    kind = folder_kind(path)
+    if kind is not None and kind.kind == "model":
+        raise ToolError(
+            f"--tokenizer-from {kind.describe(path)}, not a dataset; to reuse its tokenizer pass --tokenizer {path}"
+        )
+    if kind is not None and kind.kind != "dataset":
+        raise ToolError(
+            f"--tokenizer-from {kind.describe(path)}, not a dataset: pass a folder data_hf.py wrote (python data_hf.py"
+            " --data_folder <your files> --save_dir <a new folder>)"
+        )
     try:
         dataset, _ = load_text_dataset(path)
     except ValueError as exc:
@@ -98,6 +109,10 @@ def load_reused_tokenizer(name: str) -> Any:
     """--tokenizer: a folder, or a hub id already in the cache, given a pad token when it has none."""
     from transformers import AutoTokenizer
 
+    kind = folder_kind(Path(name))
+    if kind is not None and kind.kind != "model":
+        hint = f"; to train a tokenizer on it pass --tokenizer-from {name}" if kind.kind == "dataset" else ""
+        raise ToolError(f"--tokenizer {kind.describe(Path(name))}, not a model or tokenizer folder{hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except Exception as exc:

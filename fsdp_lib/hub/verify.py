@@ -14,6 +14,7 @@ from typing import Any
 
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.weights import TensorInfo, compare_with_model, read_weights, weights_dtype_summary
+from fsdp_lib.markers import folder_kind
 from fsdp_lib.model.hf_files import hf_weight_files
 from fsdp_lib.model.memory_plan import (
     format_bytes,
@@ -79,8 +80,8 @@ def verify_model(folder: Path, load_name: str, revision: str | None, require_wei
         if not read_problems:
             compare_problems, notes = compare_with_model(model, found)
             problems += compare_problems
-    if problems:
-        raise ToolError("verification failed:\n  - " + "\n  - ".join(problems))
+    if problems:  # a tied weight is checked under both names: say each problem once
+        raise ToolError("verification failed:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
     return VerifiedModel(
         folder=folder,
         architecture=f"{type(model).__name__} ({config.model_type})",
@@ -222,6 +223,13 @@ def verify_and_record(
 
 def reverify_folder(folder: Path) -> None:
     """--verify-only --local-dir: verify a downloaded or --init folder again, keeping the source its record names."""
+    if not folder.exists():
+        raise ToolError(f"--local-dir {folder} does not exist; pass the folder of a downloaded or --init model")
+    if not folder.is_dir():
+        raise ToolError(f"--local-dir {folder} is a file; pass the folder of a downloaded or --init model")
+    kind = folder_kind(folder)
+    if kind is not None and kind.kind != "model":
+        raise ToolError(f"--local-dir {kind.describe(folder)}, not a model; pass the folder of a model")
     if not (folder / "config.json").is_file():
         raise ToolError(f"--local-dir {folder} has no config.json; download or --init the model first")
     previous = read_verification_record(folder) or {}
