@@ -284,9 +284,9 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
         tally.conversation_shaped_as_text, tally.preference_shaped_as_text,
     )  # fmt: skip
     shaped = tally.conversation_shaped_as_text + tally.preference_shaped_as_text
-    unusable = (
-        shaped if column == "text" and not tally.plain_text_rows and not rows["messages"] + rows["preference"] else 0
-    )
+    # Records shaped like conversations or pairs and no plain text beside them: none usable, or two kinds mixed.
+    # Either way --format auto would write their strings as text: refused (counted here, said by _refusals).
+    unusable = shaped if column == "text" and not tally.plain_text_rows else 0
     if args.data_format == "auto" and (column != "text" or unusable):
         tally.adopt_chat_problems()  # why the records failed, counted by reason in the summary
     chosen = finish_writers(writers, column, splits, tmp)
@@ -309,7 +309,15 @@ def _no_files_message(args: argparse.Namespace, text_files: int) -> str:
 def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) -> list[str]:
     """Why the converted dataset must not be published."""
     refusals = []
-    if args.data_format == "auto" and unusable:
+    mixed = summary["conversation_records_as_text"] and summary["preference_records_as_text"]
+    if args.data_format == "auto" and unusable and mixed:
+        refusals.append(
+            f"--format auto: the folder mixes {summary['conversation_records_as_text']} conversation(s) and "
+            f"{summary['preference_records_as_text']} preference pair(s) and holds no plain text; a dataset holds one "
+            "kind: convert each kind's files on their own with --format chat and --format preference, or pass "
+            "--format text to keep their strings as plain text"
+        )
+    elif args.data_format == "auto" and unusable:
         refusals.append(
             f"--format auto: all {unusable} record(s) have the shape of conversations or preference pairs but none "
             "could be used (the counts by reason above say why); fix them and rerun, or pass --format text to keep "

@@ -428,7 +428,13 @@ HANDLED_CASES = [
     written("one bad conversation among good ones", "chat_one_bad", "unknown_role 1", "-> 1 conversations"),
     written("one identical pair among good ones", "pair_one_same", "identical_responses 1", "-> 1 preference pairs"),
     written("conversations beside plain text", "text_and_chat", "because the folder also holds other text"),
-    written("conversations mixed with pairs", "chat_and_pairs", "mixes conversations and preference pairs"),
+    data_hf_case(
+        "conversations mixed with pairs",
+        on("chat_and_pairs"),
+        "--format auto: the folder mixes",
+        "holds no plain text",
+        "--format chat and --format preference",
+    ),
     written(
         "--val-fraction 0.5 of a single row",
         "short",

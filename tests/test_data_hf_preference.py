@@ -303,7 +303,9 @@ def test_auto_writes_pairs_when_every_record_is_one(tmp_path: Path, capsys) -> N
     assert "--format auto: every record read is a preference pair" in capsys.readouterr().out
 
 
-def test_auto_with_pairs_and_other_records_stays_text_and_suggests_format_preference(tmp_path: Path, capsys) -> None:
+def test_auto_with_pairs_and_other_text_stays_text_and_pairs_with_conversations_are_refused(
+    tmp_path: Path, capsys
+) -> None:
     data = write_files(
         tmp_path / "data",
         {"pairs.jsonl": jsonl([SHAPES[0][1], SHAPES[10][1]]), "notes.txt": "plain text"},
@@ -320,13 +322,13 @@ def test_auto_with_pairs_and_other_records_stays_text_and_suggests_format_prefer
     printed = capsys.readouterr().out
     assert "2 record(s) look like preference pairs" in printed and "--format preference" in printed
     assert "because the folder also holds other text" in printed
-    # pairs beside conversations, without other text: neither kind is written alone
+    # pairs beside conversations, without other text: neither kind is written alone, nor their strings as text
     mixed = write_files(tmp_path / "mixed", {"a.jsonl": jsonl([SHAPES[0][1], {"question": Q, "answer": GOOD}])})
-    assert convert(mixed, tmp_path / "mixed_out") == 0
-    summary = summary_of(tmp_path / "mixed_out")
-    assert summary["column"] == "text" and summary["rows_total"] == 5
-    assert (summary["preference_records_as_text"], summary["conversation_records_as_text"]) == (1, 1)
-    assert "mixes conversations and preference pairs" in capsys.readouterr().out
+    assert convert(mixed, tmp_path / "mixed_out") == 1
+    said = capsys.readouterr()
+    assert "mixes 1 conversation(s) and 1 preference pair(s) and holds no plain text" in said.err
+    assert "--format chat and --format preference" in said.err and not (tmp_path / "mixed_out").exists()
+    assert convert(mixed, tmp_path / "mixed_text", "--format", "text") == 0  # asked for: their strings as text
 
 
 def test_format_preference_refuses_a_folder_without_pairs(tmp_path: Path, capsys) -> None:

@@ -200,11 +200,7 @@ def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:
         ]
     if column != "text":
         return []
-    why = ""
-    if data_format == "auto" and tally.plain_text_rows:
-        why = " because the folder also holds other text"
-    elif data_format == "auto" and tally.conversation_shaped_as_text and tally.preference_shaped_as_text:
-        why = " because the folder mixes conversations and preference pairs"
+    why = " because the folder also holds other text" if data_format == "auto" and tally.plain_text_rows else ""
     notes = []
     if tally.conversation_shaped_as_text:
         files = ", ".join(list(tally.conversation_text_files)[:3])
