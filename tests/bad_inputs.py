@@ -5,7 +5,9 @@ a non-zero exit, no traceback, and every byte that existed before is still there
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +59,20 @@ def make_records(folder: Path, records: list[dict]) -> Path:
     return folder
 
 
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` with its bytes (None for a folder): what must be unchanged after a refusal."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+def snapshot(root: Path) -> dict[str, bytes | str | None]:
+    """Every path under `root` with its bytes (None for a folder, the target for a link, the file type for a pipe
+    or device, which cannot be read without blocking): what must be unchanged after a refusal."""
+    return {str(p.relative_to(root)): _contents(p) for p in sorted(root.rglob("*"))}
+
+
+def _contents(path: Path) -> bytes | str | None:
+    if path.is_symlink():
+        return f"link to {os.readlink(path)}"
+    if path.is_dir():
+        return None
+    if not path.is_file():
+        return f"special file {stat.S_IFMT(path.lstat().st_mode):o}"
+    return path.read_bytes()
 
 
 # --- the cases ------------------------------------------------------------------------------------------------------
