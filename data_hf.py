@@ -62,6 +62,7 @@ from fsdp_lib.convert.reading import piece_bytes_for
 from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers
+from fsdp_lib.errors import unreadable
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
@@ -175,7 +176,9 @@ def _path_arg(value: str) -> Path:
 
 def _data_folder_problems(args: argparse.Namespace) -> list[str]:
     folder, errors = args.data_folder, []
-    if not folder.exists():
+    if why := unreadable(folder):
+        errors.append(f"--data_folder {folder} cannot be read ({why}); fix its permissions, or run as a user who can")
+    elif not folder.exists():
         errors.append(f"--data_folder {folder} does not exist; pass the folder that holds your files")
     elif not (folder.is_dir() or folder.is_file()):
         errors.append(f"--data_folder {folder} is neither a folder nor a regular file (a pipe or a device?); pass "
@@ -361,7 +364,11 @@ def _convert_and_publish(argv: list[str] | None) -> int:
     try:
         tmp.mkdir(parents=True)
     except OSError as err:
-        print(f"data_hf: error: cannot create a folder beside --save_dir {args.save_dir}: {err}", file=sys.stderr)
+        print(
+            f"data_hf: error: cannot create a folder beside --save_dir {args.save_dir} ({err.strerror}: "
+            f"{err.filename}); choose a --save_dir in a folder you can write, or fix its permissions",
+            file=sys.stderr,
+        )
         return 1
     try:
         summary, writers, unusable = convert(args, tmp)

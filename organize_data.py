@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fsdp_lib.errors import unreadable
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
@@ -139,7 +140,9 @@ def path_problems(src_arg: Path, dst_arg: Path) -> list[str]:
     """What is wrong with --src-dir and --dst-root as paths, before anything is read or written."""
     src_dir, dst_root = src_arg.resolve(), dst_arg.resolve()
     problems = []
-    if not src_dir.is_dir():
+    if why := unreadable(src_dir):
+        problems.append(f"--src-dir {src_arg} cannot be read ({why}); fix its permissions, or run as a user who can")
+    elif not src_dir.is_dir():
         what = "is not a folder" if src_dir.exists() else "does not exist"
         problems.append(f"--src-dir {src_arg} {what}; point --src-dir at the folder with your raw files")
     elif (kind := folder_kind(src_dir)) is not None and kind.kind != "split folders":
@@ -317,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"organize_data.py: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # e.g. no permission to create --dst-root: say so plainly, no traceback
-        print(f"organize_data.py: error: {exc}; fix the cause and rerun the same command", file=sys.stderr)
+        said = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+        print(f"organize_data.py: error: {said}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_IO_ERROR
 
 

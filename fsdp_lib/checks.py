@@ -19,6 +19,7 @@ from fsdp_lib.config import (
     parse_data_slice,
     parse_data_weights,
 )
+from fsdp_lib.errors import unreadable
 from fsdp_lib.markers import TOKEN_CACHE, folder_kind
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
@@ -36,15 +37,49 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         )
     if cfg.wandb == "on":
         problems += _wandb_problems()
-    if cfg.chat_template and not Path(cfg.chat_template).is_file():
-        problems.append(f"--chat-template {cfg.chat_template}: no such file (a Jinja chat template)")
-    elif cfg.chat_template:
-        problems += _text_file_problems("--chat-template", Path(cfg.chat_template))
+    if cfg.chat_template:
+        problems += _chat_template_problems(Path(cfg.chat_template))
     for name in cfg.dataset_name:
         problems += _dataset_problems(name)
     problems += _mixture_problems(cfg)
     if cfg.model_name:
         problems += _model_problems(cfg)
+    return problems
+
+
+def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:
+    """A file the run reads: it exists, is a file (not a folder) and is UTF-8 text."""
+    if path.is_dir():
+        return [f"{flag} {path}: a folder, not a file ({what})"]
+    if not path.is_file():
+        return [f"{flag} {path}: no such file ({what})"]
+    return _text_file_problems(flag, path)
+
+
+def _chat_template_problems(path: Path) -> list[str]:
+    """--chat-template: a UTF-8 file that Jinja parses (a syntax error would otherwise surface at the first record,
+    or never on a text dataset, and be exported with the tokenizer)."""
+    problems = _input_file_problems("--chat-template", path, "a Jinja chat template")
+    if problems:
+        return problems
+    import jinja2
+
+    try:  # transformers' own environment ({% generation %}, loop controls); private, so its absence skips the check
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return []
+    try:
+        _compile_jinja_template(path.read_text(encoding="utf-8"))
+    except jinja2.TemplateSyntaxError as exc:
+        return [f"--chat-template {path}: not a valid Jinja template (line {exc.lineno}: {exc.message}); fix it"]
+    return []
+
+
+def _sample_prompts_problems(path: Path) -> list[str]:
+    """--sample-prompts: a UTF-8 file with at least one prompt (blank lines do not count)."""
+    problems = _input_file_problems("--sample-prompts", path, "one prompt per line, or .jsonl")
+    if not problems and not path.read_text(encoding="utf-8").strip():
+        problems.append(f"--sample-prompts {path}: the file holds no prompt; write one prompt per line")
     return problems
 
 
@@ -71,6 +106,11 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
             problems.append(f"{flag} is required")
     if cfg.experiment_name and (os.sep in cfg.experiment_name or cfg.experiment_name in (".", "..")):
         problems.append(f"--experiment-name '{cfg.experiment_name}' must be a plain folder name, not a path")
+    elif not cfg.experiment_name.isprintable():
+        problems.append(
+            f"--experiment-name {cfg.experiment_name!r} holds a control character (a newline or tab pasted with it?); "
+            "choose a plain name"
+        )
     elif cfg.experiment_name.startswith("."):  # .token_cache and the tools' temporaries live beside experiments
         problems.append(
             f"--experiment-name '{cfg.experiment_name}': names starting with '.' are the project's own folders under "
@@ -81,7 +121,24 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
             f"--experiment-name {cfg.experiment_name}: {kind.describe(cfg.experiment_dir)}, not an experiment; "
             "choose another --experiment-name or --save-dir"
         )
-    return problems
+    return problems + _save_dir_problems(Path(cfg.save_dir))
+
+
+def _save_dir_problems(save_dir: Path) -> list[str]:
+    """--save-dir holds experiments (and the token cache): not a file, and not a folder of another kind, which a
+    run would fill with checkpoints."""
+    if save_dir.exists() and not save_dir.is_dir():
+        return [f"--save-dir {save_dir}: a file, not a folder; choose a folder for the experiments (default outputs)"]
+    for folder in (save_dir, *save_dir.parents):
+        if folder.is_file():
+            return [f"--save-dir {save_dir}: {folder} is a file; choose a folder for the experiments"]
+    kind = folder_kind(save_dir)
+    if kind is not None:
+        return [
+            f"--save-dir {kind.describe(save_dir)}; experiments go under a folder of their own: choose another "
+            "--save-dir (default outputs)"
+        ]
+    return []
 
 
 def _range_problems(cfg: TrainConfig) -> list[str]:
@@ -130,10 +187,8 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             f"--loss-chunk-tokens {cfg.loss_chunk_tokens!r}: expected auto or a whole number of tokens (0 = full logits)"
         )
-    if cfg.sample_prompts and not Path(cfg.sample_prompts).is_file():
-        problems.append(f"--sample-prompts {cfg.sample_prompts}: no such file (one prompt per line, or .jsonl)")
-    elif cfg.sample_prompts:
-        problems += _text_file_problems("--sample-prompts", Path(cfg.sample_prompts))
+    if cfg.sample_prompts:
+        problems += _sample_prompts_problems(Path(cfg.sample_prompts))
     if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
         problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")
     if not cfg.lr > 0 or not math.isfinite(cfg.lr):
@@ -150,6 +205,13 @@ def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         problems.append(
             "--precision fp16 needs a CUDA GPU (CPU fp16 kernels are slow and incomplete); use fp32 or bf16"
         )
+    if cfg.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
+        problems.append(
+            "--attn-implementation flash_attention_2 needs the flash-attn package (a CUDA build); install it, or use "
+            "auto (which picks it when it is there)"
+        )
+    elif cfg.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
+        problems.append("--attn-implementation flash_attention_2 needs a CUDA GPU; use auto or sdpa")
     if cfg.sharding == "hybrid":
         shard = cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if shard < 1 or world_size % shard:
@@ -288,24 +350,43 @@ def _dataset_problems(name: str) -> list[str]:
             return [f"--dataset-name/-d {exc}"]
         return []
     path = Path(name)
+    if why := unreadable(path):
+        return [f"--dataset-name {path}: cannot be read ({why}); let the user who runs the trainer read it"]
+    convert = f"convert raw files with: python data_hf.py --data_folder {path} --save_dir DATASET, then pass -d DATASET"
+    if path.exists() and not path.is_dir():
+        return [f"--dataset-name {path}: a file, not a dataset folder; {convert}"]
     if not path.is_dir():
         return [f"--dataset-name {path}: no such folder; create it with data_hf.py --save_dir {path}"]
+    kind = folder_kind(path)
+    if kind is not None and kind.kind != "dataset":
+        instead = {
+            "experiment": f"its model is -m {path / 'final'}; -d takes the dataset it was trained on",
+            "model": "pass it as -m/--model-name, and a dataset as -d",
+            "split folders": f"convert a split with: python data_hf.py --data_folder {path}/split_00 --save_dir DATASET",
+        }.get(kind.kind, "pass a dataset folder written by data_hf.py")
+        return [f"--dataset-name {kind.describe(path)}, not a dataset; {instead}"]
     if not any((path / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):
-        return [f"--dataset-name {path}: not a dataset written by data_hf.py (no dataset_dict.json or state.json)"]
+        return [
+            f"--dataset-name {path}: not a dataset written by data_hf.py (no dataset_dict.json or state.json); {convert}"
+        ]
     return []
 
 
 def _model_problems(cfg: TrainConfig) -> list[str]:
+    if why := unreadable(Path(cfg.model_name).expanduser()):
+        return [f"--model-name {cfg.model_name}: cannot be read ({why}); let the user who runs the trainer read it"]
     try:
         model_dir = resolve_model_dir(cfg.model_name)
     except FileNotFoundError as exc:
         return [str(exc)]
+    except OSError as exc:  # a file inside the folder that cannot be read
+        return [f"--model-name {cfg.model_name}: cannot be read ({exc.strerror}: {exc.filename})"]
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
-        return [f"--model-name {cfg.model_name}: cannot read config.json in {model_dir} ({exc})"]
+        return [config_problem(cfg.model_name, model_dir, exc)]
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions and cfg.seq_length > max_positions:
         return [
@@ -313,3 +394,20 @@ def _model_problems(cfg: TrainConfig) -> list[str]:
             f"lower --seq-length"
         ]
     return []
+
+
+def config_problem(model_name: str, model_dir: Path, exc: Exception) -> str:
+    """config.json that transformers cannot read, in one line with the fix: a model type this transformers does not
+    know, or a file that is damaged."""
+    import transformers
+
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "does not recognize this architecture" in str(exc) or "model type" in first_line.lower():
+        return (
+            f"--model-name {model_name}: {model_dir / 'config.json'}: {first_line} (transformers "
+            f"{transformers.__version__}); upgrade transformers, or check model_type in config.json"
+        )
+    return (
+        f"--model-name {model_name}: cannot read {model_dir / 'config.json'} ({first_line}); restore it, or fetch "
+        "the model again (model_download.py verifies what it downloads)"
+    )

@@ -1,5 +1,5 @@
 """The errors a user can fix. main() reports each as one message (no traceback) and exits non-zero:
-ConfigError 2, the others 1. Also what a failed write says: the OS error in words, with the path."""
+ConfigError 2, the others 1. Also what a failed read or write says: the OS error in words, with the path."""
 
 from __future__ import annotations
 
@@ -29,6 +29,22 @@ class CheckpointError(TrainError):
 
 class ExperimentLockedError(TrainError):
     """Another live run holds the experiment's lock."""
+
+
+def unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read, as the OS says it with the path ("Permission denied: /data/raw"), or None when it
+    can: a folder must list, a regular file must open. A path that does not exist (or is a pipe or a device) is None:
+    callers say that themselves."""
+    try:
+        if path.is_dir():
+            with os.scandir(path):
+                pass
+        elif path.is_file():  # a regular file only: opening a named pipe would wait for a writer
+            with open(path, "rb"):
+                pass
+    except OSError as exc:
+        return f"{exc.strerror}: {exc.filename or path}"
+    return None
 
 
 def explain_write_error(error: BaseException, folder: Path) -> str:

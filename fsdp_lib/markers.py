@@ -42,7 +42,15 @@ def _json_keys(path: Path) -> set[str]:
 
 
 def folder_kind(folder: Path) -> FolderKind | None:
-    """The kind of `folder` by its markers, or None for a folder no tool of ours wrote (or no folder)."""
+    """The kind of `folder` by its markers, or None for a folder no tool of ours wrote, no folder, or one that cannot
+    be read (the caller's own read then says why)."""
+    try:
+        return _kind_by_markers(folder)
+    except OSError:  # a folder without read or search permission
+        return None
+
+
+def _kind_by_markers(folder: Path) -> FolderKind | None:
     if not folder.is_dir():
         return None
     if folder.name == TOKEN_CACHE:

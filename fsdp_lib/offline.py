@@ -4,7 +4,10 @@ hub dataset id's snapshot folder, and the offline switches of huggingface_hub an
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+from fsdp_lib.markers import folder_kind
 
 
 def is_hub_dataset_id(name: str) -> bool:
@@ -57,7 +60,7 @@ def resolve_model_dir(model_name: str) -> Path:
     path = Path(model_name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model-name {model_name}: folder has no config.json")
+            raise FileNotFoundError(_no_config(model_name, path))
         return path
     if path.exists():
         raise FileNotFoundError(f"--model-name {model_name}: not a folder")
@@ -67,6 +70,11 @@ def resolve_model_dir(model_name: str) -> Path:
     )
     if model_name.startswith((".", "~", "/")) or model_name.count("/") != 1:
         raise FileNotFoundError(no_such_folder)
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model_name):
+        raise FileNotFoundError(
+            f"--model-name {model_name!r}: neither a folder here nor a hub id (org/name: letters, digits, '-', '_', "
+            "'.'); check the path"
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -78,3 +86,19 @@ def resolve_model_dir(model_name: str) -> Path:
             f"--model-name {model_name}: not in the local cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}). "
             f"Run `python model_download.py --model-name {model_name}` on a machine with internet and copy HF_HOME here."
         ) from exc
+
+
+def _no_config(model_name: str, path: Path) -> str:
+    """A folder without config.json given as the model: say what it is, and what to pass instead."""
+    kind = folder_kind(path)
+    if kind is not None and kind.kind == "experiment":
+        final = path / "final"
+        return f"--model-name {kind.describe(path)}, not a model; its exported model is -m {final}" + (
+            "" if (final / "config.json").is_file() else " (once exported: rerun it with --export-only)"
+        )
+    if kind is not None:
+        return f"--model-name {kind.describe(path)}, not a model; pass it as -d if it is your data, and a model as -m"
+    return (
+        f"--model-name {model_name}: folder has no config.json; pass the folder that holds config.json and the "
+        "weights (model_download.py fetches one; --init makes a new one)"
+    )

@@ -6,8 +6,10 @@ data_hf's own and organize_data's and model_download's."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from tests.bad_inputs import (
     make_user_folders,
     model_download_case,
     organize_case,
+    snapshot,
     trainer_case,
     trainer_flags,
 )
@@ -178,9 +181,364 @@ CASES = [
 ]
 
 
+def run_flags(*extra: str | Path, e: str = "run", d: str = "dataset", m: str = "model") -> Callable[[Path], list]:
+    """The trainer's argv under the user's root: -e, -d ROOT/d, -m ROOT/m (the stand-in model folder unless a case
+    names a real one; d="hub:ORG/NAME" is a hub id), --save-dir ROOT/outputs, then the case's flags (a later flag of the same name wins)."""
+    dataset = d.removeprefix("hub:") if d.startswith("hub:") else None  # a hub id, not a path under the root
+    return lambda r: [
+        "-e",
+        e,
+        "-d",
+        dataset or r / d,
+        "-m",
+        r / m,
+        "--save-dir",
+        r / "outputs",
+        "--seq-length",
+        "64",
+        *extra,
+    ]
+
+
+def under_root(*parts: str) -> Callable[[Path], list]:
+    """Flags whose values are paths under the root: '@name' becomes ROOT/name."""
+    return lambda r: [r / part[1:] if part.startswith("@") else part for part in parts]
+
+
+def flag_case(name: str, flags: tuple[str, ...], *message: str, e: str = "run", d: str = "dataset", m: str = "model"):
+    """A trainer case that adds flags ('@path' = a path under the root) to a run that is otherwise fine."""
+    return trainer_case(name, lambda r: [*run_flags(e=e, d=d, m=m)(r), *under_root(*flags)(r)], *message)
+
+
+NOT_A_NUMBER = "invalid int value"
+TRAINER_FLAG_CASES = [
+    flag_case("--seq-length 0", ("--seq-length", "0"), "--seq-length must be at least 1 (got 0)"),
+    flag_case("--seq-length abc", ("--seq-length", "abc"), "--seq-length", NOT_A_NUMBER, "fsdp_train.py --help"),
+    flag_case(
+        "--seq-length beyond the model's positions",
+        ("--seq-length", "100000"),
+        "--seq-length 100000 exceeds the model's max_position_embeddings",
+        "lower --seq-length",
+    ),
+    flag_case("--lr negative", ("--lr", "-1"), "--lr must be a positive number (got -1.0)"),
+    flag_case("--lr zero", ("--lr", "0"), "--lr must be a positive number"),
+    flag_case("--lr nan", ("--lr", "nan"), "--lr must be a positive number (got nan)"),
+    flag_case("--lr inf", ("--lr", "inf"), "--lr must be a positive number (got inf)"),
+    flag_case("--lr abc", ("--lr", "fast"), "--lr", "invalid float value"),
+    flag_case("--min-lr above --lr", ("--lr", "1e-4", "--min-lr", "1e-3"), "--min-lr 0.001 is above --lr", "lower"),
+    flag_case("-b 0", ("-b", "0"), "--batch-size must be at least 1 (got 0)"),
+    flag_case("--grad-accum-steps 0", ("--grad-accum-steps", "0"), "--grad-accum-steps must be at least 1"),
+    flag_case(
+        "--global-batch-size not a multiple of -b",
+        ("--global-batch-size", "3", "-b", "2"),
+        "--global-batch-size 3 is not a multiple of processes x --batch-size",
+        "choose a multiple of 2",
+    ),
+    flag_case(
+        "--global-batch-size negative", ("--global-batch-size", "-8"), "--global-batch-size must not be negative"
+    ),
+    flag_case("--max-steps negative", ("--max-steps", "-3"), "--max-steps must not be negative (got -3)"),
+    flag_case("--num-epochs 0", ("--num-epochs", "0"), "--num-epochs must be at least 1 (got 0)"),
+    flag_case("--warmup-steps negative", ("--warmup-steps", "-1"), "--warmup-steps must not be negative"),
+    flag_case("--weight-decay negative", ("--weight-decay", "-0.1"), "--weight-decay must not be negative"),
+    flag_case("--grad-clip negative", ("--grad-clip", "-1"), "--grad-clip must not be negative"),
+    flag_case("--seed abc", ("--seed", "abc"), "--seed", NOT_A_NUMBER),
+    flag_case("--precision fp8", ("--precision", "fp8"), "--precision", "invalid choice: 'fp8'", "'bf16'"),
+    flag_case("--precision fp16 without a GPU", ("--precision", "fp16"), "--precision fp16 needs a CUDA GPU", "bf16"),
+    flag_case("--sharding zero3", ("--sharding", "zero3"), "--sharding", "invalid choice: 'zero3'", "'full'"),
+    flag_case(
+        "--hybrid-shard-size that does not divide the world",
+        ("--sharding", "hybrid", "--hybrid-shard-size", "3"),
+        "--sharding hybrid: world size 1 is not a multiple of the shard group size 3",
+        "set --hybrid-shard-size to a divisor of 1",
+    ),
+    flag_case("--ac-every-n-layers 0", ("--ac-every-n-layers", "0"), "--ac-every-n-layers must be at least 1"),
+    flag_case(
+        "--loss-chunk-tokens -1", ("--loss-chunk-tokens", "-1"), "--loss-chunk-tokens '-1': expected auto or a whole"
+    ),
+    flag_case(
+        "--max-skipped-fraction above 1", ("--max-skipped-fraction", "2"), "--max-skipped-fraction must be between 0"
+    ),
+    flag_case(
+        "--attn-implementation flash_attention_2 without flash-attn",
+        ("--attn-implementation", "flash_attention_2"),
+        "--attn-implementation flash_attention_2 needs the flash-attn package",
+        "use auto",
+    ),
+    flag_case("--lora-rank 0", ("--peft", "lora", "--lora-rank", "0"), "--lora-rank must be at least 1", "8-64"),
+    flag_case("--lora-alpha negative", ("--peft", "lora", "--lora-alpha", "-8"), "--lora-alpha must be a positive"),
+    flag_case("--lora-dropout 1.5", ("--peft", "lora", "--lora-dropout", "1.5"), "--lora-dropout must be in [0, 1)"),
+    flag_case("--lora-rank without --peft", ("--lora-rank", "8"), "--lora-rank need --peft lora or qlora"),
+    flag_case(
+        "--adapter that is not an adapter",
+        ("--peft", "lora", "--adapter", "@raw"),
+        "--adapter",
+        "not a PEFT adapter folder (no adapter_config.json)",
+    ),
+    flag_case("--adapter without --peft", ("--adapter", "@raw"), "--adapter need --peft lora or qlora"),
+    flag_case("--export-merged without --peft", ("--export-merged", "on"), "--export-merged need --peft lora"),
+    flag_case("--dpo-beta negative", ("--objective", "dpo", "--dpo-beta", "-1"), "--dpo-beta must be a positive"),
+    flag_case(
+        "--dpo-label-smoothing 0.7", ("--dpo-label-smoothing", "0.7"), "--dpo-label-smoothing must be in [0, 0.5)"
+    ),
+    flag_case("--sft-weight negative", ("--sft-weight", "-1"), "--sft-weight must not be negative"),
+    flag_case(
+        "--chat-template that does not exist",
+        ("--chat-template", "@nope.jinja"),
+        "--chat-template",
+        "no such file (a Jinja chat template)",
+    ),
+    flag_case(
+        "--chat-template that is a folder", ("--chat-template", "@raw"), "--chat-template", "a folder, not a file"
+    ),
+    flag_case(
+        "--chat-template with a Jinja syntax error",
+        ("--chat-template", "@trainer/broken.jinja"),
+        "--chat-template",
+        "not a valid Jinja template (line 1:",
+        "fix it",
+    ),
+    flag_case(
+        "--sample-prompts that does not exist", ("--sample-prompts", "@nope.txt"), "--sample-prompts", "no such file"
+    ),
+    flag_case(
+        "--sample-prompts that is a folder", ("--sample-prompts", "@raw"), "--sample-prompts", "a folder, not a file"
+    ),
+    flag_case(
+        "--sample-prompts with no prompt in it",
+        ("--sample-prompts", "@trainer/blank_prompts.txt"),
+        "--sample-prompts",
+        "holds no prompt",
+        "one prompt per line",
+    ),
+    flag_case(
+        "--sample-max-new-tokens 0", ("--sample-max-new-tokens", "0"), "--sample-max-new-tokens must be at least"
+    ),
+    flag_case("--log-freq 0", ("--log-freq", "0"), "--log-freq must be at least 1"),
+    flag_case("--ckpt-freq negative", ("--ckpt-freq", "-1"), "--ckpt-freq must not be negative"),
+    flag_case("--eval-freq negative", ("--eval-freq", "-1"), "--eval-freq must not be negative"),
+    flag_case("--eval-max-blocks negative", ("--eval-max-blocks", "-1"), "--eval-max-blocks must not be negative"),
+    flag_case("--keep-last 0", ("--keep-last", "0"), "--keep-last must be at least 1"),
+    flag_case("--peak-tflops negative", ("--peak-tflops", "-1"), "--peak-tflops must not be negative"),
+    flag_case("--max-bad-steps negative", ("--max-bad-steps", "-1"), "--max-bad-steps must be at least 1"),
+    flag_case("--collective-timeout-s 0", ("--collective-timeout-s", "0"), "--collective-timeout-s must be at least"),
+    flag_case("a flag of another tool", ("--learning-rate", "1e-4"), "unrecognized arguments: --learning-rate"),
+    flag_case("a flag of data_hf", ("--data_folder", "@raw"), "unrecognized arguments: --data_folder"),
+    flag_case("--data-slice that is not START:END", ("--data-slice", "abc"), "--data-slice 'abc': expected START:END"),
+    flag_case(
+        "--data-weights with one dataset", ("--data-weights", "1,2"), "--data-weights 1,2 needs two or more datasets"
+    ),
+    flag_case(
+        "--data-weights that do not match the datasets",
+        ("-d", "@outputs/corpus", "--data-weights", "1,2,3"),
+        "--data-weights 1,2,3: expected 2 numbers separated by commas",
+    ),
+    flag_case(
+        "--data-weights with a zero", ("-d", "@outputs/corpus", "--data-weights", "1,0"), "every weight must be a"
+    ),
+    flag_case("the same dataset twice", ("-d", "@dataset"), "names a dataset twice", "raise its weight"),
+    flag_case(
+        "--objective dpo on a mixture",
+        ("-d", "@outputs/corpus", "--objective", "dpo"),
+        "--objective dpo trains on one preference dataset; give -d once",
+    ),
+    flag_case(
+        "--data-slice on a mixture",
+        ("-d", "@outputs/corpus", "--data-slice", "0:10"),
+        "--data-slice 0:10 selects rows of one dataset; give -d once",
+    ),
+]
+
+TRAINER_NAME_CASES = [
+    trainer_case("-e empty", run_flags(e=""), "--experiment-name/-e is required"),
+    trainer_case("-e a path", run_flags(e="a/b"), "--experiment-name 'a/b' must be a plain folder name, not a path"),
+    trainer_case("-e ..", run_flags(e=".."), "--experiment-name '..' must be a plain folder name"),
+    trainer_case("-e an absolute path", run_flags(e="/tmp/abs"), "must be a plain folder name, not a path"),
+    trainer_case(
+        "-e with a newline pasted in",
+        run_flags(e="my\nexp"),
+        "--experiment-name 'my\\nexp' holds a control character",
+        "choose a plain name",
+    ),
+    flag_case(
+        "--save-dir that is a file",
+        ("--save-dir", "@latin1_prompts.txt"),
+        "--save-dir",
+        "a file, not a folder; choose a folder for the experiments",
+    ),
+    flag_case(
+        "--save-dir under a file",
+        ("--save-dir", "@latin1_prompts.txt/outputs"),
+        "latin1_prompts.txt is a file; choose a folder for the experiments",
+    ),
+    flag_case(
+        "--save-dir that is a dataset",
+        ("--save-dir", "@dataset"),
+        "--save-dir",
+        "is a dataset",
+        "experiments go under a folder of their own: choose another --save-dir",
+    ),
+    flag_case("--save-dir that is a model folder", ("--save-dir", "@trainer/good_model"), "is a model folder"),
+    flag_case(
+        "--save-dir that is an experiment", ("--save-dir", "@outputs/exp"), "is a training experiment", "--save-dir"
+    ),
+    flag_case("--save-dir that is split folders", ("--save-dir", "@splits"), "is split folders of organize_data.py"),
+]
+
+TRAINER_INPUT_CASES = [
+    trainer_case(
+        "-d that does not exist",
+        run_flags(d="no_such_dataset"),
+        "--dataset-name",
+        "no such folder; create it with data_hf.py --save_dir",
+    ),
+    trainer_case(
+        "-d a file",
+        run_flags(d="latin1_prompts.txt"),
+        "--dataset-name",
+        "a file, not a dataset folder",
+        "python data_hf.py --data_folder",
+    ),
+    trainer_case(
+        "-d raw files",
+        run_flags(d="raw"),
+        "--dataset-name",
+        "not a dataset written by data_hf.py",
+        "python data_hf.py --data_folder",
+        "then pass -d DATASET",
+    ),
+    trainer_case(
+        "-d organize_data's split folders",
+        run_flags(d="splits"),
+        "is split folders of organize_data.py",
+        "convert a split with: python data_hf.py --data_folder",
+    ),
+    trainer_case(
+        "-d an experiment",
+        run_flags(d="outputs/exp"),
+        "--dataset-name",
+        "is a training experiment of fsdp_train.py",
+        "-d takes the dataset it was trained on",
+    ),
+    trainer_case(
+        "-d a model folder", run_flags(d="trainer/good_model"), "is a model folder", "pass it as -m/--model-name"
+    ),
+    trainer_case(
+        "-d a hub dataset that was never downloaded",
+        run_flags(d="hub:org/never-downloaded"),
+        "--dataset-name/-d",
+        "org/never-downloaded",
+        "model_download.py",
+    ),
+    trainer_case(
+        "-m that does not exist",
+        run_flags(m="no_such_model"),
+        "--model-name",
+        "no such folder",
+        "give a hub id as org/name",
+    ),
+    trainer_case("-m a file", run_flags(m="latin1_prompts.txt"), "--model-name", "not a folder"),
+    trainer_case("-m a dataset", run_flags(m="dataset"), "--model-name", "is a dataset", "not a model; pass it as -d"),
+    trainer_case(
+        "-m an experiment",
+        run_flags(m="outputs/exp"),
+        "--model-name",
+        "is a training experiment of fsdp_train.py",
+        "its exported model is -m",
+    ),
+    trainer_case("-m raw files", run_flags(m="raw"), "folder has no config.json", "model_download.py fetches one"),
+    trainer_case(
+        "-m that is neither a path nor a hub id",
+        lambda r: [*run_flags()(r), "-m", "my model/v2"],
+        "--model-name 'my model/v2': neither a folder here nor a hub id",
+    ),
+    trainer_case(
+        "-m a hub id that was never downloaded",
+        lambda r: [*run_flags()(r), "-m", "org/never-downloaded"],
+        "--model-name org/never-downloaded: not in the local cache",
+        "python model_download.py --model-name org/never-downloaded",
+    ),
+    trainer_case(
+        "-m whose config.json is not JSON",
+        run_flags(m="trainer/config_not_json"),
+        "config.json",
+        "restore it, or fetch the model again",
+    ),
+    trainer_case(
+        "-m whose model type transformers does not know",
+        run_flags(m="trainer/unknown_type"),
+        "frobnicator",
+        "upgrade transformers, or check model_type in config.json",
+    ),
+    trainer_case(
+        "-m without tokenizer files",
+        run_flags(m="trainer/no_tokenizer"),
+        "no tokenizer files (tokenizer.json",
+        "copy them from the model",
+    ),
+    trainer_case(
+        "--lora-target-modules that the model does not have",
+        run_flags("--peft", "lora", "--lora-target-modules", "qkv_proj", m="trainer/good_model"),
+        "--lora-target-modules 'qkv_proj': no Linear layer named qkv_proj",
+        "its Linear layers are:",
+    ),
+]
+
+CONFIG_CASES = [
+    flag_case("--config that does not exist", ("--config", "@nope.yaml"), "--config", "cannot read it as YAML"),
+    flag_case("--config a folder", ("--config", "@raw"), "--config", "cannot read it as YAML", "Is a directory"),
+    flag_case("--config that is not YAML", ("--config", "@trainer/broken.yaml"), "--config", "cannot read it as YAML"),
+    flag_case(
+        "--config that is a list", ("--config", "@trainer/list.yaml"), "expected a mapping of flag names to values"
+    ),
+    flag_case(
+        "--config with a key of another tool",
+        ("--config", "@trainer/unknown_key.yaml"),
+        "unknown key 'learning_rate'",
+        "keys are the flag names",
+    ),
+    flag_case(
+        "--config with a value of the wrong type",
+        ("--config", "@trainer/wrong_type.yaml"),
+        "key 'lr' has value 'fast'; expected float",
+    ),
+    flag_case(
+        "--config with a choice that does not exist",
+        ("--config", "@trainer/bad_choice.yaml"),
+        "--precision 'fp8' is not one of",
+    ),
+]
+
+CASES += TRAINER_FLAG_CASES + TRAINER_NAME_CASES + TRAINER_INPUT_CASES + CONFIG_CASES
+
+
+def trainer_inputs(root: Path, model: Path) -> None:
+    """What the trainer's cases read besides the user's folders: damaged copies of a real model, a broken template,
+    a blank prompts file and YAML files that go wrong in the ways people write them."""
+    import shutil
+
+    folder = root / "trainer"
+    for name in ("good_model", "config_not_json", "unknown_type", "no_tokenizer"):
+        shutil.copytree(model, folder / name)
+    (folder / "config_not_json" / "config.json").write_text('{"model_type": ')
+    config = json.loads((folder / "unknown_type" / "config.json").read_text())
+    (folder / "unknown_type" / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
+    for path in (folder / "no_tokenizer").glob("tokenizer*"):
+        path.unlink()
+    (folder / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
+    (folder / "blank_prompts.txt").write_text("\n  \n\n")
+    (folder / "broken.yaml").write_text("lr: [1, 2\nseed: :\n")
+    (folder / "list.yaml").write_text("- lr\n- 1e-4\n")
+    (folder / "unknown_key.yaml").write_text("learning_rate: 1e-4\n")
+    (folder / "wrong_type.yaml").write_text("lr: fast\n")
+    (folder / "bad_choice.yaml").write_text("precision: fp8\n")
+
+
 @pytest.fixture(scope="module")
 def user_folders(tmp_path_factory, inputs) -> Path:
-    return make_user_folders(tmp_path_factory.mktemp("user"), inputs[1])
+    root = make_user_folders(tmp_path_factory.mktemp("user"), inputs[1])
+    trainer_inputs(root, inputs[1])
+    return root
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -249,3 +607,73 @@ def test_an_os_error_in_the_trainer_is_one_message_with_the_path(inputs, tmp_pat
     said = capsys.readouterr().out
     assert f"Read-only file system: {tmp_path / 'outputs' / 'run' / 'run.lock'}" in said
     assert "fix it and rerun the same command" in said and "Traceback" not in said
+
+
+def as_a_user_the_os_stops() -> list[str]:
+    """The command prefix under which file permissions hold: none for a normal user; for root (CI, containers), root
+    without the two capabilities that bypass them (it still owns the files, so their owner bits apply)."""
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+
+
+def test_folders_without_permission_are_said_in_words_with_the_path(
+    user_folders: Path, tmp_path: Path, python_exe: str, repo_root: Path
+) -> None:
+    """Real permissions, not a simulation: an unreadable input folder or file and an output under a read-only
+    parent, in each tool. Each is one message with the OS's words and the path, no traceback, nothing changed."""
+    import shutil
+    import subprocess
+
+    root = tmp_path / "user"
+    for name in ("raw", "dataset", "trainer/good_model"):
+        shutil.copytree(user_folders / name, root / "readable" / Path(name).name)
+    locked, read_only = root / "locked", root / "read_only"
+    for name in ("raw", "dataset", "good_model"):
+        shutil.copytree(root / "readable" / name, locked / name)
+    (root / "readable" / "raw" / "secret.txt").write_text("not for you\n")
+    read_only.mkdir()
+    ok, out = root / "readable", tmp_path / "outputs"
+    cases = [
+        ("data_hf", ["--data_folder", locked / "raw", "--save_dir", out / "a"], 1, "--data_folder", "cannot be read"),
+        ("data_hf", ["--data_folder", ok / "raw", "--save_dir", read_only / "ds"], 1, "--save_dir", "folder you can"),
+        ("data_hf", ["--data_folder", ok / "raw", "--save_dir", out / "b"], 0, "secret.txt: read_error: Permission"),
+        ("organize_data", ["--src-dir", locked / "raw", "--dst-root", out / "c", "--num-dirs", "2"], 2, "--src-dir"),
+        ("organize_data", ["--src-dir", ok / "raw", "--dst-root", read_only / "s", "--num-dirs", "2"], 1, "rerun"),
+        (
+            "model_download",
+            ["--init", "tiny", "--tokenizer-from", ok / "dataset", "--local-dir", read_only / "m"],
+            1,
+            "rerun the same command",
+        ),
+        ("fsdp_train", ["-d", locked / "dataset", "-m", ok / "good_model", "--save-dir", out], 2, "--dataset-name"),
+        ("fsdp_train", ["-d", ok / "dataset", "-m", locked / "good_model", "--save-dir", out], 2, "--model-name"),
+        ("fsdp_train", ["-d", ok / "dataset", "-m", ok / "good_model", "--save-dir", read_only], 1, "rerun the same"),
+    ]
+    specs = [
+        {
+            "tool": tool,
+            "argv": [str(a) for a in argv] + (["-e", "run", "--seq-length", "64"] if tool == "fsdp_train" else []),
+        }
+        for tool, argv, *_ in cases
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(specs))
+    before = snapshot(root)
+    for path in (locked / "raw", locked / "dataset", locked / "good_model", ok / "raw" / "secret.txt"):
+        path.chmod(0)
+    read_only.chmod(0o555)
+    try:
+        proc = subprocess.run(
+            [*as_a_user_the_os_stops(), python_exe, str(repo_root / "tests/workers/run_mains.py"), str(tmp_path / "cases.json")],
+            capture_output=True, text=True, cwd=repo_root, timeout=300,
+        )  # fmt: skip
+    finally:
+        for path in (locked / "raw", locked / "dataset", locked / "good_model", ok / "raw" / "secret.txt"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        read_only.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (tool, argv, code, *parts), result in zip(cases, results, strict=True):
+        said = result["said"]
+        assert result["code"] == code and "Traceback" not in said, f"{tool} {argv}: {said}"
+        assert all(part in said for part in parts), f"{tool} {argv}: {parts} not in {said}"
+        assert "Permission denied" in said, f"{tool} {argv}: {said}"
+    assert snapshot(root) == before

@@ -56,6 +56,17 @@ def hf_weight_files(folder: Path) -> tuple[list[str], list[str]]:
     return names, []
 
 
+# Files a tokenizer loads from (fast, SentencePiece, BPE and WordPiece vocabularies); a model folder has one of them.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
 def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]:
     """What in a model folder would stop a run part-way, found before any process group or tokenising: weight files
     missing, cut short or with a broken header (safetensors headers read against the file size), JSON files that do
@@ -86,11 +97,20 @@ def _vocabulary_problems(folder: Path, flag: str) -> list[str]:
     unknown token on load, say) are left alone: the data may never hold them."""
     from transformers import AutoConfig, AutoTokenizer
 
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            f"{flag} {folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy them from the model "
+            "this one was made from, or fetch the model again"
+        ]
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for files it cannot use
-        return [f"{flag}: cannot load the config or the tokenizer of {folder} ({type(exc).__name__}: {exc})"]
+        said = " ".join(str(exc).split())  # transformers' messages run over several lines
+        return [
+            f"{flag}: cannot load the config or the tokenizer of {folder} ({type(exc).__name__}: {said}); restore "
+            "the files, or fetch the model again"
+        ]
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rows = getattr(text, "vocab_size", None)
     inserted = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
