@@ -677,3 +677,35 @@ def test_folders_without_permission_are_said_in_words_with_the_path(
         assert all(part in said for part in parts), f"{tool} {argv}: {parts} not in {said}"
         assert "Permission denied" in said, f"{tool} {argv}: {said}"
     assert snapshot(root) == before
+
+
+def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
+    inputs, tmp_path: Path, python_exe: str, repo_root: Path
+) -> None:
+    """A tokenizer with an added token beyond the embedding's rows passes the model-folder check (the data may never
+    hold it); data that holds it is refused after tokenising, naming the id, the token and the fix, before any step
+    (it was an IndexError at the first forward, a device-side assert on a GPU)."""
+    import shutil
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(inputs[1], model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["<|tool_result|>"], special_tokens=True)
+    tokenizer.save_pretrained(model)
+    make_raw(tmp_path / "raw")
+    (tmp_path / "raw" / "tools.txt").write_text("\n\n".join(f"Call {i}: <|tool_result|> {i}." for i in range(40)))
+    assert data_hf.main(["--data_folder", str(tmp_path / "raw"), "--save_dir", str(tmp_path / "dataset")]) == 0
+    argv = ["-e", "run", "-d", tmp_path / "dataset", "-m", model, "--save-dir", tmp_path / "outputs"]
+    proc = subprocess.run(
+        [python_exe, repo_root / "fsdp_train.py", *argv, "--seq-length", "64", "--max-steps", "1"],
+        capture_output=True, text=True, cwd=repo_root, timeout=300,
+    )  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in said, said
+    assert f"the data holds token id {rows:,} ('<|tool_result|>'), an added token of the tokenizer" in said
+    assert f"embedding has {rows:,} rows" in said and "resize_token_embeddings(len(tokenizer))" in said
+    assert not (tmp_path / "outputs" / "run" / "checkpoint").exists()

@@ -184,6 +184,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         )
     tok_hash = tokenizer_hash(model_dir)
     sources = [load_source(cfg, name, tokenizer, tok_hash, d) for name in cfg.dataset_name]
+    check_ids_fit(sources, tokenizer, model_dir)
     global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
     if len(sources) == 1:
         source = sources[0]
@@ -206,6 +207,30 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     )
     data_format += f":document-masking-{cfg.document_masking}"
     return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
+
+
+def check_ids_fit(sources: list[Source], tokenizer: Any, model_dir: Path) -> None:
+    """Token ids the data holds must have embedding rows. The model-folder check (before the process group) covers
+    the base vocabulary and the special tokens the trainer inserts; a tokenizer with added tokens beyond the
+    embedding is checked here, against the tokenised data (a scan of the token cache, only in that case): such an id
+    would fail at its first forward (on a GPU as a device-side assert)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    rows = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
+    if not rows or len(tokenizer) <= rows:
+        return
+    for source in sources:
+        for blocks in (source.train, source.validation):
+            highest = int(blocks.tokens.max()) if blocks is not None and blocks.tokens.size else -1
+            if highest >= rows:
+                raise TrainError(
+                    f"--dataset-name {source.name}: the data holds token id {highest:,} "
+                    f"({tokenizer.convert_ids_to_tokens(highest)!r}), an added token of the tokenizer, but the model's "
+                    f"embedding has {rows:,} rows (config.json vocab_size in {model_dir}); it would fail at its first "
+                    "step. Resize the embedding to the tokenizer (model.resize_token_embeddings(len(tokenizer))) and "
+                    "save the model, or remove that token from the data"
+                )
 
 
 def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: Dist) -> Source:
