@@ -208,7 +208,7 @@ def test_legacy_encodings_are_decoded_not_dropped(tmp_path: Path) -> None:
     assert read_file(tmp_path / "latin1.jsonl").rows == ["gar\u00e7on"]
 
 
-def test_utf16_and_utf32_text_with_a_bom_is_read_not_called_binary(tmp_path: Path, monkeypatch) -> None:
+def test_utf16_and_utf32_text_with_a_bom_is_read_not_called_binary(tmp_path: Path) -> None:
     """Windows editors and PowerShell write UTF-16 with a BOM; it used to be skipped as 'binary' (NUL bytes)."""
     (tmp_path / "notes.txt").write_bytes("caf\u00e9 du matin".encode("utf-16"))
     (tmp_path / "rows.jsonl").write_bytes(('{"t": "gar\u00e7on"}\n{"t": "deux"}\n').encode("utf-16-be"))
@@ -218,13 +218,37 @@ def test_utf16_and_utf32_text_with_a_bom_is_read_not_called_binary(tmp_path: Pat
     assert notes.rows == ["caf\u00e9 du matin"] and notes.fallback_encoding == "utf-16" and notes.problems == []
     assert read_file(tmp_path / "rows.jsonl").rows == ["gar\u00e7on", "deux"]
     assert read_file(tmp_path / "values.json").rows == ["trente-deux", "bits"]
-    # too large to decode whole: named as UTF-16 with the fix, never as binary data
-    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)
-    (tmp_path / "big.txt").write_bytes(("ligne de texte\n" * 400).encode("utf-16"))
-    result = read_file(tmp_path / "big.txt", start=0, end=1024)
-    assert [p.detail for p in result.problems] == [
-        "UTF-16 text too large to read in pieces; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"
-    ]
+
+
+def test_large_utf16_and_utf32_files_are_decoded_as_a_stream(tmp_path: Path, monkeypatch) -> None:
+    """Above the piece size a UTF-16/32 file is not cut into byte pieces (a cut may split a character; it used to be
+    skipped with 'convert it to UTF-8'): it is decoded as a stream in pieces ending at a blank line or a newline, so
+    it gives the same text as its UTF-8 copy, JSON Lines lines keep their numbers, and JSON and YAML stream as UTF-8
+    does."""
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)  # with --max-chars 200: pieces of 1 KiB
+    text = "\n\n".join(f"Paragraphe {i} : caf\u00e9 cr\u00e8me \u2713 " * 3 for i in range(300)) + "\n"
+    lines = "".join(json.dumps({"t": f"ligne {i} \u00e9t\u00e9"}) + "\n" for i in range(400)) + "{cut\n"
+    values = json.dumps([f"valeur {i} \u00e0" for i in range(300)])
+    for encoding in ("utf-8", "utf-16", "utf-32"):
+        write_files(
+            tmp_path / encoding,
+            {
+                "big.txt": text.encode(encoding),
+                "big.jsonl": lines.encode(encoding),
+                "big.json": values.encode(encoding),
+                "big.yaml": yaml.safe_dump({"notes": [f"note {i} \u00e9" for i in range(300)]}).encode(encoding),
+            },
+        )
+        assert (tmp_path / encoding / "big.txt").stat().st_size > 4 * 1024
+        assert main(["--data_folder", str(tmp_path / encoding), "--save_dir", str(tmp_path / f"ds_{encoding}"),
+                     "--max-chars", "200"]) == 0  # fmt: skip
+    utf8 = load_from_disk(str(tmp_path / "ds_utf-8"))["text"]
+    for encoding in ("utf-16", "utf-32"):
+        rows = load_from_disk(str(tmp_path / f"ds_{encoding}"))["text"]
+        assert "".join(rows) == "".join(utf8) and max(map(len, rows)) <= 200, encoding  # pieces may end elsewhere
+        summary = summary_of(tmp_path / f"ds_{encoding}")
+        assert [(p["reason"], p["line"]) for p in summary["problems"]] == [("invalid_jsonl_line", 401)], encoding
+        assert summary["counts_by_reason"] == {"invalid_jsonl_line": 1} and not summary["skipped_files"], encoding
 
 
 def test_utf8_bom_is_dropped(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_lib.convert.extraction import RECORD_FORMATS, Extraction
-from fsdp_lib.convert.reading import file_kind
+from fsdp_lib.convert.reading import file_kind, unicode_file
 from fsdp_lib.convert.results import Problem
 from fsdp_lib.markers import folder_kind
 
@@ -34,7 +34,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class Task:
-    """Pieces read together by one worker. A streamed task (one large JSON/YAML file) runs in the parent so its
+    """Pieces read together by one worker. A streamed task (one large JSON/YAML file, or a UTF-16/32 one) runs in
+    the parent so its
     rows are written as they are parsed instead of being collected in a worker."""
 
     pieces: tuple[Piece, ...]
@@ -153,7 +154,7 @@ def plan_tasks(files: Iterable[tuple[Path, int]], piece_bytes: int) -> list[Task
         if group:
             tasks.append(Task(tuple(group)))
             group, group_bytes = [], 0
-        if file_kind(path) in ("json", "yaml"):
+        if file_kind(path) in ("json", "yaml") or unicode_file(path):  # UTF-16/32: decoded as a stream, not cut
             tasks.append(Task((Piece(str(path), size),), streamed=True))
             continue
         count = -(-size // piece_bytes)

@@ -90,15 +90,18 @@ def _unicode_encoding(start: bytes) -> str | None:
     return next((name for marks, name in boms if start.startswith(marks)), None)
 
 
-def _too_large(unicode: str) -> str:
-    """A UTF-16/32 file too large to decode whole is not read in pieces (a cut may split a character)."""
-    name = unicode.upper()
-    return f"{name} text too large to read in pieces; convert it to UTF-8 (iconv -f {name} -t UTF-8)"
-
-
-def _file_start(path: str) -> bytes:
+def _file_start(path: str | Path) -> bytes:
     with open(path, "rb") as fh:
         return fh.read(4)
+
+
+def unicode_file(path: str | Path) -> str | None:
+    """ "utf-16" or "utf-32" for a file that opens with that byte-order mark (such files are decoded as a stream when
+    large, never cut into byte pieces, which could split a character), else None."""
+    try:
+        return _unicode_encoding(_file_start(path))
+    except OSError:  # unreadable: the reader reports it
+        return None
 
 
 def _read_bytes(path: str, kind: str, start: int, end: int | None) -> tuple[int, bytes]:
@@ -174,12 +177,12 @@ def _yaml_items(stream: str | io.TextIOBase, loader: type, result: FileResult, e
         return
 
 
-def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction) -> Iterator[Row]:
-    """Rows of every line of JSON Lines bytes. Lines are parsed from bytes (json.loads decodes UTF-8 and drops a
-    BOM itself), so the piece is never held a second time as text; a line that is not UTF-8 is decoded like a
-    legacy text file."""
+def _jsonl_items(data: bytes, result: FileResult, extraction: Extraction, lines_before: int = 0) -> Iterator[Row]:
+    """Rows of every line of JSON Lines bytes (numbered after `lines_before`). Lines are parsed from bytes
+    (json.loads decodes UTF-8 and drops a BOM itself), so the piece is never held a second time as text; a line that
+    is not UTF-8 is decoded like a legacy text file."""
     result.newlines = data.count(b"\n")
-    start, number = 0, 0
+    start, number = 0, lines_before
     while start < len(data):
         end = data.find(b"\n", start)
         end = len(data) if end < 0 else end
@@ -234,13 +237,11 @@ def _parses(text: str) -> bool:
 def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[Row]:
     """Rows of a large JSON or YAML file, parsed from the open file one element or document at a time. A top-level
     JSON object is read member by member here, whatever the mode, so that memory stays flat."""
-    has_nul, encoding, depth = _scan_large_file(path)
+    unicode = unicode_file(path)
+    has_nul, encoding, depth = (False, unicode, _UNSCANNED) if unicode else _scan_large_file(path)
     result.bytes_read = os.path.getsize(path)
     if has_nul:
-        unicode = _unicode_encoding(_file_start(path))
-        result.problems.append(
-            Problem(path, "binary", _too_large(unicode) if unicode else "the file contains NUL bytes")
-        )
+        result.problems.append(Problem(path, "binary", "the file contains NUL bytes"))
         return
     if encoding != "utf-8-sig":
         result.fallback_encoding = encoding
@@ -251,12 +252,58 @@ def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extrac
             yield from _yaml_items(fh, yaml_loader(depth), result, extraction)
 
 
+_UNSCANNED = YamlDepthBound()  # a UTF-16/32 file's depth is not scanned: the loader safe at any depth
+_UNSCANNED.deep_block = True
+
+
+class NulInText(ValueError):
+    """Decoded UTF-16/32 text with NUL characters: binary data behind a byte-order mark."""
+
+
+def _items_transcoded(kind: str, path: str, unicode: str, result: FileResult, extraction: Extraction) -> Iterator[Row]:
+    """A text or JSON Lines file in UTF-16/32 (its byte-order mark says which) too large to hold: decoded as a
+    stream and handled in pieces of about the size UTF-8 files are cut into, each ending at a blank line (text) or at
+    a newline (JSON Lines), as a UTF-8 file's pieces end; JSON Lines lines keep their numbers across pieces."""
+    result.bytes_read, result.fallback_encoding = os.path.getsize(path), unicode
+    limit, lines, pending, size = piece_bytes_for(extraction.max_chars), 0, [], 0
+    try:
+        with open(path, encoding=unicode, newline="") as fh:  # the codec consumes the byte-order mark
+            for line in fh:
+                pending.append(line)
+                size += len(line)
+                if size >= limit and (kind == "jsonl" or not line.strip()):
+                    yield from _transcoded_piece(kind, "".join(pending), lines, result, extraction)
+                    lines, pending, size = lines + len(pending), [], 0
+            if pending:
+                yield from _transcoded_piece(kind, "".join(pending), lines, result, extraction)
+    except UnicodeDecodeError as err:
+        result.problems.append(
+            Problem(path, "binary", f"not {unicode.upper()} after its byte-order mark ({err.reason})")
+        )
+    except NulInText as err:
+        result.problems.append(Problem(path, "binary", str(err)))
+    result.newlines = lines
+
+
+def _transcoded_piece(kind: str, text: str, lines: int, result: FileResult, extraction: Extraction) -> Iterator[Row]:
+    if "\x00" in text:
+        raise NulInText("the decoded text contains NUL characters")
+    if kind == "jsonl":
+        yield from _jsonl_items(text.encode("utf-8"), result, extraction, lines_before=lines)
+    else:
+        yield text
+
+
 def _raw_items(
     path: str, kind: str, start: int, end: int | None, extraction: Extraction, result: FileResult
 ) -> Iterator[Row]:
     whole = start == 0 and end is None
-    if kind in ("json", "yaml") and whole and os.path.getsize(path) > piece_bytes_for(extraction.max_chars):
+    large = whole and os.path.getsize(path) > piece_bytes_for(extraction.max_chars)
+    if kind in ("json", "yaml") and large:
         yield from _items_streamed(kind, path, result, extraction)
+        return
+    if large and (unicode := unicode_file(path)):
+        yield from _items_transcoded(kind, path, unicode, result, extraction)
         return
     offset, data = _read_bytes(path, kind, start, end)
     result.bytes_read = len(data)
@@ -268,7 +315,7 @@ def _raw_items(
             unicode = None  # a BOM on bytes that are not that encoding: judged as bytes below
     if b"\x00" in data:
         where = "the file contains" if whole else f"bytes {offset}-{offset + len(data)} contain"
-        result.problems.append(Problem(path, "binary", _too_large(unicode) if unicode else f"{where} NUL bytes"))
+        result.problems.append(Problem(path, "binary", f"{where} NUL bytes"))
         return
     if whole and (not data or data.isspace()):
         result.problems.append(Problem(path, "empty_file", "0 bytes" if not data else "only whitespace"))

@@ -13,7 +13,7 @@ from fsdp_lib.records.reasons import RECORD_REASONS
 # Why a file, a line or a piece is skipped (a record's reasons are RECORD_REASONS).
 FILE_REASONS = {
     "empty_file": "the file is empty or holds only whitespace",
-    "binary": "NUL bytes: a binary file (or UTF-16/UTF-32 text without a byte-order mark, or too large to read whole: convert it to UTF-8)",
+    "binary": "NUL bytes: a binary file (or UTF-16/UTF-32 text without a byte-order mark: convert it to UTF-8)",
     "invalid_json": "malformed JSON; the values before the error are kept",
     "invalid_jsonl_line": "a malformed line in a JSON Lines file; the other lines are kept",
     "invalid_yaml": "malformed YAML; the documents before the error are kept",
