@@ -13,6 +13,7 @@ import torch
 
 from fsdp_lib.config import (
     LORA_FLAGS,
+    REFERENCE_FREE_LOSSES,
     TrainConfig,
     changed_dpo_flags,
     changed_flags,
@@ -287,6 +288,7 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
         )
     if not cfg.sft_weight >= 0 or not math.isfinite(cfg.sft_weight):
         problems.append(f"--sft-weight must not be negative (got {cfg.sft_weight})")
+    problems += _reference_free_problems(cfg)
     if cfg.reference == "live" and cfg.peft != "none" and cfg.adapter:
         problems.append(
             f"--reference live with --peft {cfg.peft} means adapters off, which is the base without --adapter "
@@ -295,6 +297,26 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
     if cfg.objective == "dpo" and cfg.document_masking == "off":
         problems.append(
             "--objective dpo packs a pair's sequences as separate documents: it needs --document-masking on"
+        )
+    return problems
+
+
+def _reference_free_problems(cfg: TrainConfig) -> list[str]:
+    """SimPO and ORPO use no reference model; ORPO has its own NLL term; --simpo-gamma is SimPO's."""
+    problems = []
+    if not math.isfinite(cfg.simpo_gamma) or cfg.simpo_gamma < 0:
+        problems.append(f"--simpo-gamma must not be negative (got {cfg.simpo_gamma}); 0.5 is usual")
+    elif cfg.simpo_gamma != 0.5 and cfg.dpo_loss != "simpo":
+        problems.append(f"--simpo-gamma applies to --dpo-loss simpo (got --dpo-loss {cfg.dpo_loss})")
+    if cfg.dpo_loss in REFERENCE_FREE_LOSSES and cfg.reference != "auto":
+        problems.append(
+            f"--reference {cfg.reference}: --dpo-loss {cfg.dpo_loss} is reference-free (no reference model is "
+            "computed or built); leave --reference out"
+        )
+    if cfg.dpo_loss == "orpo" and cfg.sft_weight:
+        problems.append(
+            "--sft-weight: --dpo-loss orpo already adds the chosen response's NLL (weight 1) and weighs its "
+            "odds-ratio term with --dpo-beta; leave --sft-weight out"
         )
     return problems
 

@@ -152,12 +152,19 @@ class TrainConfig:
         "rejected columns, else lm",
         choices=("auto", "lm", "dpo"),
     )
-    dpo_beta: float = _opt(0.1, "--objective dpo: beta, the strength of the pull towards the reference model")
+    dpo_beta: float = _opt(
+        0.1,
+        "--objective dpo: beta. sigmoid/ipo: the strength of the pull towards the reference model; simpo: the scale "
+        "of the length-normalised reward (its paper: 2.0-2.5); orpo: lambda, the weight of the odds-ratio term",
+    )
     dpo_loss: str = _opt(
         "sigmoid",
-        "--objective dpo: sigmoid = the DPO paper's loss; ipo = the IPO squared loss",
-        choices=("sigmoid", "ipo"),
+        "--objective dpo: sigmoid = the DPO paper's loss; ipo = the IPO squared loss; simpo = SimPO, reference-free "
+        "(mean log-prob per response token, a target margin --simpo-gamma); orpo = ORPO, reference-free (the "
+        "chosen response's NLL + beta x the odds-ratio loss)",
+        choices=("sigmoid", "ipo", "simpo", "orpo"),
     )
+    simpo_gamma: float = _opt(0.5, "--dpo-loss simpo: the target reward margin gamma (its paper: 0.5-1.5)")
     dpo_label_smoothing: float = _opt(
         0.0, "--objective dpo, --dpo-loss sigmoid: assumed share of flipped labels (conservative DPO), in [0, 0.5)"
     )
@@ -345,7 +352,8 @@ def load_config(argv: list[str] | None) -> TrainConfig:
 
 
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "export_merged")
-DPO_FLAGS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "sft_weight", "reference")
+DPO_FLAGS = ("dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "reference")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # --dpo-loss values that use no reference model
 
 
 def changed_flags(cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:

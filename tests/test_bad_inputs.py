@@ -282,6 +282,26 @@ TRAINER_FLAG_CASES = [
         "--dpo-label-smoothing 0.7", ("--dpo-label-smoothing", "0.7"), "--dpo-label-smoothing must be in [0, 0.5)"
     ),
     flag_case("--sft-weight negative", ("--sft-weight", "-1"), "--sft-weight must not be negative"),
+    flag_case("--simpo-gamma negative", ("--dpo-loss", "simpo", "--simpo-gamma", "-1"), "--simpo-gamma must not be"),
+    flag_case(
+        "--simpo-gamma without --dpo-loss simpo",
+        ("--simpo-gamma", "1.0"),
+        "--simpo-gamma applies to --dpo-loss simpo (got --dpo-loss sigmoid)",
+    ),
+    flag_case(
+        "--reference live with a reference-free loss",
+        ("--dpo-loss", "orpo", "--reference", "live"),
+        "--reference live: --dpo-loss orpo is reference-free",
+        "leave --reference out",
+    ),
+    flag_case(
+        "--sft-weight with orpo, which has its own NLL",
+        ("--dpo-loss", "orpo", "--sft-weight", "1"),
+        "--dpo-loss orpo already adds the chosen response's NLL",
+    ),
+    flag_case(
+        "--dpo-loss that does not exist", ("--dpo-loss", "kto"), "--dpo-loss", "invalid choice: 'kto'", "'simpo'"
+    ),
     flag_case(
         "--chat-template that does not exist",
         ("--chat-template", "@nope.jinja"),

@@ -20,7 +20,7 @@ from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
 from fsdp_lib.model.loss import ChunkedTokenLogProbs, token_log_probs
 from fsdp_lib.testing import llama_sizes
-from fsdp_lib.train.dpo import disable_dropout, pair_losses, sequence_sums
+from fsdp_lib.train.dpo import disable_dropout, pair_losses, reference_free_losses, sequence_sums
 from tests.fsdp_helpers import (
     REPO_ROOT,
     fact_pairs,
@@ -59,6 +59,27 @@ def test_pair_losses_are_the_papers_formulas():
     same = pair_losses(pc, pr, pc, pr, beta, "sigmoid", eps)[0]
     assert torch.allclose(same, torch.full_like(same, LN2), atol=1e-12)
     assert torch.allclose(pair_losses(pc, pr, pc, pr, beta, "ipo")[0], torch.full_like(same, 1 / (4 * beta**2)))
+
+
+def test_reference_free_losses_are_the_papers_formulas():
+    """SimPO (Meng et al. 2024) and ORPO (Hong et al. 2024), written here from the papers with plain probabilities."""
+    g = torch.Generator().manual_seed(1)
+    mc, mr = (-(torch.rand(64, generator=g, dtype=torch.float64) * 4 + 0.01) for _ in range(2))  # mean log-probs < 0
+    beta, gamma = 2.0, 0.7
+    sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
+    simpo, reward_c, reward_r = reference_free_losses(mc, mr, beta, "simpo", gamma)
+    torch.testing.assert_close(simpo, -torch.log(sig(beta * (mc - mr) - gamma)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(reward_c, beta * mc)
+    torch.testing.assert_close(reward_r, beta * mr)
+    pc, pr = torch.exp(mc), torch.exp(mr)
+    odds_ratio = torch.log((pc / (1 - pc)) / (pr / (1 - pr)))
+    orpo, _, _ = reference_free_losses(mc, mr, 0.1, "orpo")
+    torch.testing.assert_close(orpo, -mc - 0.1 * torch.log(sig(odds_ratio)), rtol=1e-10, atol=1e-10)
+    # near probability 1 (mean log-prob -1e-9) the odds stay finite, and so do the gradients
+    near = torch.tensor([-1e-9, -5.0], dtype=torch.float64, requires_grad=True)
+    loss = reference_free_losses(near[:1], near[1:], 0.1, "orpo")[0].sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(near.grad).all()
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -235,13 +256,16 @@ def dpo_args(name: str, inputs: tuple[Path, Path, Path], *extra: str) -> list[st
         ((1, 2), ["--dpo-label-smoothing", "0.1", "--sft-weight", "0.5"]),
         ((2, 1), ["--dpo-label-smoothing", "0.1", "--sft-weight", "0.5"]),
         ((2, 1), ["--dpo-loss", "ipo"]),
+        ((2, 1), ["--dpo-loss", "simpo", "--simpo-gamma", "0.3"]),
+        ((1, 2), ["--dpo-loss", "orpo"]),
     ],
-    ids=["sigmoid-1x2", "sigmoid-2x1", "ipo-2x1"],
+    ids=["sigmoid-1x2", "sigmoid-2x1", "ipo-2x1", "simpo-2x1", "orpo-1x2"],
 )
 def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(dpo_inputs, layout, flags, tmp_path):
     """The worker runs the trainer's first step (its data plan, packing, reference file and DPOObjective) with the
     stored reference shifted by known offsets (so policy != reference) and writes the loss and full gradients; here
-    the same pairs go one by one, unpacked, through from_pretrained and the formula, in float64."""
+    the same pairs go one by one, unpacked, through from_pretrained and the formula, in float64. SimPO and ORPO
+    (reference-free) the same, with nothing computed for a reference."""
     from transformers import AutoModelForCausalLM
 
     nproc, accum = layout
@@ -259,15 +283,11 @@ def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(dpo_inputs,
         token = torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1)
         logps.append((token * mask[1:]).sum())
     logps = torch.stack(logps)
-    ref = torch.tensor(got["reference"], dtype=torch.float64)
-    beta = 0.5
-    h = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
-    if "ipo" in flags:
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
-        losses = -0.9 * F.logsigmoid(beta * h) - 0.1 * F.logsigmoid(-beta * h)
-        lengths = torch.tensor([sum(m[1:]) for _, m in got["sequences"]], dtype=torch.float64)
-        losses = losses + 0.5 * (-logps[0::2] / lengths[0::2])
+    lengths = torch.tensor([sum(m[1:]) for _, m in got["sequences"]], dtype=torch.float64)
+    if "simpo" in flags or "orpo" in flags:  # reference-free: nothing was computed, read or stored for a reference
+        assert got["reference"] is None and "reference log-probabilities" not in output_of(proc)
+        assert "reference: none (reference-free: nothing is computed or built for a reference)" in output_of(proc)
+    losses = expected_losses(flags, logps, lengths, got["reference"], beta=0.5)
     loss = losses.mean()
     loss.backward()
     assert abs(got["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), (got["loss"], loss.item())
@@ -277,6 +297,22 @@ def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(dpo_inputs,
         err = (grad.double() - expected).norm() / expected.norm().clamp_min(1e-12)
         assert err < 1e-5, (name, err.item())
     assert len(got["grads"]) == len(params)
+
+
+def expected_losses(flags: list[str], logps: torch.Tensor, lengths: torch.Tensor, reference, beta: float):
+    """Each pair's loss by the papers' formulas from its summed response log-probs (chosen, rejected alternating)."""
+    if "simpo" in flags or "orpo" in flags:
+        mc, mr = logps[0::2] / lengths[0::2], logps[1::2] / lengths[1::2]  # mean log-prob per response token
+        if "simpo" in flags:
+            return -F.logsigmoid(beta * (mc - mr) - 0.3)
+        odds = lambda m: torch.log(torch.exp(m) / (1 - torch.exp(m)))  # noqa: E731
+        return -mc - beta * F.logsigmoid(odds(mc) - odds(mr))
+    ref = torch.tensor(reference, dtype=torch.float64)
+    h = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
+    if "ipo" in flags:
+        return (h - 1 / (2 * beta)) ** 2
+    losses = -0.9 * F.logsigmoid(beta * h) - 0.1 * F.logsigmoid(-beta * h)
+    return losses + 0.5 * (-logps[0::2] / lengths[0::2])
 
 
 RUN_FLAGS = ["-b", "2", "--max-steps", "8", "--ckpt-freq", "4", "--eval-freq", "4"]

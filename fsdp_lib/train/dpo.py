@@ -1,5 +1,5 @@
 """Direct preference optimisation (--objective dpo): the pair losses (sigmoid = the DPO paper's, with conservative
-label smoothing; ipo), the reference model's log-probabilities (precomputed once and stored with the token cache,
+label smoothing; ipo; and the reference-free simpo and orpo), the reference model's log-probabilities (precomputed once and stored with the token cache,
 or live: the same model with its adapters off, or a frozen FSDP copy), the objective the training step calls in
 place of the language-model loss, its metrics, and validation on held-out pairs."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lib.config import TrainConfig
+from fsdp_lib.config import REFERENCE_FREE_LOSSES, TrainConfig
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.plan import TrainData, evaluation_shares
 from fsdp_lib.data.preference import PairBlocks, read_reference, reference_path, write_reference
@@ -49,6 +50,28 @@ def pair_losses(
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
+def reference_free_losses(
+    chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: float, kind: str, gamma: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per pair, chosen reward, rejected reward) from each response's mean log-probability per token, with no
+    reference model. simpo: -log sigmoid(beta (m_c - m_r) - gamma) (Meng et al. 2024); orpo: -m_c - beta log
+    sigmoid(log odds_c - log odds_r), odds = p / (1 - p) with p = exp(m) (Hong et al. 2024: the chosen response's
+    NLL plus the odds-ratio term). Rewards: beta x the mean log-probability, without gradient, as TRL logs them."""
+    if kind == "simpo":
+        losses = -F.logsigmoid(beta * (chosen_mean - rejected_mean) - gamma)
+    else:
+        log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+        losses = -chosen_mean - beta * F.logsigmoid(log_odds)
+    return losses, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012); x is kept below 0 (a mean log-probability
+    of exactly 0 would make the odds infinite)."""
+    x = x.clamp(max=-1e-12)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
 def sequence_sums(token_values: torch.Tensor, sequence_ids: torch.Tensor, count: int) -> torch.Tensor:
     """Per-sequence sums of per-token values (tokens with sequence id -1 belong to none)."""
     ids = sequence_ids.flatten()
@@ -79,8 +102,9 @@ class DPOObjective:
     the gradient is that of the mean pair loss over the whole global batch at any process count or accumulation."""
 
     def __init__(self, cfg: TrainConfig, policy: CausalLMLoss, reference: str, frozen: CausalLMLoss | None = None):
-        self.policy, self.frozen, self.reference = policy, frozen, reference  # reference: precomputed|adapters-off|copy
-        self.beta, self.kind = cfg.dpo_beta, cfg.dpo_loss
+        # reference: precomputed | adapters-off | copy | none (reference-free losses)
+        self.policy, self.frozen, self.reference = policy, frozen, reference
+        self.beta, self.kind, self.gamma = cfg.dpo_beta, cfg.dpo_loss, cfg.simpo_gamma
         self.label_smoothing, self.sft_weight = cfg.dpo_label_smoothing, cfg.sft_weight
         self.stats: torch.Tensor | None = None
 
@@ -109,13 +133,21 @@ class DPOObjective:
     def pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each pair's loss (with gradient) and the router loss; adds the pairs' figures to self.stats."""
         count = len(batch.sequences)
-        reference = self.reference_log_probs(batch)  # first: its activations are gone before the policy's exist
+        free = self.reference == "none"
+        # the reference first: its activations are gone before the policy's exist
+        reference = None if free else self.reference_log_probs(batch)
         token_logps, aux = self.policy(batch, per_token=True)
         logps = sequence_sums(token_logps, batch.sequence_ids, count)
-        losses, reward_c, reward_r = pair_losses(
-            logps[0::2], logps[1::2], reference[0::2], reference[1::2], self.beta, self.kind, self.label_smoothing
-        )
         tokens = torch.bincount(batch.sequence_ids.flatten()[batch.sequence_ids.flatten() >= 0], minlength=count)
+        if reference is None:
+            means = logps / tokens.clamp_min(1)
+            losses, reward_c, reward_r = reference_free_losses(
+                means[0::2], means[1::2], self.beta, self.kind, self.gamma
+            )
+        else:
+            losses, reward_c, reward_r = pair_losses(
+                logps[0::2], logps[1::2], reference[0::2], reference[1::2], self.beta, self.kind, self.label_smoothing
+            )
         nll = -logps[0::2] / tokens[0::2].clamp_min(1)
         if self.sft_weight:
             losses = losses + self.sft_weight * nll
@@ -246,7 +278,10 @@ def all_agree_found(found: bool, d: Dist) -> bool:
 
 
 def reference_mode(cfg: TrainConfig) -> str:
-    """precomputed, adapters-off (--peft, the same model with its adapters switched off) or copy (a frozen copy)."""
+    """precomputed, adapters-off (--peft, the same model with its adapters switched off), copy (a frozen copy), or
+    none for the reference-free losses (simpo, orpo)."""
+    if cfg.dpo_loss in REFERENCE_FREE_LOSSES:
+        return "none"
     if cfg.reference == "precomputed" or (cfg.reference == "auto" and (cfg.peft == "none" or cfg.adapter)):
         return "precomputed"
     return "adapters-off" if cfg.peft != "none" else "copy"
@@ -257,10 +292,13 @@ def dpo_summary(cfg: TrainConfig, mode: str) -> str:
         "precomputed": "precomputed once by the starting model (no second model in memory)",
         "adapters-off": "the same model with its adapters off (one extra forward per micro-batch, no extra memory)",
         "copy": "a frozen FSDP-sharded copy of the starting model (one extra forward per micro-batch)",
+        "none": "none (reference-free: nothing is computed or built for a reference)",
     }[mode]
     smoothing = f", label smoothing {cfg.dpo_label_smoothing}" if cfg.dpo_label_smoothing else ""
     sft = f", + {cfg.sft_weight} x chosen NLL per token" if cfg.sft_weight else ""
-    return f"--dpo-loss {cfg.dpo_loss}, beta {cfg.dpo_beta}{smoothing}{sft}; reference: {what}"
+    gamma = f", gamma {cfg.simpo_gamma}" if cfg.dpo_loss == "simpo" else ""
+    orpo = " (the chosen NLL per token + beta x the odds-ratio loss)" if cfg.dpo_loss == "orpo" else ""
+    return f"--dpo-loss {cfg.dpo_loss}, beta {cfg.dpo_beta}{gamma}{orpo}{smoothing}{sft}; reference: {what}"
 
 
 def build_objective(
@@ -300,6 +338,8 @@ def build_objective(
         "sft_weight": cfg.sft_weight,
         "reference": mode if mode != "precomputed" else f"precomputed-{key}",
     }
+    if cfg.dpo_loss == "simpo":  # only then: the fingerprints of earlier runs stay as they were
+        fingerprint["simpo_gamma"] = cfg.simpo_gamma
     return DPOObjective(cfg, bundle.train_forward, mode, frozen), fingerprint
 
 
@@ -316,8 +356,8 @@ def disable_dropout(model: nn.Module) -> int:
 
 
 def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int) -> float:
-    """A live reference adds one forward per token (a third of 6N + attention); a precomputed one nothing."""
-    return 0.0 if mode == "precomputed" else flops_per_token(bundle.model, bundle.config, seq_length) / 3
+    """A live reference adds one forward per token (a third of 6N + attention); a precomputed one (or none) nothing."""
+    return 0.0 if mode in ("precomputed", "none") else flops_per_token(bundle.model, bundle.config, seq_length) / 3
 
 
 # --objective dpo: the sums dpo.DPOObjective keeps per step (over micro-batches; over ranks when a line is written).

@@ -1,8 +1,8 @@
 """Run under torchrun with fsdp_train.py's flags: the trainer's set-up (data, model, DPO objective with its stored
 reference), the stored reference shifted by known offsets so that policy != reference, then the first optimizer
 step's forward_backward only. Rank 0 saves to $DPO_GRADS_OUT: the step's loss (mean over the global batch's pairs),
-every parameter's full gradient, and the step's pairs as token ids + trained masks with their shifted reference,
-chosen then rejected, for the test to recompute on the unsharded model."""
+every parameter's full gradient, and the step's pairs as token ids + trained masks with their shifted reference
+(None for a reference-free loss), chosen then rejected, for the test to recompute on the unsharded model."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def main() -> None:
     bundle = build_model(cfg, precision, d)
     objective, _ = build_objective(cfg, bundle, data, precision, d)
     blocks = data.train.blocks
-    shift = np.sin(np.arange(len(blocks.reference)) * 1.7) * 3.0  # known, different per sequence
-    blocks.reference = blocks.reference + shift
+    if blocks.reference is not None:  # None: a reference-free loss (simpo, orpo)
+        shift = np.sin(np.arange(len(blocks.reference)) * 1.7) * 3.0  # known, different per sequence
+        blocks.reference = blocks.reference + shift
 
     plan = data.train
     order = plan.epoch_order(0)
@@ -61,7 +62,9 @@ def main() -> None:
                 "loss": total.item() / trained,
                 "grads": grads,
                 "sequences": [(ids, mask) for _, ids, mask in sequences],
-                "reference": [float(blocks.reference[s]) for s, _, _ in sequences],
+                "reference": None
+                if blocks.reference is None
+                else [float(blocks.reference[s]) for s, _, _ in sequences],
             },
             os.environ["DPO_GRADS_OUT"],
         )
