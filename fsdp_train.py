@@ -218,8 +218,8 @@ def run(cfg: TrainConfig) -> int:
     stop = StopRequest()
     seed_everything(cfg.seed + d.rank)
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
-    prompts = load_sample_prompts(cfg, data.tokenizer)
     bundle = build_model(cfg, precision, d)
+    prompts = load_sample_prompts(cfg, data.tokenizer, getattr(bundle.config, "max_position_embeddings", None))
     objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, or None
     optimizer = build_optimizer(bundle.model, cfg)
 

@@ -410,12 +410,18 @@ def _model_problems(cfg: TrainConfig) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
         return [config_problem(cfg.model_name, model_dir, exc)]
     max_positions = getattr(config, "max_position_embeddings", None)
+    problems = []
     if max_positions and cfg.seq_length > max_positions:
-        return [
+        problems.append(
             f"--seq-length {cfg.seq_length} exceeds the model's max_position_embeddings {max_positions}; "
             f"lower --seq-length"
-        ]
-    return []
+        )
+    if max_positions and cfg.sample_prompts and cfg.sample_max_new_tokens >= max_positions:
+        problems.append(
+            f"--sample-max-new-tokens {cfg.sample_max_new_tokens} leaves no room for a prompt within the model's "
+            f"max_position_embeddings {max_positions}; lower it (64 is the default)"
+        )
+    return problems
 
 
 def config_problem(model_name: str, model_dir: Path, exc: Exception) -> str:

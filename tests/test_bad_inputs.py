@@ -334,6 +334,11 @@ TRAINER_FLAG_CASES = [
     flag_case(
         "--sample-max-new-tokens 0", ("--sample-max-new-tokens", "0"), "--sample-max-new-tokens must be at least"
     ),
+    flag_case(
+        "--sample-max-new-tokens beyond the model's positions",
+        ("--sample-prompts", "@trainer/prompts.txt", "--sample-max-new-tokens", "5000"),
+        "--sample-max-new-tokens 5000 leaves no room for a prompt within the model's max_position_embeddings 2048",
+    ),
     flag_case("--log-freq 0", ("--log-freq", "0"), "--log-freq must be at least 1"),
     flag_case("--ckpt-freq negative", ("--ckpt-freq", "-1"), "--ckpt-freq must not be negative"),
     flag_case("--eval-freq negative", ("--eval-freq", "-1"), "--eval-freq must not be negative"),
@@ -547,6 +552,7 @@ def trainer_inputs(root: Path, model: Path) -> None:
         path.unlink()
     (folder / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
     (folder / "blank_prompts.txt").write_text("\n  \n\n")
+    (folder / "prompts.txt").write_text("The capital of Norland is\n")
     (folder / "broken.yaml").write_text("lr: [1, 2\nseed: :\n")
     (folder / "list.yaml").write_text("- lr\n- 1e-4\n")
     (folder / "unknown_key.yaml").write_text("learning_rate: 1e-4\n")
@@ -729,3 +735,23 @@ def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
     assert f"the data holds token id {rows:,} ('<|tool_result|>'), an added token of the tokenizer" in said
     assert f"embedding has {rows:,} rows" in said and "resize_token_embeddings(len(tokenizer))" in said
     assert not (tmp_path / "outputs" / "run" / "checkpoint").exists()
+
+
+def test_a_sample_prompt_too_long_for_the_model_is_refused_before_training(inputs, tmp_path: Path) -> None:
+    """A prompt whose tokens and --sample-max-new-tokens pass the model's positions would fail at the first samples,
+    mid-run, with learned position embeddings: refused with the prompt's number, its length and both fixes."""
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.train.samples import load_sample_prompts
+
+    (tmp_path / "prompts.txt").write_text("short\n" + "word " * 60 + "\n")
+    cfg = TrainConfig(sample_prompts=str(tmp_path / "prompts.txt"), sample_max_new_tokens=64)
+    tokenizer = AutoTokenizer.from_pretrained(inputs[1])
+    assert len(load_sample_prompts(cfg, tokenizer, max_positions=1024)) == 2
+    with pytest.raises(TrainError) as refused:
+        load_sample_prompts(cfg, tokenizer, max_positions=128)
+    said = str(refused.value)
+    assert f"--sample-prompts {tmp_path / 'prompts.txt'}, prompt 2:" in said and "+ --sample-max-new-tokens 64" in said
+    assert "exceed the model's max_position_embeddings 128; shorten the prompt or lower --sample-max-new-tokens" in said

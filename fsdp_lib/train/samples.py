@@ -27,7 +27,21 @@ class SamplePrompt:
     ids: list[int]
 
 
-def load_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
+def load_sample_prompts(cfg: TrainConfig, tokenizer: Any, max_positions: int | None = None) -> list[SamplePrompt]:
+    """The prompts of --sample-prompts (see read_sample_prompts), each short enough that its completion stays within
+    the model's positions (a model with learned position embeddings would fail mid-run, at its first samples)."""
+    prompts = read_sample_prompts(cfg, tokenizer)
+    for number, prompt in enumerate(prompts, 1):
+        if max_positions and len(prompt.ids) + cfg.sample_max_new_tokens > max_positions:
+            raise TrainError(
+                f"--sample-prompts {cfg.sample_prompts}, prompt {number}: {len(prompt.ids)} tokens + "
+                f"--sample-max-new-tokens {cfg.sample_max_new_tokens} exceed the model's max_position_embeddings "
+                f"{max_positions}; shorten the prompt or lower --sample-max-new-tokens"
+            )
+    return prompts
+
+
+def read_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
     """The prompts of --sample-prompts: plain lines (one prompt each, blank lines skipped), or, in a .jsonl file,
     one conversation per line (a list of messages, or {"messages": [...], "tools": [...]} with tool use as
     data_hf.py reads it) rendered with the chat template and its generation prompt. None without the flag."""
