@@ -206,13 +206,6 @@ def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         problems.append(
             "--precision fp16 needs a CUDA GPU (CPU fp16 kernels are slow and incomplete); use fp32 or bf16"
         )
-    if cfg.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
-        problems.append(
-            "--attn-implementation flash_attention_2 needs the flash-attn package (a CUDA build); install it, or use "
-            "auto (which picks it when it is there)"
-        )
-    elif cfg.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
-        problems.append("--attn-implementation flash_attention_2 needs a CUDA GPU; use auto or sdpa")
     if cfg.sharding == "hybrid":
         shard = cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if shard < 1 or world_size % shard:

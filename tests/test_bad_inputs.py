@@ -259,12 +259,6 @@ TRAINER_FLAG_CASES = [
     flag_case(
         "--max-skipped-fraction above 1", ("--max-skipped-fraction", "2"), "--max-skipped-fraction must be between 0"
     ),
-    flag_case(
-        "--attn-implementation flash_attention_2 without flash-attn",
-        ("--attn-implementation", "flash_attention_2"),
-        "--attn-implementation flash_attention_2 needs the flash-attn package",
-        "use auto",
-    ),
     flag_case("--lora-rank 0", ("--peft", "lora", "--lora-rank", "0"), "--lora-rank must be at least 1", "8-64"),
     flag_case("--lora-alpha negative", ("--peft", "lora", "--lora-alpha", "-8"), "--lora-alpha must be a positive"),
     flag_case("--lora-dropout 1.5", ("--peft", "lora", "--lora-dropout", "1.5"), "--lora-dropout must be in [0, 1)"),
