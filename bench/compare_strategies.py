@@ -74,8 +74,9 @@ class Setting:
         ]  # fmt: skip
 
 
-def strategy_settings(nnodes: int) -> tuple[list[Setting], list[str]]:
-    """Every setting to run, and a note for each strategy skipped (and why)."""
+def strategy_settings(nnodes: int, quick: bool = False) -> tuple[list[Setting], list[str]]:
+    """Every setting to run, and a note for each strategy skipped (and why). --quick (a smoke run of the bench)
+    runs each strategy with activation checkpointing on and only `full` also with it off."""
     strategies = [("none", "none", "off"), ("grad-op", "grad-op", "off"), ("full", "full", "off")]
     strategies.append(("full+offload", "full", "on"))
     skipped = []
@@ -84,6 +85,9 @@ def strategy_settings(nnodes: int) -> tuple[list[Setting], list[str]]:
     else:
         skipped.append("hybrid: skipped, one node (it shards within a node and replicates across nodes; pass --nnodes)")
     settings = [Setting(n, s, o, ac) for n, s, o in strategies for ac in ("on", "off")]
+    if quick:
+        settings = [s for s in settings if s.activation_checkpointing == "on" or s.name == "full"]
+        skipped.append("--quick: activation checkpointing off for full only (the full grid runs without --quick)")
     return settings, skipped
 
 
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_gb, budget_source = args.memory_budget_gb, "--memory-budget-gb"
     else:
         budget_gb, budget_source = default_memory_budget_gb(p["nproc"])
-    settings, skipped = strategy_settings(nnodes)
+    settings, skipped = strategy_settings(nnodes, args.quick)
     info = machine_info() | {"nnodes": nnodes, "nproc_per_node": p["nproc"]}
     results = run_all(args, p, settings, nnodes)
     best, reason = recommend(results, budget_gb)

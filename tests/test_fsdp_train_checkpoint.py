@@ -51,6 +51,25 @@ def reference(inputs, tmp_path_factory) -> dict[int, float]:
     return losses
 
 
+@pytest.fixture(scope="module")
+def four_steps(inputs, tmp_path_factory) -> Path:
+    """A finished 4-step run (checkpoint step_00000004) that tests copy and then damage, refuse or extend: one
+    launch for all of them. Returns its --save-dir."""
+    save = tmp_path_factory.mktemp("four_steps")
+    args = flags(inputs, save)
+    args[args.index("--max-steps") + 1] = "4"
+    proc = run_trainer(args)
+    assert proc.returncode == 0, output_of(proc)
+    return save
+
+
+def copy_run(save: Path, to: Path, exp: str = "run") -> None:
+    """The experiment `exp` of `save` copied under `to` (the token cache is left behind: a rerun rebuilds it)."""
+    import shutil
+
+    shutil.copytree(save / exp, to / exp)
+
+
 def checkpoints(save: Path, exp: str = "run") -> list[str]:
     root = save / exp / "checkpoint"
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
@@ -138,10 +157,16 @@ def test_keep_last_prunes_old_checkpoints(inputs, tmp_path):
     assert state["step"] == 10 and state["latest_checkpoint"].endswith("step_00000010")
 
 
-def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, tmp_path):
+def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, four_steps, tmp_path):
+    """A changed setting is refused by name and --force-resume overrides it; a changed model is refused naming the
+    two model folders (not only their hashes), and --force-resume cannot load weights of another shape and says
+    the checkpoint is intact (it used to advise moving the healthy checkpoint aside)."""
+    from fsdp_lib.testing import llama_sizes
+
+    dataset, model = inputs
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
-    assert run_trainer(args).returncode == 0
+    copy_run(four_steps, tmp_path)
     config = next(tmp_path.glob("*/config.yaml"))
     written = config.read_bytes()
     changed = [*args, "--seq-length", "16", "--max-steps", "8"]
@@ -150,35 +175,24 @@ def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, tmp_p
     assert "seq_length: checkpoint 32 vs now 16" in output_of(refused) and "--force-resume" in output_of(refused)
     assert checkpoints(tmp_path) == ["step_00000004"]
     assert config.read_bytes() == written, "the refused run rewrote config.yaml with its settings"
+    # another model: named by both folders; forcing it cannot load the weights, and says the checkpoint is intact
+    other = make_model(tmp_path / "wider", with_weights=True, dtype="bfloat16", sizes=llama_sizes(64, 2, 128))
+    swapped = run_trainer([*args, "-m", str(other)])
+    said = output_of(swapped)
+    assert swapped.returncode != 0
+    assert f"model: checkpoint {str(model)!r} (" in said and f"vs now {str(other)!r} (" in said
+    forced_model = run_trainer([*args, "-m", str(other), "--force-resume"])
+    said = output_of(forced_model)
+    assert forced_model.returncode != 0
+    assert "cannot be loaded into this one, even with --force-resume. The checkpoint is intact" in said
+    assert "fsdp_lib" not in said, "a traceback of our code"  # (torchrun prints its own)
+    assert checkpoints(tmp_path) == ["step_00000004"]
     # changing only what may change (length of the run, logging, checkpoint frequency) is accepted
     allowed = run_trainer([*args, "--max-steps", "6", "--log-freq", "2", "--ckpt-freq", "3"])
     assert allowed.returncode == 0 and "at step 4" in output_of(allowed), output_of(allowed)
     forced = run_trainer([*changed, "--force-resume"])
     assert forced.returncode == 0, output_of(forced)
     assert "because of --force-resume" in output_of(forced) and "step_00000008" in checkpoints(tmp_path)
-
-
-def test_a_resume_onto_another_model_names_both_and_force_resume_does_not_break_it(inputs, tmp_path):
-    """The refusal names the two model folders (not only their hashes); --force-resume cannot load weights of
-    another shape and says the checkpoint is intact (it used to advise moving the healthy checkpoint aside)."""
-    from fsdp_lib.testing import llama_sizes
-
-    dataset, model = inputs
-    other = make_model(tmp_path / "wider", with_weights=True, dtype="bfloat16", sizes=llama_sizes(64, 2, 128))
-    args = flags(inputs, tmp_path)
-    args[args.index("--max-steps") + 1] = "2"
-    assert run_trainer(args).returncode == 0
-    swapped = [*args, "-m", str(other)]
-    refused = run_trainer(swapped)
-    assert refused.returncode != 0
-    assert f"model: checkpoint {str(model)!r} (" in output_of(refused) and f"vs now {str(other)!r} (" in output_of(
-        refused
-    )
-    forced = run_trainer([*swapped, "--force-resume"])
-    assert forced.returncode != 0
-    assert "cannot be loaded into this one, even with --force-resume. The checkpoint is intact" in output_of(forced)
-    assert "fsdp_lib" not in output_of(forced), "a traceback of our code"  # (torchrun prints its own)
-    assert checkpoints(tmp_path) == ["step_00000002"]
 
 
 @pytest.mark.parametrize("fault", ["ckpt_write@1:8", "side_files_write@0:8"])
@@ -194,10 +208,10 @@ def test_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(inputs,
     assert rerun.returncode == 0 and losses_by_step(tmp_path / "run")[STEPS] == reference[STEPS]
 
 
-def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, tmp_path):
+def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, four_steps, tmp_path):
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
-    assert run_trainer(args).returncode == 0
+    copy_run(four_steps, tmp_path)
     state_file = tmp_path / "run" / "checkpoint" / "step_00000004" / "train_state.json"
     state_file.write_text(state_file.read_text()[:20])
     rerun = run_trainer(args)
@@ -243,10 +257,10 @@ def test_export_round_trip_reproduces_the_trained_model(inputs, tmp_path):
     assert not torch.equal(original.model.embed_tokens.weight, exported.model.embed_tokens.weight), "it trained"
 
 
-def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, tmp_path):
+def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_steps, tmp_path):
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
-    assert run_trainer(args).returncode == 0
+    copy_run(four_steps, tmp_path)
     import shutil
 
     shutil.rmtree(tmp_path / "run" / "final")
@@ -256,10 +270,10 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, tmp_path)
     assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
 
 
-def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, tmp_path):
+def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, four_steps, tmp_path):
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
-    assert run_trainer(args).returncode == 0
+    copy_run(four_steps, tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     with open(metrics, "a") as fh:
         fh.write('{"time": "2026-01-01T00:00:00", "step": 5, "lo')  # disk full while logging: no newline
@@ -306,10 +320,10 @@ def test_flipped_bytes_are_detected_and_the_previous_checkpoint_is_used(inputs, 
     assert losses_by_step(tmp_path / "run") == reference, "steps 9 and 10 retrained to the same losses"
 
 
-def test_a_damaged_only_checkpoint_stops_the_run_instead_of_restarting(inputs, tmp_path):
+def test_a_damaged_only_checkpoint_stops_the_run_instead_of_restarting(inputs, four_steps, tmp_path):
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
-    assert run_trainer(args).returncode == 0
+    copy_run(four_steps, tmp_path)
     damaged = tmp_path / "run" / "checkpoint" / "step_00000004" / "__0_0.distcp"
     flip_bytes(damaged)
     rerun = run_trainer([*args, "--max-steps", "6"])
@@ -332,12 +346,12 @@ def test_folders_not_named_like_a_step_are_ignored(inputs, tmp_path):
 
 
 @pytest.mark.parametrize("checksum", ["stale", "updated"])
-def test_garbage_rng_file_is_a_clear_error(inputs, tmp_path, checksum):
+def test_garbage_rng_file_is_a_clear_error(inputs, four_steps, tmp_path, checksum):
     """Garbage in rng_rank00001.pt: caught by its checksum, or (a file that matches its checksum but is not a
     torch.save payload, e.g. from another torch) by a clear message when loading it."""
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
-    assert run_trainer(args).returncode == 0
+    copy_run(four_steps, tmp_path)
     folder = tmp_path / "run" / "checkpoint" / "step_00000004"
     rng_file = folder / "rng_rank00001.pt"
     rng_file.write_bytes(b"not a pickle at all " * 10)
