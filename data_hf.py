@@ -62,7 +62,7 @@ from fsdp_lib.convert.reading import piece_bytes_for
 from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers
-from fsdp_lib.errors import unreadable
+from fsdp_lib.errors import file_above, unreadable
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
@@ -237,9 +237,9 @@ def _save_dir_problems(args: argparse.Namespace) -> list[str]:
             return [problem]
         if args.data_folder.exists() and args.data_folder.resolve().is_relative_to(save_dir.resolve()):
             return [f"--data_folder {args.data_folder} is inside --save_dir {save_dir}, which --overwrite replaces"]
+    if blocker := file_above(save_dir.absolute()):
+        return [f"--save_dir {save_dir}: {blocker} is a file, not a folder; choose a --save_dir under a folder"]
     for parent in save_dir.absolute().parents:
-        if parent.exists() and not parent.is_dir():
-            return [f"--save_dir {save_dir}: {parent} is a file, not a folder; choose a --save_dir under a folder"]
         if (kind := folder_kind(parent)) is not None:
             return [
                 f"--save_dir {save_dir} is inside {kind.describe(parent)}, whose tool would delete or misread it; "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fsdp_lib.errors import unreadable
+from fsdp_lib.errors import file_above, unreadable
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
@@ -155,14 +155,6 @@ def path_problems(src_arg: Path, dst_arg: Path) -> list[str]:
             "folder, even with --overwrite: choose another --dst-root"
         )
     return problems
-
-
-def file_above(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` when it is a file (no folder can be made under it), else None."""
-    for parent in path.parents:
-        if parent.exists():
-            return parent if not parent.is_dir() else None
-    return None
 
 
 def validate_args(args: argparse.Namespace) -> Settings:

@@ -20,7 +20,7 @@ from fsdp_lib.config import (
     parse_data_slice,
     parse_data_weights,
 )
-from fsdp_lib.errors import unreadable
+from fsdp_lib.errors import file_above, unreadable
 from fsdp_lib.markers import TOKEN_CACHE, folder_kind
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
@@ -130,9 +130,8 @@ def _save_dir_problems(save_dir: Path) -> list[str]:
     run would fill with checkpoints."""
     if save_dir.exists() and not save_dir.is_dir():
         return [f"--save-dir {save_dir}: a file, not a folder; choose a folder for the experiments (default outputs)"]
-    for folder in (save_dir, *save_dir.parents):
-        if folder.is_file():
-            return [f"--save-dir {save_dir}: {folder} is a file; choose a folder for the experiments"]
+    if blocker := file_above(save_dir):
+        return [f"--save-dir {save_dir}: {blocker} is a file; choose a folder for the experiments"]
     kind = folder_kind(save_dir)
     if kind is not None:
         return [

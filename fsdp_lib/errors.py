@@ -47,6 +47,15 @@ def unreadable(path: Path) -> str | None:
     return None
 
 
+def file_above(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` when it is not a folder (nothing can be made under it: the write
+    would fail with "Not a directory"), else None."""
+    for parent in path.parents:
+        if parent.exists():
+            return parent if not parent.is_dir() else None
+    return None
+
+
 def explain_write_error(error: BaseException, folder: Path) -> str:
     """A failed write in words: the OS error anywhere in the exception's chain as its strerror and path ("No space
     left on device: /ckpt/x"), and, when the file system of `folder` is nearly full, that as the likely cause;

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_lib.errors import file_above
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import VERIFICATION_RECORD, remove_verification_record
@@ -267,7 +268,7 @@ def cached_model_folder(model_name: str, revision: str) -> Path:
 def check_download_target(local_dir: Path, repo_id: str) -> None:
     """--local-dir must be new, empty, or an earlier download of this same model: a download writes model files into
     it, which would corrupt another tool's folder or mix two models' files."""
-    if (blocker := next((p for p in local_dir.parents if p.exists()), None)) is not None and not blocker.is_dir():
+    if blocker := file_above(local_dir):
         raise ToolError(f"--local-dir {local_dir} is under {blocker}, which is a file; choose a folder path")
     if not local_dir.exists():
         return

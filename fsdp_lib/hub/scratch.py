@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_lib.errors import file_above
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.download import free_disk_bytes
 from fsdp_lib.hub.presets import (
@@ -63,7 +64,7 @@ class InitRequest:
 
 def check_init_target(path: Path, overwrite: bool) -> None:
     """Refuse to clobber a non-empty folder; --overwrite replaces only something that is a model folder."""
-    if (blocker := next((p for p in path.parents if p.exists()), None)) is not None and not blocker.is_dir():
+    if blocker := file_above(path):
         raise ToolError(f"--local-dir {path} is under {blocker}, which is a file; choose a folder path")
     if not path.exists():
         return
