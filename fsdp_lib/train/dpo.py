@@ -133,9 +133,8 @@ class DPOObjective:
     def pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each pair's loss (with gradient) and the router loss; adds the pairs' figures to self.stats."""
         count = len(batch.sequences)
-        free = self.reference == "none"
         # the reference first: its activations are gone before the policy's exist
-        reference = None if free else self.reference_log_probs(batch)
+        reference = None if self.reference == "none" else self.reference_log_probs(batch)
         token_logps, aux = self.policy(batch, per_token=True)
         logps = sequence_sums(token_logps, batch.sequence_ids, count)
         tokens = torch.bincount(batch.sequence_ids.flatten()[batch.sequence_ids.flatten() >= 0], minlength=count)
