@@ -239,3 +239,32 @@ def test_dpo_bench_quick(repo_root, tmp_path):
     assert set(result["cpu"]["goal_met"]) == {"full_over_baseline_peak", "full_over_baseline_pairs_per_s"}
     for ratio in summary["ratios"].values():
         assert 0.1 < ratio < 10, summary["ratios"]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(repo_root, tmp_path):
+    """bench/gpu_check.py --dry-run: every section's plumbing on CPU (launches, metrics, claims, JSON, markdown);
+    its claims are marked dry run and only a crashed section or launch fails it."""
+    proc = subprocess.run(
+        [sys.executable, str(repo_root / "bench" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = result["sections"]
+    assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8"]
+    for name, section in sections.items():
+        assert section["error"] is None and section["rows"], (name, section)
+        assert f"{name}: launches" in [c["name"] for c in section["claims"]], name
+    assert all(c["dry_run"] for c in result["claims"]) and result["exit_code"] == 0
+    (mfu,) = sections["mfu"]["rows"]
+    assert mfu["status"] == "ok" and mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1, mfu  # nominal 1 TFLOP/s peak
+    lora = {r["row"]: r for r in sections["peft"]["rows"]}["LoRA"]
+    assert lora["status"] == "ok" and lora["peak_gib"] > 0, lora
+    twice = {c["name"]: c for c in sections["resume"]["claims"]}["steps trained twice"]
+    assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "## Claims" in text and all(f"## {name} (" in text for name in sections)
