@@ -258,7 +258,18 @@ class Context:
         if self.dry:
             return self.cached("text", lambda: small_model(self.work / "text", p, "bfloat16"))
         flags = ["--tokenizer-from", str(self.corpus())]
-        return self.corpus(), self.cached("1B", lambda: init_model_folder(self.work / "1B", p["preset"], flags))
+        return self.corpus(), self.cached(
+            "1B", lambda: long_positions(init_model_folder(self.work / "1B", p["preset"], flags))
+        )
+
+
+def long_positions(model_dir: Path, positions: int = 8192) -> Path:
+    """The 1B preset's config allows 4096 positions; the kernels and mfu sections train at 8192 (rotary positions
+    need no weights for the longer range)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = max(config.get("max_position_embeddings", 0), positions)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir
 
 
 def small_model(folder: Path, p: dict[str, Any], weights: str | None) -> tuple[Path, Path]:

@@ -84,7 +84,8 @@ def failed_launch(exc: LaunchError) -> dict[str, Any]:
     if any(marker in exc.output for marker in OOM_MARKERS):
         return {"status": "OOM"}
     errors = [line for line in exc.output.splitlines() if "Error" in line] or exc.output.splitlines()[-1:]
-    return {"status": "failed", "error": errors[-1][-300:] if errors else str(exc)[:300]}
+    error = errors[-1][-300:] if errors else str(exc)[:300]
+    return {"status": "failed", "error": error, "log_tail": exc.output[-3000:]}
 
 
 def report_failures(results: dict[str, dict[str, Any]]) -> int:

@@ -115,9 +115,10 @@ class TrainConfig:
     )
     attn_implementation: str = _opt(
         "auto",
-        "attention kernel; auto = flash_attention_2 on a GPU with document masking when installed, else sdpa where "
-        "the architecture supports it, else eager",
-        choices=("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"),
+        "attention kernel; auto = varlen with document masking (each packed document attends to itself, no T x T "
+        "mask: torch's varlen flash kernel on a GPU in bf16/fp16, SDPA per document elsewhere), else sdpa where the "
+        "architecture supports it, else eager",
+        choices=("auto", "varlen", "sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
 
     # --- PEFT: LoRA and QLoRA adapters

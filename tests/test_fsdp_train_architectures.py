@@ -65,8 +65,11 @@ def test_load_train_export(tmp_path, matrix_dataset, arch, tied):
     assert proc.returncode == 0, out
     assert out.count("LOAD EQUAL") == 2, out  # both ranks compared every parameter
     assert "EXPORT REPRODUCES" in out, out
-    masking = "block_mask" if arch == "opt" else "position_ids"  # OPT's causal mask ignores the position ids
-    assert f"packed documents kept apart by {masking}" in out, out  # the start-up probe's choice for the family
+    # The start-up probe's choice for the family: each document attends to itself (varlen), except Gemma2, which
+    # has no sdpa (soft-capped attention logits) and gets eager attention, its mask derived from the position ids.
+    masking = "position_ids" if arch == "gemma2" else "varlen"
+    assert f"attention {'eager' if arch == 'gemma2' else 'varlen'}" in out, out
+    assert f"packed documents kept apart by {masking}" in out, out
     losses = losses_by_step(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
     aux = [r.get("aux_loss") for r in read_metrics(tmp_path / "run")]

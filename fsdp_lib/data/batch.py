@@ -21,14 +21,44 @@ class Batch:
     sequence_ids: torch.Tensor | None = None
     sequences: torch.Tensor | None = None
     reference: torch.Tensor | None = None
+    # Where the packed documents start, read from the position ids on the host (set by `to`).
+    documents: Documents | None = None
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(*(move(t) for t in self.tensors()))
+        documents = self.documents
+        if documents is None and self.position_ids is not None and self.position_ids.device.type == "cpu":
+            documents = Documents.of(self.position_ids.numpy())
+        if documents is not None:  # pinned, so the copy to a GPU does not wait for the work queued before it
+            cu = documents.cu_seqlens
+            cu = cu.pin_memory() if torch.device(device).type == "cuda" and not cu.is_pinned() else cu
+            documents = dataclasses.replace(documents, cu_seqlens=move(cu))
+        return Batch(*(move(t) for t in self.tensors()), documents=documents)
 
     def tensors(self) -> list[torch.Tensor | None]:
-        """The fields in order (dataclasses.astuple would deep-copy every tensor)."""
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+        """The tensor fields in order (dataclasses.astuple would deep-copy every tensor)."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "documents"]
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The packed documents of a micro-batch, flattened row after row: bounds[i]:bounds[i+1] is document i (host
+    ints, for slicing without a device sync); cu_seqlens the same as int32 on the batch's device; longest the
+    longest document; row_length T. A new row always starts a document."""
+
+    bounds: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    longest: int
+    row_length: int
+
+    @staticmethod
+    def of(position_ids: np.ndarray) -> Documents:
+        """From [B x T] positions that restart at 0 where a document starts."""
+        rows, length = position_ids.shape
+        starts = np.union1d(np.flatnonzero(position_ids.reshape(-1) == 0), np.arange(rows) * length)
+        bounds = np.append(starts, rows * length)
+        cu = torch.from_numpy(bounds.astype(np.int32))
+        return Documents(tuple(bounds.tolist()), cu, int(np.diff(bounds).max()), length)
 
 
 def stack_blocks(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> Batch:

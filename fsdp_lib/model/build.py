@@ -19,6 +19,7 @@ import yaml
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.model import varlen
 from fsdp_lib.model.adapters import (
     PeftSetup,
     adapter_problems,
@@ -69,15 +70,10 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def auto_attention_order(packed_documents: bool) -> tuple[str, ...]:
-    """--attn-implementation auto. With document masking on a GPU, flash-attention first when installed: it takes
-    the packed documents as variable-length sequences (transformers derives them from the position ids), where
-    sdpa needs a [batch x 1 x T x T] boolean mask and a slower kernel. Otherwise sdpa, then eager."""
-    if packed_documents and torch.cuda.is_available():
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is not None:
-            return ("flash_attention_2", "sdpa", "eager")
-    return ("sdpa", "eager")
+    """--attn-implementation auto. With document masking, varlen first (varlen.py: each document attends to itself,
+    from bounds computed on the host; no [T x T] mask, no host sync), which the start-up probe still has to find
+    exact for the model; then sdpa, then eager."""
+    return (varlen.NAME, "sdpa", "eager") if packed_documents else ("sdpa", "eager")
 
 
 def build_model_skeleton(
@@ -91,12 +87,17 @@ def build_model_skeleton(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     attempts = auto_attention_order(packed_documents) if attn_implementation == "auto" else (attn_implementation,)
+    if varlen.NAME in attempts:
+        varlen.register()
     for attn in attempts:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         config.use_cache = False
         try:
             with parameters_on_meta():
-                return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+            if attn == varlen.NAME and not model._supports_sdpa:  # varlen is sdpa per document, and sdpa elsewhere
+                raise ValueError(f"{type(model).__name__} does not support sdpa, which varlen attention builds on")
+            return model
         except (ValueError, ImportError) as exc:  # no such kernel for this architecture, or not installed
             problem = exc
     raise TrainError(

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lib.data.batch import Batch
+from fsdp_lib.model import varlen
 
 # --loss-chunk-tokens auto: one chunk's fp32 logits (softmax and gradient are computed in place in them) stay within
 # this. At a 128k vocabulary that is 512 tokens: at 2,048 tokens per micro-batch the loss path's extra memory is
@@ -247,7 +248,8 @@ class CausalLMLoss(nn.Module):
     With chunk 0 (or a model whose head the chunked path cannot reproduce) the model's own logits are used.
 
     Packed documents (a batch with position ids) are kept apart the way the model needs, chosen at start-up by
-    probes.choose_document_masking: "position_ids" (transformers derives a block-diagonal mask from positions
+    probes.choose_document_masking: "varlen" (with --attn-implementation varlen: each document attends to
+    itself through varlen.py's kernels, from bounds the batch carries; no mask), "position_ids" (transformers derives a block-diagonal mask from positions
     that restart per document), "one_row" (the micro-batch as one row: varlen kernels such as flash-attention
     detect packed documents only in a batch of one row) or "block_mask" (an explicit [batch x 1 x T x T] mask, for
     models that build their causal mask without the position ids)."""
@@ -270,8 +272,8 @@ class CausalLMLoss(nn.Module):
         inputs = self.model_inputs(batch)
         if per_token:
             return self.token_log_probs(inputs, batch)
-        if probe:
-            own = self.model(**inputs).logits.float()
+        if probe:  # the logits only: transformers' router loss cannot read a 4-D mask
+            own = self.model(**{k: v for k, v in inputs.items() if k not in self.router_kwargs}).logits.float()
             ours = (
                 head_logits(
                     self.model.base_model(**inputs).last_hidden_state, self.model.get_output_embeddings(), self.softcap
@@ -308,6 +310,9 @@ class CausalLMLoss(nn.Module):
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}
         if batch.position_ids is None or self.document_masking == "position_ids":
             return inputs
+        if self.document_masking == "varlen":  # each document attends to itself alone, no [T x T] mask (varlen.py)
+            varlen.use_documents(batch.documents)
+            return {**inputs, "attention_mask": varlen.documents_mark(batch.input_ids.shape[0], batch.input_ids.device)}
         if self.document_masking == "one_row":  # every block starts at position 0, so blocks stay apart too
             return {
                 **inputs,

@@ -9,6 +9,7 @@ import torch
 
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.errors import TrainError
+from fsdp_lib.model import varlen
 from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, reshard_all
 
@@ -18,7 +19,7 @@ ROWS, LENGTH, FIRST_DOCUMENT = 2, 32, 12  # probe rows of two documents: tokens 
 HEAD_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
 LEAK_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
 ALONE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
-MASKING_MODES = ("position_ids", "one_row", "block_mask")
+MASKING_MODES = ("position_ids", "one_row", "block_mask")  # after "varlen", for a model built with it
 
 
 def probe_ids(vocab_size: int, shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -83,7 +84,12 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
     it has alone: not moved by a change in the document before it, and equal to the same document at the start
     of a row. Raises TrainError (naming --document-masking) when there is none."""
     problems = []
-    for mode in MASKING_MODES:
+    built = train_forward.model.config._attn_implementation
+    first = ("varlen",) * (built == varlen.NAME)
+    if first and train_forward.router_kwargs and not train_forward.chunk:
+        problems.append("varlen: the model's own MoE router loss (full logits, no loss chunks) cannot read its mask")
+        first = ()
+    for mode in first + MASKING_MODES:
         train_forward.document_masking = mode
         try:
             leak, apart = document_leaks(train_forward, vocab_size, d.device)
@@ -91,6 +97,8 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
             problems.append(f"{mode}: the model refuses it ({type(exc).__name__}: {str(exc)[:100]})")
             continue
         if not all_ranks_agree(leak > LEAK_TOLERANCE[precision] or apart > ALONE_TOLERANCE[precision], d):
+            if problems:
+                log(f"--document-masking on: {mode}, as {'; '.join(problems)}")
             return mode
         problems.append(
             f"{mode}: the second document's logits move by {leak:.2g} with the first, {apart:.2g} from alone"
