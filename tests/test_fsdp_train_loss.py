@@ -136,6 +136,28 @@ def test_bf16_gradients_are_scaled_in_fp32_and_the_head_gradient_stays_in_its_dt
         assert (grad.float() - reference).norm() / reference.norm() < 1e-2
 
 
+def test_fp16_small_gradients_survive_until_the_loss_scale_lifts_them():
+    """fp16 with a loss scale (1024 here): the gradients from unlikely tokens (softmax ~1e-7, where fp16 keeps a
+    digit or none) must come out as the scaled fp32 value rounded once. Before, the chunk's softmax gradient was
+    rounded to fp16 in forward, before the scale could lift it."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(64, 16) * 2).half().requires_grad_()
+    weight = (torch.randn(512, 16) * 2).half().requires_grad_()
+    labels = torch.randint(0, 512, (64,))
+    scale = torch.tensor(1024.0)
+    (ChunkedCrossEntropy.apply(hidden, weight, None, labels, 16, None) * scale).backward()
+    # The reference: exact (float64) gradients of the loss of the same fp16 logits the forward computes.
+    logits = F.linear(hidden.detach(), weight.detach()).double()
+    softmax_grad = (torch.softmax(logits, -1) - F.one_hot(labels, 512)) * 1024.0
+    references = softmax_grad @ weight.detach().double(), softmax_grad.t() @ hidden.detach().double()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float16
+    for grad, reference in zip((hidden.grad, weight.grad), references):
+        assert torch.isfinite(grad).all()
+        representable = reference.abs() > 1e-3  # well inside fp16's range once scaled
+        error = (grad.double() - reference).abs()[representable] / reference.abs()[representable]
+        assert error.max() < 2e-3, error.max()  # one fp16 rounding of the exact value
+
+
 def _peak_rss_gb(vocab_model: Path, dataset: Path, save: Path, exp: str, chunk: str) -> float:
     args = trainer_args(exp, dataset, vocab_model, save) + ["-b", "4", "--seq-length", "256", "--max-steps", "2"]
     args += ["--loss-chunk-tokens", chunk, "--activation-checkpointing", "off"]

@@ -51,8 +51,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk, softcap):  # type: ignore[override]
         needs_grad = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if needs_grad[0] else None
-        grad_weight = torch.zeros_like(weight) if needs_grad[1] else None
+        # fp16: the gradients stay fp32 until backward has applied the loss scale (its grad_output). Rounded to
+        # fp16 here, a softmax gradient below fp16's 6e-8 would flush to zero before the scale could lift it, and a
+        # head gradient summed over many tokens could overflow. bf16 has fp32's range: rounded here, as above.
+        fp16 = torch.float16 in (hidden.dtype, weight.dtype)
+        work = torch.float32 if fp16 else None
+        head = weight.float() if fp16 else weight
+        grad_hidden = torch.zeros_like(hidden, dtype=work) if needs_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=work) if needs_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs_grad[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
@@ -72,16 +78,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad *= keep[:, None]
             if softcap:
                 grad *= 1.0 - capped * capped
-            grad = grad.to(hidden.dtype)
+            grad = grad.to(work or hidden.dtype)
             if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = grad @ weight
+                grad_hidden[start : start + chunk] = grad @ head
             if grad_weight is not None:  # in place: no [vocab x hidden] temporary per chunk
-                grad_weight.addmm_(grad.t().to(weight.dtype), h.to(weight.dtype))
+                grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
             if grad_bias is not None:
                 grad_bias += grad.float().sum(0)
             del logits, grad  # free this chunk's buffers before the next chunk allocates its own
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
@@ -89,9 +95,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
         return (
-            _scale_in_fp32_(grad_hidden, grad_output) if needs[0] else None,
-            _scale_in_fp32_(grad_weight, grad_output) if needs[1] else None,
-            (grad_bias * grad_output).to(ctx.dtypes[1]) if needs[2] and ctx.dtypes[1] is not None else None,
+            _scale_in_fp32_(grad_hidden, grad_output).to(ctx.dtypes[0]) if needs[0] else None,
+            _scale_in_fp32_(grad_weight, grad_output).to(ctx.dtypes[1]) if needs[1] else None,
+            (grad_bias * grad_output).to(ctx.dtypes[2]) if needs[2] and ctx.dtypes[2] is not None else None,
             None,
             None,
             None,
