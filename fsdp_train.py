@@ -155,7 +155,8 @@ def evaluation_totals(train_forward: nn.Module, blocks: PackedBlocks, cfg: Train
         totals[1] += (batch.labels != -100).sum()
     dist.all_reduce(totals)
     train_forward.train()
-    return totals[0].item(), int(totals[1].item())
+    # The ranks of a context group each sum the loss of their part of a block, but count all of its tokens.
+    return totals[0].item(), int(totals[1].item()) // d.context_size
 
 
 def loss_figures(loss_sum: float, tokens: int) -> dict[str, float]:

@@ -31,7 +31,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += _device_problems(cfg, world_size)
     problems += _peft_problems(cfg)
     problems += _dpo_problems(cfg)
-    problems += _batch_problems(cfg, world_size)
+    problems += _context_problems(cfg, world_size)
+    problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
             f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"
@@ -220,8 +221,36 @@ def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     return problems
 
 
+def _context_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """--context-parallel N: what can be checked before the model (its heads: model/build.py)."""
+    n = cfg.context_parallel
+    if n == 1:
+        return []
+    if n < 1:
+        return [f"--context-parallel must be 1 or more (got {n}); 1 = each sequence on one process"]
+    problems = []
+    if world_size % n:
+        problems.append(
+            f"--context-parallel {n} does not divide the {world_size} processes; use a divisor of {world_size}"
+        )
+    if cfg.seq_length % n:
+        problems.append(f"--context-parallel {n} does not divide --seq-length {cfg.seq_length}; use a multiple of {n}")
+    if cfg.attn_implementation not in ("auto", "varlen"):
+        problems.append(
+            f"--context-parallel {n} runs attention through the varlen kernel (each process attends over whole "
+            f"sequences for its heads); --attn-implementation {cfg.attn_implementation} cannot: use auto or varlen"
+        )
+    if cfg.objective == "dpo":
+        problems.append(
+            f"--context-parallel {n} is not supported with --objective dpo yet (a pair's sequences are summed per "
+            "sequence); use --context-parallel 1"
+        )
+    return problems
+
+
 def _batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
-    """--global-batch-size must split evenly over the processes and micro-batches; then it sets the accumulation."""
+    """--global-batch-size must split evenly over the (data-parallel) processes and micro-batches; then it sets the
+    accumulation. world_size: the processes over --context-parallel."""
     if cfg.global_batch_size <= 0 or cfg.batch_size < 1:
         return []
     per_step = world_size * cfg.batch_size

@@ -72,6 +72,12 @@ class TrainConfig:
     document_masking: str = _opt(
         "on", "packed documents never attend to each other (position ids restart per document)", choices=ON_OFF
     )
+    context_parallel: int = _opt(
+        1,
+        "split each sequence over N processes (Ulysses: an all-to-all hands each process all tokens of 1/N of the "
+        "attention heads); packed documents stay exact; the processes / N data-parallel groups train different "
+        "micro-batches. N divides the processes, --seq-length and the model's attention and key/value heads",
+    )
     loss_on: str = _opt(
         "assistant",
         "conversation data (a 'messages' column): train on the assistant turns only, or on every token; "

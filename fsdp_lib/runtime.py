@@ -36,10 +36,28 @@ class Dist:
     mesh: Any  # DeviceMesh: 1-D ("shard",) or 2-D ("replicate", "shard")
     cpu_group: Any  # gloo group for host-side agreement (signals, checkpoint bookkeeping): never syncs the GPU
     async_ckpt_group: Any  # gloo group used only by background checkpoint writes (see Checkpointer.save)
+    # --context-parallel N: ranks g*N .. g*N+N-1 split each sequence of the same micro-batches (context_group);
+    # the data plan sees world / N data-parallel ranks.
+    context_size: int = 1
+    context_group: Any = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's part of each sequence (0 .. --context-parallel - 1)."""
+        return self.rank % self.context_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which micro-batches this rank trains: the same for the ranks of one context group."""
+        return self.rank // self.context_size
+
+    @property
+    def data_world(self) -> int:
+        return self.world_size // self.context_size
 
 
 ENV_RANK = int(os.environ.get("RANK", "0"))  # the global rank torchrun gave us, known before any process group
@@ -100,6 +118,9 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
         mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    context = cfg.context_parallel
+    groups = [dist.new_group(list(range(g, g + context))) for g in range(0, world, context)] if context > 1 else []
+    context_group = groups[rank // context] if groups else None
     collectives = dt.timedelta(seconds=cfg.collective_timeout_s)
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
     if set_timeout is None:
@@ -107,9 +128,9 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
             f"WARNING: this torch cannot change a group's timeout: collectives keep --init-timeout-s {cfg.init_timeout_s}"
         )
     else:
-        for group in {dist.group.WORLD, cpu_group, async_ckpt_group, *mesh.get_all_groups()}:
+        for group in {dist.group.WORLD, cpu_group, async_ckpt_group, *mesh.get_all_groups(), *groups}:
             set_timeout(collectives, group)
-    return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group)
+    return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group, context, context_group)
 
 
 def restart_safe_store(rank: int, world: int, local_world: int, timeout: dt.timedelta) -> Any:

@@ -187,9 +187,13 @@ def make_chat_dataset(path: Path, n: int = 120, system: bool = True, validation:
 
 
 def make_chat_model(
-    folder: Path, template: str | None = "llama3", with_weights: bool = False, sizes: dict | None = None
+    folder: Path,
+    template: str | None = "llama3",
+    with_weights: bool = False,
+    sizes: dict | None = None,
+    arch: str = "llama",
 ) -> Path:
-    """A tiny Llama whose tokenizer knows the special tokens of the fixture templates; `template` (a file name
+    """A tiny Llama (or another Llama-like `arch`) whose tokenizer knows the special tokens of the fixture templates; `template` (a file name
     under tests/fixtures/chat_templates, without .jinja) becomes its chat template, None leaves it without one."""
     from transformers import AutoTokenizer
 
@@ -201,7 +205,7 @@ def make_chat_model(
     if template:
         tokenizer.chat_template = (CHAT_TEMPLATES / f"{template}.jinja").read_text()
     tokenizer.save_pretrained(folder)
-    config = tiny_config("llama", len(tokenizer), tokenizer.eos_token_id, sizes=sizes)
+    config = tiny_config(arch, len(tokenizer), tokenizer.eos_token_id, sizes=sizes)
     return save_model(folder, config, with_weights, fill_stored=False)
 
 

@@ -52,6 +52,13 @@ class Documents:
     row_length: int
 
     @staticmethod
+    def whole_rows(rows: int, length: int, device: torch.device) -> Documents:
+        """Each row one document (rows without position ids)."""
+        bounds = tuple(range(0, rows * length + 1, length))
+        cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
+        return Documents(bounds, cu, length, length)
+
+    @staticmethod
     def of(position_ids: np.ndarray) -> Documents:
         """From [B x T] positions that restart at 0 where a document starts."""
         rows, length = position_ids.shape

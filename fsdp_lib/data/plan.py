@@ -185,10 +185,10 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     tok_hash = tokenizer_hash(model_dir)
     sources = [load_source(cfg, name, tokenizer, tok_hash, d) for name in cfg.dataset_name]
     check_ids_fit(sources, tokenizer, model_dir)
-    global_batch = d.world_size * cfg.batch_size * cfg.grad_accum_steps
+    global_batch = d.data_world * cfg.batch_size * cfg.grad_accum_steps  # the ranks of a context group share theirs
     if len(sources) == 1:
         source = sources[0]
-        plan = DataPlan(source.train, cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank)
+        plan = DataPlan(source.train, cfg.seed, global_batch, cfg.batch_size, d.data_world, d.data_rank)
         validation, fingerprint, data_format = source.validation, source.fingerprint, source.data_format
     else:
         plan, validation = mixture_plan(cfg, sources, global_batch, d)
@@ -202,7 +202,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         )
     log(
         f"data: {plan.epoch_blocks:,} train blocks of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
-        f"({d.world_size} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
+        f"({d.data_world} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
         f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
     )
     data_format += f":document-masking-{cfg.document_masking}"
@@ -296,7 +296,7 @@ def mixture_plan(
     raw = parse_data_weights(cfg.data_weights) if cfg.data_weights else [float(size) for size in sizes]
     mixture = Mixture(names, sizes, [w / sum(raw) for w in raw])
     plan = DataPlan(
-        MixedBlocks([s.train for s in sources], names), cfg.seed, global_batch, cfg.batch_size, d.world_size, d.rank,
+        MixedBlocks([s.train for s in sources], names), cfg.seed, global_batch, cfg.batch_size, d.data_world, d.data_rank,
         mixture,
     )  # fmt: skip
     lines = [
@@ -367,9 +367,9 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
 def evaluation_shares(count: int, batch_size: int, d: Dist) -> list[list[int]]:
     """This rank's micro-batches of blocks 0..count-1 for a pass without gradients (blocks rank, rank + world, ...):
     as many on every rank, since FSDP's forward all-gathers must line up; a rank with fewer real blocks gets shorter
-    or empty lists and pads them itself."""
-    mine = list(range(d.rank, count, d.world_size))
-    steps = math.ceil(math.ceil(count / d.world_size) / batch_size)
+    or empty lists and pads them itself. The ranks of a context group (--context-parallel) share their blocks."""
+    mine = list(range(d.data_rank, count, d.data_world))
+    steps = math.ceil(math.ceil(count / d.data_world) / batch_size)
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 

@@ -34,7 +34,7 @@ from fsdp_lib.model.adapters import (
 from fsdp_lib.model.anatomy import clean_fqn, find_decoder_layers, peft_sizes
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
-from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens
+from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens, router_forward_kwargs
 from fsdp_lib.model.memory_plan import (
     format_memory_plan,
     format_peft_memory_plan,
@@ -240,9 +240,39 @@ def flops_per_token(model: nn.Module, config: Any, seq_length: int, adapter_para
     return 6 * n + attention
 
 
+def check_context_parallel(model: nn.Module, n: int, world: int, seq_length: int) -> None:
+    """--context-parallel N: the model runs varlen attention, its query and key/value heads split into N groups
+    (Ulysses), and it has no router loss (computed per part, it would not equal the unsplit run's). TrainError
+    naming the flag and the largest degree that works otherwise."""
+    config = model.config.get_text_config()
+    impl = model.config._attn_implementation
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if impl != varlen.NAME:
+        raise TrainError(
+            f"--context-parallel {n}: {type(model).__name__} cannot run the varlen attention kernel it needs "
+            f"(it was built with {impl}); use --context-parallel 1"
+        )
+    if router_forward_kwargs(model.config):
+        raise TrainError(
+            f"--context-parallel {n}: {type(model).__name__} has a router load-balancing loss, which is not exact "
+            "when each process sees part of a sequence; use --context-parallel 1"
+        )
+    if heads % n or kv_heads % n:
+        fits = [m for m in range(n, 0, -1) if not (heads % m or kv_heads % m or world % m or seq_length % m)]
+        raise TrainError(
+            f"--context-parallel {n}: each process attends with 1/{n} of the heads, and {type(model).__name__} has "
+            f"{heads} attention and {kv_heads} key/value heads; the largest degree that divides them (and the "
+            f"processes and --seq-length) is {fits[0]}: use --context-parallel {fits[0]}"
+        )
+
+
 def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     model_dir = resolve_model_dir(cfg.model_name)
-    model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
+    packed = cfg.document_masking == "on" or cfg.context_parallel > 1  # auto: varlen first
+    model = build_model_skeleton(model_dir, cfg.attn_implementation, packed)
+    if cfg.context_parallel > 1:
+        check_context_parallel(model, cfg.context_parallel, d.world_size, cfg.seq_length)
     num_params = sum(p.numel() for p in model.parameters())
     layers = find_decoder_layers(model)
     arch, layer_class = type(model).__name__, type(layers[0]).__name__  # before fully_shard renames the classes
@@ -259,6 +289,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     if train_forward.chunk and (problem := chunked_loss_problem(model)):
         log(f"--loss-chunk-tokens: full logits instead of the chunked loss for {arch}: {problem}")
         train_forward.chunk = 0
+    if d.context_size > 1:
+        train_forward.context = varlen.Context(d.context_size, d.context_rank, d.context_group)
     shard_model(train_forward, layers, cfg, precision, d)
     materialize(model, d, cfg)
     files, fmt = weight_keys(model_dir)
@@ -285,6 +317,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
         + (" (auto)" if cfg.loss_chunk_tokens == "auto" and train_forward.chunk else "")
         + (f", packed documents kept apart by {train_forward.document_masking}" if cfg.document_masking == "on" else "")
+        + (f", each sequence split over {d.context_size} processes (Ulysses)" if d.context_size > 1 else "")
     )
     return ModelBundle(
         model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir), peft

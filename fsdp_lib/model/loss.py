@@ -4,6 +4,7 @@ MoE router load-balancing loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lib.data.batch import Batch
+from fsdp_lib.data.batch import Batch, Documents
 from fsdp_lib.model import varlen
 
 # --loss-chunk-tokens auto: one chunk's fp32 logits (softmax and gradient are computed in place in them) stay within
@@ -268,6 +269,7 @@ class CausalLMLoss(nn.Module):
         self.router_kwargs = router_forward_kwargs(model.config)
         self.document_masking = "position_ids"
         self.mask_dtype = torch.float32  # of an additive block mask (eager attention): the compute dtype
+        self.context: varlen.Context | None = None  # --context-parallel: this rank's part of each sequence
 
     def forward(
         self, batch: Batch, probe: bool = False, per_token: bool = False
@@ -275,11 +277,15 @@ class CausalLMLoss(nn.Module):
         """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None). probe (start-up
         checks, no grad): (the model's own logits, the chunked path's logits or None) instead. per_token (DPO):
         (each target's log-probability [batch x T flattened], 0 where the label is -100; the router loss or None)."""
+        if self.context is not None:
+            batch = self.local_part(batch)
         inputs = self.model_inputs(batch)
         if per_token:
             return self.token_log_probs(inputs, batch)
         if probe:  # the logits only: transformers' router loss cannot read a 4-D mask
             own = self.model(**{k: v for k, v in inputs.items() if k not in self.router_kwargs}).logits.float()
+            if self.context is not None:  # the whole rows' logits, from every part
+                own = all_parts(own, self.context)
             ours = (
                 head_logits(
                     self.model.base_model(**inputs).last_hidden_state, self.model.get_output_embeddings(), self.softcap
@@ -287,7 +293,7 @@ class CausalLMLoss(nn.Module):
                 if self.chunk
                 else None
             )
-            return own, ours
+            return own, (all_parts(ours, self.context) if self.context is not None and ours is not None else ours)
         if not self.chunk:
             outputs = self.model(**inputs)
             return token_loss_sum(outputs.logits, batch.labels), router_aux_loss(outputs, self.model.config)
@@ -312,13 +318,34 @@ class CausalLMLoss(nn.Module):
             logps = chunked_token_log_probs(hidden, head.weight, head.bias, labels, self.chunk, self.softcap)
         return logps, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 
+    def local_part(self, batch: Batch) -> Batch:
+        """--context-parallel: this rank's contiguous part of every row (inputs, their targets, their positions),
+        with the documents of the whole rows, which the attention's all-to-all brings back together. Rows without
+        position ids (--document-masking off) count positions from each row's start, one document per row."""
+        rows, length = batch.input_ids.shape
+        positions, documents = batch.position_ids, batch.documents
+        if positions is None:
+            positions = torch.arange(length, device=batch.input_ids.device).expand(rows, length)
+            documents = Documents.whole_rows(rows, length, batch.input_ids.device)
+        part = length // self.context.size
+        cut = slice(self.context.rank * part, (self.context.rank + 1) * part)
+        return dataclasses.replace(
+            batch,
+            input_ids=batch.input_ids[:, cut],
+            labels=batch.labels[:, cut],
+            position_ids=positions[:, cut],
+            documents=documents,
+        )
+
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}
+        varlen_rows = self.document_masking == "varlen" and batch.documents is not None
+        if varlen_rows or self.context is not None:  # each document attends to itself, no [T x T] mask (varlen.py)
+            varlen.use_documents(batch.documents, self.context)
+            mark = varlen.documents_mark(batch.input_ids.shape[0], batch.input_ids.device)
+            return {**inputs, "attention_mask": mark}
         if batch.position_ids is None or self.document_masking == "position_ids":
             return inputs
-        if self.document_masking == "varlen":  # each document attends to itself alone, no [T x T] mask (varlen.py)
-            varlen.use_documents(batch.documents)
-            return {**inputs, "attention_mask": varlen.documents_mark(batch.input_ids.shape[0], batch.input_ids.device)}
         if self.document_masking == "one_row":  # every block starts at position 0, so blocks stay apart too
             return {
                 **inputs,
@@ -327,6 +354,17 @@ class CausalLMLoss(nn.Module):
             }
         eager = self.model.config._attn_implementation == "eager"
         return {**inputs, "attention_mask": block_diagonal_mask(batch.position_ids, self.mask_dtype if eager else None)}
+
+
+@torch.no_grad()
+def all_parts(t: torch.Tensor, context: varlen.Context) -> torch.Tensor:
+    """[rows x T/N x ...] of each rank of a context group -> [rows x T x ...], the parts in order (no gradient:
+    the start-up probes only)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(context.size)]
+    dist.all_gather(parts, t.contiguous(), group=context.group)
+    return torch.cat(parts, dim=1)
 
 
 def block_diagonal_mask(position_ids: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:

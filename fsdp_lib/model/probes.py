@@ -14,6 +14,15 @@ from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, reshard_all
 
 ROWS, LENGTH, FIRST_DOCUMENT = 2, 32, 12  # probe rows of two documents: tokens [0, 12) and [12, 32)
+
+
+def probe_shape(train_forward: CausalLMLoss) -> tuple[int, int]:
+    """(row length, first document's length): LENGTH and FIRST_DOCUMENT, or under --context-parallel N lengths
+    that split into N equal parts (16N and 4N), the first document crossing no part boundary on purpose."""
+    n = train_forward.context.size if train_forward.context is not None else 1
+    return (LENGTH, FIRST_DOCUMENT) if n == 1 else (16 * n, 4 * n)
+
+
 # Largest difference, relative to the largest logit, still taken as "the same": fp32 paths agree to ~1e-6; bf16
 # computations of the same numbers agree exactly, and different shapes to about 1e-2.
 HEAD_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
@@ -52,22 +61,23 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 def head_difference(train_forward: CausalLMLoss, vocab_size: int, device: torch.device) -> float:
     """How far the chunked path's logits (the head over the decoder's output, soft-capped as configured) are from
     the model's own, relative to their largest value (inf when their shapes differ)."""
-    own, ours = probe_logits(train_forward, probe_ids(vocab_size, (1, LENGTH), seed=1), None, device)
+    own, ours = probe_logits(train_forward, probe_ids(vocab_size, (1, probe_shape(train_forward)[0]), 1), None, device)
     return relative_difference(own, ours) if own.shape == ours.shape else float("inf")
 
 
 def document_leaks(train_forward: CausalLMLoss, vocab_size: int, device: torch.device) -> tuple[float, float]:
     """With the current document masking: how far the second document's logits move when the first document
     changes, and how far they are from the same document alone at the start of a row (both relative)."""
-    first = probe_ids(vocab_size, (ROWS, FIRST_DOCUMENT), seed=2)
-    other_first = probe_ids(vocab_size, (ROWS, FIRST_DOCUMENT), seed=3)
-    second = probe_ids(vocab_size, (ROWS, LENGTH - FIRST_DOCUMENT), seed=4)
-    restart = torch.cat([torch.arange(FIRST_DOCUMENT), torch.arange(LENGTH - FIRST_DOCUMENT)]).repeat(ROWS, 1)
+    length, cut = probe_shape(train_forward)
+    first = probe_ids(vocab_size, (ROWS, cut), seed=2)
+    other_first = probe_ids(vocab_size, (ROWS, cut), seed=3)
+    second = probe_ids(vocab_size, (ROWS, length - cut), seed=4)
+    restart = torch.cat([torch.arange(cut), torch.arange(length - cut)]).repeat(ROWS, 1)
     packed, _ = probe_logits(train_forward, torch.cat([first, second], 1), restart, device)
     changed, _ = probe_logits(train_forward, torch.cat([other_first, second], 1), restart, device)
-    alone, _ = probe_logits(train_forward, second, torch.arange(LENGTH - FIRST_DOCUMENT).repeat(ROWS, 1), device)
-    leak = relative_difference(packed[:, FIRST_DOCUMENT:], changed[:, FIRST_DOCUMENT:])
-    return leak, relative_difference(alone, packed[:, FIRST_DOCUMENT:])
+    alone, _ = probe_logits(train_forward, second, torch.arange(length - cut).repeat(ROWS, 1), device)
+    leak = relative_difference(packed[:, cut:], changed[:, cut:])
+    return leak, relative_difference(alone, packed[:, cut:])
 
 
 def check_chunked_head(train_forward: CausalLMLoss, vocab_size: int, precision: str, d: Dist) -> str | None:
@@ -85,11 +95,14 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
     of a row. Raises TrainError (naming --document-masking) when there is none."""
     problems = []
     built = train_forward.model.config._attn_implementation
-    first = ("varlen",) * (built == varlen.NAME)
+    if train_forward.context is not None:  # the Ulysses attention is varlen's: nothing else splits a sequence
+        first, others = ("varlen",), ()
+    else:
+        first, others = ("varlen",) * (built == varlen.NAME), MASKING_MODES
     if first and train_forward.router_kwargs and not train_forward.chunk:
         problems.append("varlen: the model's own MoE router loss (full logits, no loss chunks) cannot read its mask")
         first = ()
-    for mode in first + MASKING_MODES:
+    for mode in first + others:
         train_forward.document_masking = mode
         try:
             leak, apart = document_leaks(train_forward, vocab_size, d.device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,14 +34,48 @@ NAME = "varlen"
 _MARKS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-_CURRENT: list[Documents | None] = [None]
+@dataclass(frozen=True)
+class Context:
+    """--context-parallel: this process holds part `rank` of `size` equal parts of each sequence; `group` the
+    processes holding the others (rank i holds part i)."""
+
+    size: int
+    rank: int
+    group: Any
 
 
-def use_documents(documents: Documents) -> None:
-    """The documents every varlen attention call reads until the next micro-batch sets its own. Kept beside the
-    model rather than passed as a forward argument: compiled layers would guard on (and recompile for) every
-    micro-batch's bounds, and the activation-checkpoint recompute of the backward runs after the forward returns."""
-    _CURRENT[0] = documents
+_CURRENT: list[tuple[Documents, Context | None] | None] = [None]
+
+
+def use_documents(documents: Documents, context: Context | None = None) -> None:
+    """The documents (of the whole micro-batch, also under context parallelism) every varlen attention call reads
+    until the next micro-batch sets its own. Kept beside the model rather than passed as a forward argument:
+    compiled layers would guard on (and recompile for) every micro-batch's bounds, and the activation-checkpoint
+    recompute of the backward runs after the forward returns."""
+    _CURRENT[0] = (documents, context)
+
+
+def _heads_to_sequence(t: torch.Tensor, context: Context) -> torch.Tensor:
+    """[B x H x T/N x D], this rank's tokens of every head -> [B x H/N x T x D], every token of this rank's heads
+    (Ulysses: one all-to-all; its backward is the reverse all-to-all)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    rows, heads, part, dim = t.shape
+    n = context.size
+    send = t.reshape(rows, n, heads // n, part, dim).transpose(0, 1).contiguous()  # head group j -> rank j
+    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [part i of the sequence]
+    return got.permute(1, 2, 0, 3, 4).reshape(rows, heads // n, n * part, dim)
+
+
+def _sequence_to_heads(t: torch.Tensor, context: Context) -> torch.Tensor:
+    """The way back, in the attention output's layout: [B x T x H/N x D] -> [B x T/N x H x D]."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    rows, length, heads, dim = t.shape
+    n = context.size
+    send = t.reshape(rows, n, length // n, heads, dim).transpose(0, 1).contiguous()  # part i -> rank i
+    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [head group j]
+    return got.permute(1, 2, 0, 3, 4).reshape(rows, length // n, n * heads, dim)
 
 
 def documents_mark(rows: int, device: torch.device) -> torch.Tensor:
@@ -170,9 +205,10 @@ def varlen_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    documents = _CURRENT[0]
+    documents, context = _CURRENT[0] or (None, None)
     rows, _, length, _ = query.shape
-    if documents is None or documents.bounds[-1] != rows * length or key.shape[2] != length:
+    parts = context.size if context else 1
+    if documents is None or documents.bounds[-1] != rows * length * parts or key.shape[2] != length:
         raise RuntimeError(
             f"varlen attention: no documents for this [{rows} x {length}] micro-batch (use_documents was not called "
             "for it, or keys come from a cache)"
@@ -182,10 +218,12 @@ def varlen_attention(
             raise NotImplementedError(f"varlen attention does not apply {what} (use --attn-implementation eager)")
     dropout = dropout if module.training else 0.0
     window = sliding_window if sliding_window and sliding_window < documents.longest else None
+    if context:
+        query, key, value = (_heads_to_sequence(t, context) for t in (query, key, value))
     out = None if dropout or window else _flat_varlen(query, key, value, documents, scaling)
     if out is None:
         out = _bucketed(query, key, value, documents, scaling, dropout, window)
-    return out, None
+    return (_sequence_to_heads(out, context) if context else out), None
 
 
 def register() -> None:

@@ -307,6 +307,11 @@ def build_objective(
     loaded: a precomputed reference is the starting model's."""
     if data.objective != "dpo":
         return None, "lm"
+    if d.context_size > 1:
+        raise TrainError(
+            f"--context-parallel {d.context_size}: the dataset holds preference pairs (DPO), which do not support "
+            "context parallelism yet; use --context-parallel 1"
+        )
     mode = reference_mode(cfg)
     frozen = None
     dropped = disable_dropout(bundle.model)

@@ -1,0 +1,95 @@
+"""--context-parallel N (Ulysses over the varlen kernel): each sequence split over N processes trains exactly as
+one process with the whole sequence, on packed multi-document blocks and chat masks, resumes at another degree,
+and a degree that cannot work is refused before any process group, naming the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_lib.checks import validate_config
+from fsdp_lib.config import load_config
+from tests.fsdp_helpers import (
+    killed_at_step,
+    losses_by_step,
+    make_chat_dataset,
+    make_chat_model,
+    make_dataset,
+    make_model,
+    output_of,
+    read_metrics,
+    run_trainer,
+    trainer_args,
+)
+
+# One global batch of 2 blocks per step on every degree: 1 process (no split), or 2 processes of one context group.
+SAME_STEPS = ["-b", "2", "--global-batch-size", "2", "--seq-length", "64", "--warmup-steps", "1"]
+
+
+def _figures(exp_dir: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(exp_dir)}
+
+
+def _validation(exp_dir: Path) -> dict[int, tuple[float, int]]:
+    lines = [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["val_loss"], r["val_tokens"]) for r in lines if "val_loss" in r}
+
+
+def _assert_same(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], steps: list[int]) -> None:
+    for step in steps:
+        for a, b in zip(got[step], want[step]):
+            assert abs(a - b) <= 1e-5 * abs(b), (step, got[step], want[step])
+
+
+def test_context_parallel_2_trains_like_one_process_and_resumes_at_1(tmp_path):
+    """Llama (GQA: 4 query, 2 key/value heads), packed documents: losses and gradient norms of every step equal
+    the unsplit run's to 1e-5 (fp32), and so does the held-out loss; killed after its step-2 checkpoint, the split
+    run resumes on one process without the split and ends where the uninterrupted run does."""
+    dataset, model = make_dataset(tmp_path / "data"), make_model(tmp_path / "model", with_weights=True)
+    base = [*SAME_STEPS, "--max-steps", "4", "--ckpt-freq", "2"]
+    whole = run_trainer(trainer_args("whole", dataset, model, tmp_path) + base, nproc=1)
+    assert whole.returncode == 0, output_of(whole)
+    want = _figures(tmp_path / "whole")
+    split = trainer_args("split", dataset, model, tmp_path) + base
+    out = killed_at_step([*split, "--context-parallel", "2"], tmp_path / "split", 3)
+    assert "each sequence split over 2 processes (Ulysses)" in out and "kept apart by varlen" in out, out
+    _assert_same(_figures(tmp_path / "split"), want, [1, 2, 3])
+    resumed = run_trainer(split, nproc=1)
+    assert resumed.returncode == 0, output_of(resumed)
+    assert "resumed from" in output_of(resumed) and "step 2" in output_of(resumed)
+    _assert_same(_figures(tmp_path / "split"), want, [3, 4])
+    # the held-out loss, evaluated split at step 0 and whole at step 4, and its token count
+    for step in (0, 4):
+        (got, got_tokens), (loss, tokens) = _validation(tmp_path / "split")[step], _validation(tmp_path / "whole")[step]
+        assert abs(got - loss) <= 1e-5 * loss and got_tokens == tokens
+
+
+def test_context_parallel_chat_with_another_family_and_unpacked_rows(tmp_path):
+    """Qwen2 (GQA), chat SFT with the loss on assistant turns, and --document-masking off (a row is one sequence):
+    the split run's losses equal the unsplit run's."""
+    dataset = make_chat_dataset(tmp_path / "chat")
+    model = make_chat_model(tmp_path / "model", with_weights=True, arch="qwen2")
+    for masking in ("on", "off"):
+        args = [*SAME_STEPS, "--max-steps", "2", "--document-masking", masking]
+        whole = run_trainer(trainer_args(f"whole{masking}", dataset, model, tmp_path) + args, nproc=1)
+        split = trainer_args(f"split{masking}", dataset, model, tmp_path) + [*args, "--context-parallel", "2"]
+        split = run_trainer(split)
+        assert whole.returncode == 0 and split.returncode == 0, output_of(whole) + output_of(split)
+        _assert_same(_figures(tmp_path / f"split{masking}"), _figures(tmp_path / f"whole{masking}"), [1, 2])
+    assert losses_by_step(tmp_path / "spliton") != losses_by_step(tmp_path / "splitoff")  # the masking mattered
+
+
+@pytest.mark.parametrize(
+    "flags,world,message",
+    [
+        (["--context-parallel", "3"], 2, "--context-parallel 3 does not divide the 2 processes"),
+        (["--context-parallel", "2", "--seq-length", "33"], 2, "does not divide --seq-length 33"),
+        (["--context-parallel", "2", "--attn-implementation", "sdpa"], 2, "use auto or varlen"),
+        (["--context-parallel", "0"], 1, "--context-parallel must be 1 or more"),
+    ],
+)
+def test_a_degree_that_cannot_work_is_refused_before_any_process_group(tmp_path, flags, world, message):
+    cfg = load_config(["-e", "x", "-d", str(tmp_path), "-m", str(tmp_path), *flags])
+    assert any(message in problem for problem in validate_config(cfg, world))
