@@ -272,7 +272,7 @@ def export(bundle: ModelBundle, data: TrainData, cfg: TrainConfig, d: Dist) -> N
         return
     export_adapter(bundle.model, bundle.peft.config, data.tokenizer, final, d, bundle.peft.base_identity)
     if cfg.export_merged == "on":
-        merged = merged_state_dict(bundle.model)
+        merged = merged_state_dict(bundle.model, bundle.export_dtype)
         export_hf_model(
             bundle.model,
             data.tokenizer,
