@@ -195,3 +195,21 @@ def test_kill9_of_torchrun_leaves_no_worker_alive(inputs, tmp_path):
         for pid in workers:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_missing_transformers_internals_name_the_installed_and_the_tested_versions(monkeypatch):
+    """Weights load and export through transformers 5's conversion internals; without them (transformers 4, or a
+    release that moved them) the error says which transformers is installed and which ones are supported."""
+    import sys
+
+    import transformers
+
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.model.hf_weights import core_model_loading
+
+    core_model_loading()  # the installed one has them
+    monkeypatch.setitem(sys.modules, "transformers.core_model_loading", None)  # import of it raises ImportError
+    with pytest.raises(TrainError) as refused:
+        core_model_loading()
+    assert f"transformers {transformers.__version__} lacks" in str(refused.value)
+    assert "install transformers>=5.17,<6" in str(refused.value)

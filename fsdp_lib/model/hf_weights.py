@@ -80,6 +80,32 @@ class WeightRouting:
     conversions: list[Any]  # the architecture's whole conversion mapping
 
 
+TESTED_TRANSFORMERS = ">=5.17,<6 (tested: 5.17 on GPU, 5.24 on CPU)"
+
+
+def core_model_loading() -> tuple[Any, Any]:
+    """transformers' own weight-conversion internals (transformers.core_model_loading, transformers.conversion_mapping,
+    transformers 5), through which weights load and export as from_pretrained and save_pretrained would; TrainError
+    naming the installed version and the tested ones when they are missing (transformers 4, or a release that
+    moved them)."""
+    names = ("WeightConverter", "WeightRenaming", "dot_natural_key", "rename_source_key", "revert_weight_conversion")
+    try:
+        import transformers.conversion_mapping as mapping
+        import transformers.core_model_loading as core
+
+        for name in names:
+            getattr(core, name)
+        mapping.get_model_conversion_mapping  # noqa: B018 - present, or AttributeError
+    except (ImportError, AttributeError) as exc:
+        import transformers
+
+        raise TrainError(
+            f"transformers {transformers.__version__} lacks what fsdp_train.py loads and exports weights through "
+            f"({type(exc).__name__}: {exc}); install transformers{TESTED_TRANSFORMERS}"
+        ) from exc
+    return core, mapping
+
+
 def route_weight_keys(
     model: nn.Module, keys: Iterable[str], expected: Iterable[str], source: Callable[[str], Any] = str
 ) -> WeightRouting:
@@ -90,12 +116,11 @@ def route_weight_keys(
     One routing for the sharded load (plan_weight_load) and model_download.py's verification."""
     import copy
 
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    core, mapping = core_model_loading()
+    dot_natural_key, rename_source_key = core.dot_natural_key, core.rename_source_key
+    conversions = mapping.get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, core.WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, core.WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", "model")
     names = dict.fromkeys(expected, True)
@@ -329,7 +354,7 @@ def replace_folder(tmp: Path, out_dir: Path) -> None:
 def split_export_layout(model: nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Ask transformers how save_pretrained would write each tensor (revert_weight_conversion on a meta copy):
     -> {saved name: sharded tensor} for plain renames, and per decoder layer the tensors a converter reverts."""
-    from transformers.core_model_loading import revert_weight_conversion
+    revert_weight_conversion = core_model_loading()[0].revert_weight_conversion
 
     renamed: dict[str, Any] = {}
     converted: dict[str, dict[str, Any]] = {}
@@ -352,7 +377,8 @@ def _write_converted(model: nn.Module, groups: list[dict[str, Any]], folder: Pat
     to the export as extra safetensors files listed in the index."""
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
-    from transformers.core_model_loading import revert_weight_conversion
+
+    revert_weight_conversion = core_model_loading()[0].revert_weight_conversion
 
     if not groups:
         return
