@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,3 +252,12 @@ def reshard_all(root: torch.nn.Module) -> None:
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextlib.contextmanager
+def eagerly() -> Iterator[None]:
+    """Compiled code (--compile on's decoder layers) runs eagerly inside: the start-up probes, evaluation and
+    sample generation run other shapes than the training step, and compiling them too would turn the training
+    graph dynamic and spend the recompile limit."""
+    with torch.compiler.set_stance("force_eager"):
+        yield

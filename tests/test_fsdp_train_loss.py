@@ -214,12 +214,14 @@ def small_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True)
 
 
-def _losses(inputs, save: Path, exp: str, *extra: str) -> dict[int, float]:
+def _losses(inputs, save: Path, exp: str, *extra: str, env: dict[str, str] | None = None) -> dict[int, float]:
     from tests.fsdp_helpers import losses_by_step
 
     args = trainer_args(exp, *inputs, save) + ["-b", "2", "--max-steps", "4", *extra]
-    result = run_trainer(args)
+    result = run_trainer(args, env=env)
     assert result.returncode == 0, output_of(result)
+    if env and "TORCH_LOGS" in env:  # what torch.compile logged: the caller's to read
+        (save / exp / "compile.log").write_text(output_of(result))
     return losses_by_step(save / exp)
 
 
@@ -238,11 +240,25 @@ def test_memory_figures_are_the_maximum_over_ranks(small_inputs, tmp_path):
 
 
 def test_compiled_decoder_layers_train_like_eager(small_inputs, tmp_path):
+    """Same losses as eager; and the layers compile for the training step's shape only: the start-up probes
+    ([1 x 32] and [2 x 32] rows), evaluation and samples run eagerly, so no recompilation for another size
+    (which would also turn the training graph dynamic)."""
     eager = _losses(small_inputs, tmp_path, "eager")
-    compiled = _losses(small_inputs, tmp_path, "compiled", "--compile", "on")
+    sampled = ["--sample-prompts", str(_prompts(tmp_path)), "--sample-max-new-tokens", "3", "--eval-freq", "2"]
+    compiled = _losses(
+        small_inputs, tmp_path, "compiled", "--compile", "on", *sampled, env={"TORCH_LOGS": "recompiles"}
+    )
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
     assert compiled[4] < compiled[1]
+    log = (tmp_path / "compiled" / "compile.log").read_text()
+    assert "size mismatch" not in log, log
+
+
+def _prompts(folder: Path) -> Path:
+    path = folder / "prompts.txt"
+    path.write_text("1 + 2 =\n3 + 4 =\n")
+    return path
 
 
 def test_eager_attention_trains_like_sdpa(small_inputs, tmp_path):

@@ -11,7 +11,7 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model import varlen
 from fsdp_lib.model.loss import CausalLMLoss
-from fsdp_lib.runtime import Dist, all_ranks_agree, log, reshard_all
+from fsdp_lib.runtime import Dist, all_ranks_agree, eagerly, log, reshard_all
 
 ROWS, LENGTH, FIRST_DOCUMENT = 2, 32, 12  # probe rows of two documents: tokens [0, 12) and [12, 32)
 
@@ -126,7 +126,13 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
 
 
 def run_start_up_checks(train_forward: CausalLMLoss, vocab_size: int, precision: str, packed: bool, d: Dist) -> None:
-    """Falls back to the model's own logits when the chunked head differs; picks the document masking."""
+    """Falls back to the model's own logits when the chunked head differs; picks the document masking. Runs
+    compiled layers eagerly (their probe shapes are not the training step's)."""
+    with eagerly():
+        _start_up_checks(train_forward, vocab_size, precision, packed, d)
+
+
+def _start_up_checks(train_forward: CausalLMLoss, vocab_size: int, precision: str, packed: bool, d: Dist) -> None:
     if train_forward.chunk and (problem := check_chunked_head(train_forward, vocab_size, precision, d)):
         log(
             f"--loss-chunk-tokens: full logits instead of the chunked loss for {type(train_forward.model).__name__}: {problem}"
