@@ -343,7 +343,25 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
     out = capsys.readouterr().out
     assert code == 0
     assert "seq_length: 64" in out and "2 x LlamaDecoderLayer" in out and "16 B/param" in out
+    assert "activations per GPU" in out and "longest --seq-length that fits one GPU" in out
     assert not (tmp_path / "dry").exists()
+
+
+def test_long_context_planner_arithmetic():
+    """The rule against the one GPU measurement it was checked with (the 1B preset, seq 8192, -b 1, activation
+    checkpointing: 18.07 GB peak on an H200, BENCHMARKS.md row 11), and what --context-parallel changes."""
+    from fsdp_lib.model.memory_plan import activation_bytes_per_token, longest_sequence
+
+    per_token = activation_bytes_per_token(2048, 8192, 16, 512)  # Llama-3.2-1B shapes: 8 kv heads of 64
+    state = 1_038_682_112 * 16 + 0.26e9  # fp32 weights, grads, AdamW moments + the unsharded root unit
+    predicted = state + per_token * 8192 + 2048 * 32000 * 4
+    assert abs(predicted - 18.07e9) / 18.07e9 < 0.03
+    split = activation_bytes_per_token(2048, 8192, 16, 512, context_parallel=2)
+    assert per_token < split < per_token * 1.2  # the all-to-all copies, per token
+    one, eight = (longest_sequence(80e9, state, split, 0, 1, n) for n in (1, 8))
+    assert one % 1024 == 0 and eight % 8192 == 0 and 7.5 * one < eight <= 8 * one + 8192
+    assert activation_bytes_per_token(2048, 8192, 16, 512, checkpointing=False) > 5 * per_token
+    assert longest_sequence(16e9, state, per_token, 0, 1, 1) == 0  # the state alone does not fit
 
 
 def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_model):

@@ -48,6 +48,8 @@ REAL_MODEL_CONFIGS = {
     "qwen2.5_7b.yaml": "Qwen/Qwen2.5-7B",
     "llama3.1_8b_lora.yaml": "meta-llama/Llama-3.1-8B-Instruct",
     "llama3.1_70b_qlora.yaml": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama3.1_8b_128k.yaml": "meta-llama/Llama-3.1-8B",
+    "llama3.1_8b_1m_4nodes.yaml": "meta-llama/Llama-3.1-8B",
 }
 
 

@@ -36,6 +36,8 @@ from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
 from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens, router_forward_kwargs
 from fsdp_lib.model.memory_plan import (
+    activation_bytes_per_token,
+    format_long_context_plan,
     format_memory_plan,
     format_peft_memory_plan,
     peft_memory_plan,
@@ -361,6 +363,23 @@ def peft_problems(cfg: TrainConfig) -> list[str]:
     return adapter_problems(cfg, model, weights_identity(model_dir))
 
 
+def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float) -> str:
+    """--dry-run's activation estimate for this run's --seq-length, -b and --context-parallel, and the longest
+    sequence per GPU size (memory_plan.activation_bytes_per_token's rule)."""
+    config = model.config.get_text_config()
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = activation_bytes_per_token(
+        hidden, intermediate, layers, kv_dim, cfg.activation_checkpointing == "on", cfg.context_parallel
+    )
+    vocab = model.get_input_embeddings().num_embeddings
+    chunk = loss_chunk_tokens(cfg.loss_chunk_tokens, vocab) or cfg.seq_length * cfg.batch_size
+    fixed = min(chunk, cfg.seq_length * cfg.batch_size) * vocab * 4
+    return format_long_context_plan(per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel)
+
+
 def dry_run(cfg: TrainConfig, world_size: int) -> int:
     model_dir = resolve_model_dir(cfg.model_name)
     model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
@@ -385,5 +404,10 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         num_params, linear, adapters, sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
     )
     log(f"this run: --peft {cfg.peft}\n" + format_peft_memory_plan(rows, peft_rows, cfg.lora_rank))
+    if cfg.peft == "none":
+        state = next(r for r in rows if r["world_size"] == world_size and r["cpu_offload"] == (cfg.cpu_offload == "on"))
+    else:
+        state = next(r for r in peft_rows if r["world_size"] == world_size and r["mode"] == cfg.peft)
+    log(long_context_plan(model, cfg, float(state["gpu_total_bytes"])))
     log("dry run: nothing was trained")
     return 0

@@ -143,3 +143,67 @@ def format_peft_memory_plan(
             f"  {format_bytes(modes['qlora']):>12}"
         )
     return "\n".join(lines)
+
+
+GIB = 2**30
+HEADROOM_BYTES = 5 * 10**9  # the CUDA context, the allocator's slack, the next unit's prefetch: left free
+GPU_SIZES_GB = (80, 141)  # H100/A100 80GB, H200
+
+
+def activation_bytes_per_token(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    kv_dim: int,
+    checkpointing: bool = True,
+    context_parallel: int = 1,
+    compute_bytes: int = 2,
+) -> int:
+    """Activation bytes per token a GPU holds at the peak of a step, with varlen attention (nothing grows with
+    the sequence squared; the dense document mask would add T x T bytes per row).
+
+    Rule: with activation checkpointing each decoder layer keeps its input (hidden x 2 B), and one layer at a
+    time holds everything it saves for backward while it is recomputed: q, the attention output, the o-proj
+    input, two norm inputs and the residual (6 x hidden), k and v (2 x kv_dim), the MLP's gate, up, activation and
+    down input (4 x intermediate), all x 2 B. Without checkpointing every layer holds that. The loss adds the
+    decoder output's fp32 gradient and its bf16 copy (6 B x hidden). Under --context-parallel the all-to-alls copy
+    q, k, v and the output twice (2 x (2 x hidden + 2 x kv_dim) x 2 B). Checked against one measurement: the
+    1B preset at seq 8192 on an H200 (BENCHMARKS.md row 11) peaked at 18.07 GB; this rule with the model state's
+    says 18.3 GB."""
+    one_layer = (6 * hidden + 2 * kv_dim + 4 * intermediate) * compute_bytes
+    kept = layers * hidden * compute_bytes + one_layer if checkpointing else layers * one_layer
+    ulysses = 2 * (2 * hidden + 2 * kv_dim) * compute_bytes if context_parallel > 1 else 0
+    return kept + 6 * hidden + ulysses
+
+
+def longest_sequence(
+    gpu_bytes: float, state_bytes: float, per_token: int, fixed_bytes: float, micro_batch: int, context_parallel: int
+) -> int:
+    """The longest --seq-length whose activations fit beside the model state on one GPU, leaving HEADROOM_BYTES:
+    each GPU holds micro_batch x seq / context_parallel tokens. Rounded down to a multiple of 1024 x the
+    degree (0 when not even that fits)."""
+    tokens = (gpu_bytes - state_bytes - fixed_bytes - HEADROOM_BYTES) / per_token
+    step = 1024 * context_parallel
+    return max(0, int(tokens * context_parallel / micro_batch) // step * step)
+
+
+def format_long_context_plan(
+    per_token: int, state_bytes: float, fixed_bytes: float, seq_length: int, micro_batch: int, context_parallel: int
+) -> str:
+    """The activation line of --dry-run and the longest sequence per GPU size, with the rule."""
+    tokens = micro_batch * seq_length // context_parallel
+    lines = [
+        f"activations per GPU: {format_bytes(per_token)}/token x {tokens:,} tokens (--seq-length {seq_length:,} x "
+        f"-b {micro_batch} / --context-parallel {context_parallel}) = {format_bytes(per_token * tokens)}, plus "
+        f"{format_bytes(fixed_bytes)} for one loss chunk's fp32 logits; "
+        f"with the model state ({format_bytes(state_bytes)}): {format_bytes(state_bytes + fixed_bytes + per_token * tokens)}",
+        "  rule (activation_bytes_per_token): checkpointed layer inputs + one layer's saved tensors at a time + the "
+        "loss's hidden-state gradient (+ the all-to-all copies with --context-parallel); no T x T term (varlen)",
+        f"  longest --seq-length that fits one GPU beside this state ({format_bytes(HEADROOM_BYTES)} left free), "
+        f"-b {micro_batch}, --context-parallel {context_parallel}: "
+        + ", ".join(
+            f"{gb} GB: {longest_sequence(gb * 1e9, state_bytes, per_token, fixed_bytes, micro_batch, context_parallel):,}"
+            for gb in GPU_SIZES_GB
+        ),
+    ]
+    return "\n".join(lines)
