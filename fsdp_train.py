@@ -66,7 +66,7 @@ from fsdp_lib.train.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.train.dpo import DPOObjective, build_objective, reference_flops_per_token
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
-from fsdp_lib.train.optim import BadStepGuard, build_optimizer, lr_at
+from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer, global_grad_norm, lr_at
 from fsdp_lib.train.samples import SAMPLES_FILE, SamplePrompt, generate_samples, load_sample_prompts
 
 # -- the step -------------------------------------------------------------------------------------
@@ -118,23 +118,21 @@ def optimizer_step(
 
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # all-reduce of the per-shard norms: the norm of the whole model
-    norm = norm / guard.scale.to(norm.device)
+    norm = global_grad_norm(grads) / guard.scale  # one all-reduce of the local shards' squared norms
     found_inf = (~torch.isfinite(norm)).float()
     coef = 1.0 / guard.scale.to(norm.device)
     if cfg.grad_clip > 0:
         coef = coef * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
-    local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    torch._foreach_mul_(local_grads, coef.to(local_grads[0].device))
     for group in optimizer.param_groups:
         group["lr"] = lr
-    if optimizer.defaults.get("fused"):
-        optimizer.found_inf = found_inf.to(local_grads[0].device)  # fused AdamW skips the update on device
+    if isinstance(optimizer, LocalShardAdamW):  # the unscale and the clip fold into the kernel; a bad step is skipped
+        optimizer.grad_scale, optimizer.found_inf = 1.0 / coef, found_inf
         optimizer.step()
-    elif not bool(found_inf.item()):  # sync: non-fused AdamW cannot skip on device
-        optimizer.step()
+    else:
+        local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(local_grads, coef.to(local_grads[0].device))
+        if not bool(found_inf.item()):  # sync: non-fused AdamW cannot skip on device
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     guard.update(found_inf)
     return norm

@@ -268,3 +268,13 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
     text = (tmp_path / "gpu_check.md").read_text()
     assert "## Claims" in text and all(f"## {name} (" in text for name in sections)
+
+
+@pytest.mark.slow
+def test_optimizer_quick(repo_root, tmp_path):
+    """The optimizer step on local shards against the DTensor step it replaced (2 processes): both ran, and
+    from the same state they move the parameters to the same values (the clip: a multiply on one side, a divide
+    in the fused kernel on the other)."""
+    result = run_quick(repo_root, "bench_optimizer.py", tmp_path)
+    assert all(len(times) == result["reps"] for times in result["times"].values())
+    assert result["max_param_difference"] < 1e-6

@@ -4,8 +4,10 @@ the guard that skips steps with a non-finite loss or gradient (and keeps fp16's 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
@@ -22,7 +24,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     try:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        return LocalShardAdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
     except (RuntimeError, ValueError):
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
@@ -79,3 +81,95 @@ class BadStepGuard:
                 f"{self.max_bad_steps}); lower --lr, use --precision bf16/fp32, or check the data"
             )
         return state.skipped_steps
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient from each rank's local shards: one foreach norm over the local
+    tensors and one all-reduce of the squared sum over the mesh dimension they are sharded on (replicas of a
+    shard, --sharding hybrid or none, hold the same numbers and are not added again). Gradients that are not
+    sharded count once. Computed in fp32; a device tensor (no host sync)."""
+    from torch.distributed.tensor import DTensor
+
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    total = torch.zeros((), dtype=torch.float32, device=_local((dtensors or plain)[0]).device)
+    if dtensors:
+        sharded_on = [i for i, placement in enumerate(dtensors[0].placements) if placement.is_shard()]
+        local = [g.to_local() for g in dtensors]
+        total = total + torch.stack(torch._foreach_norm(local)).float().pow(2).sum()
+        if sharded_on:
+            dist.all_reduce(total, group=dtensors[0].device_mesh.get_group(sharded_on[0]))
+    if plain:
+        total = total + torch.stack(torch._foreach_norm(plain)).float().pow(2).sum()
+    return total.sqrt()
+
+
+@torch.no_grad()
+def fused_adamw_on_local_shards(
+    optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, found_inf: torch.Tensor
+) -> None:
+    """optimizer.step() of a fused AdamW, run on the parameters' local shards: torch's own fused kernel
+    (torch.optim.adam.adam, decoupled weight decay) over plain tensors, so nothing dispatches through DTensor per
+    tensor (the host cost that dominates a step over many small tensors, e.g. LoRA's). The state is created and
+    kept as torch's AdamW keeps it (DTensors like the parameters, a device step counter), so checkpoints and a
+    plain optimizer.step() read it unchanged. Gradients are divided by `grad_scale` inside the kernel (the loss
+    scale and the clip, folded into the step); with `found_inf` set the step is skipped on the device."""
+    from torch.optim.adam import adam
+
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        for p in params:
+            state = optimizer.state[p]
+            if not state:  # as AdamW._init_group does for fused=True
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [optimizer.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adam(
+            [_local(p) for p in params],
+            [_local(p.grad) for p in params],
+            [_local(s["exp_avg"]) for s in states],
+            [_local(s["exp_avg_sq"]) for s in states],
+            [],
+            [s["step"] for s in states],
+            fused=True,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """AdamW(fused=True) whose step() runs on the local shards (fused_adamw_on_local_shards), with the loss
+    scale and the clip folded in: set `grad_scale` (gradients are divided by it) and `found_inf` (1 skips the
+    step) before calling step(), as torch's AMP does for fused optimizers. A subclass, so step hooks still run."""
+
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("LocalShardAdamW.step takes no closure")
+        grad_scale, found_inf = self.grad_scale, self.found_inf
+        if grad_scale is None or found_inf is None:  # a plain step(): no scale, nothing to skip
+            device = next(p.device for group in self.param_groups for p in group["params"])
+            grad_scale = torch.ones((), device=device) if grad_scale is None else grad_scale
+            found_inf = torch.zeros((), device=device) if found_inf is None else found_inf
+        fused_adamw_on_local_shards(self, grad_scale, found_inf)
