@@ -1,6 +1,7 @@
 """--context-parallel N (Ulysses over the varlen kernel): each sequence split over N processes trains exactly as
 one process with the whole sequence, on packed multi-document blocks and chat masks, resumes at another degree,
-and a degree that cannot work is refused before any process group, naming the flag."""
+each rank keeps the right part of every row (packed or not), and a degree that cannot work is refused before any
+process group, naming the flag."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from fsdp_lib.checks import validate_config
 from fsdp_lib.config import load_config
 from tests.fsdp_helpers import (
     killed_at_step,
-    losses_by_step,
     make_chat_dataset,
     make_chat_model,
     make_dataset,
@@ -66,19 +66,41 @@ def test_context_parallel_2_trains_like_one_process_and_resumes_at_1(tmp_path):
         assert abs(got - loss) <= 1e-5 * loss and got_tokens == tokens
 
 
-def test_context_parallel_chat_with_another_family_and_unpacked_rows(tmp_path):
-    """Qwen2 (GQA), chat SFT with the loss on assistant turns, and --document-masking off (a row is one sequence):
-    the split run's losses equal the unsplit run's."""
+def test_context_parallel_chat_with_another_family(tmp_path):
+    """Qwen2 (GQA), chat SFT with the loss on assistant turns, packed: the split run's losses equal the unsplit
+    run's."""
     dataset = make_chat_dataset(tmp_path / "chat")
     model = make_chat_model(tmp_path / "model", with_weights=True, arch="qwen2")
-    for masking in ("on", "off"):
-        args = [*SAME_STEPS, "--max-steps", "2", "--document-masking", masking]
-        whole = run_trainer(trainer_args(f"whole{masking}", dataset, model, tmp_path) + args, nproc=1)
-        split = trainer_args(f"split{masking}", dataset, model, tmp_path) + [*args, "--context-parallel", "2"]
-        split = run_trainer(split)
-        assert whole.returncode == 0 and split.returncode == 0, output_of(whole) + output_of(split)
-        _assert_same(_figures(tmp_path / f"split{masking}"), _figures(tmp_path / f"whole{masking}"), [1, 2])
-    assert losses_by_step(tmp_path / "spliton") != losses_by_step(tmp_path / "splitoff")  # the masking mattered
+    args = [*SAME_STEPS, "--max-steps", "2"]
+    whole = run_trainer(trainer_args("whole", dataset, model, tmp_path) + args, nproc=1)
+    split = run_trainer(trainer_args("split", dataset, model, tmp_path) + [*args, "--context-parallel", "2"])
+    assert whole.returncode == 0 and split.returncode == 0, output_of(whole) + output_of(split)
+    assert "each sequence split over 2 processes" in output_of(split)
+    _assert_same(_figures(tmp_path / "split"), _figures(tmp_path / "whole"), [1, 2])
+
+
+def test_each_rank_keeps_its_part_of_every_row_and_the_documents_of_the_whole_rows():
+    """loss.local_part: inputs, targets and positions cut at the same place; packed rows keep their
+    documents; rows without position ids (--document-masking off) count positions from the row's start and are
+    one document each."""
+    import torch
+
+    from fsdp_lib.data.batch import Batch
+    from fsdp_lib.model.loss import local_part
+    from fsdp_lib.model.varlen import Context
+
+    ids = torch.arange(16).reshape(2, 8)
+    second = Context(size=2, rank=1, group=None)
+    packed = Batch(ids, ids + 100, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]]))
+    part = local_part(packed.to(torch.device("cpu")), second)
+    assert part.input_ids.tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]] and torch.equal(
+        part.labels, part.input_ids + 100
+    )
+    assert part.position_ids.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7]]
+    assert part.documents.bounds == (0, 3, 8, 16)  # the whole rows' documents
+    unpacked = local_part(Batch(ids, ids, None), second)
+    assert unpacked.position_ids.tolist() == [[4, 5, 6, 7], [4, 5, 6, 7]]
+    assert unpacked.documents.bounds == (0, 8, 16) and unpacked.documents.longest == 8
 
 
 @pytest.mark.parametrize(

@@ -278,7 +278,7 @@ class CausalLMLoss(nn.Module):
         checks, no grad): (the model's own logits, the chunked path's logits or None) instead. per_token (DPO):
         (each target's log-probability [batch x T flattened], 0 where the label is -100; the router loss or None)."""
         if self.context is not None:
-            batch = self.local_part(batch)
+            batch = local_part(batch, self.context)
         inputs = self.model_inputs(batch)
         if per_token:
             return self.token_log_probs(inputs, batch)
@@ -318,25 +318,6 @@ class CausalLMLoss(nn.Module):
             logps = chunked_token_log_probs(hidden, head.weight, head.bias, labels, self.chunk, self.softcap)
         return logps, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 
-    def local_part(self, batch: Batch) -> Batch:
-        """--context-parallel: this rank's contiguous part of every row (inputs, their targets, their positions),
-        with the documents of the whole rows, which the attention's all-to-all brings back together. Rows without
-        position ids (--document-masking off) count positions from each row's start, one document per row."""
-        rows, length = batch.input_ids.shape
-        positions, documents = batch.position_ids, batch.documents
-        if positions is None:
-            positions = torch.arange(length, device=batch.input_ids.device).expand(rows, length)
-            documents = Documents.whole_rows(rows, length, batch.input_ids.device)
-        part = length // self.context.size
-        cut = slice(self.context.rank * part, (self.context.rank + 1) * part)
-        return dataclasses.replace(
-            batch,
-            input_ids=batch.input_ids[:, cut],
-            labels=batch.labels[:, cut],
-            position_ids=positions[:, cut],
-            documents=documents,
-        )
-
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **self.router_kwargs}
         varlen_rows = self.document_masking == "varlen" and batch.documents is not None
@@ -354,6 +335,26 @@ class CausalLMLoss(nn.Module):
             }
         eager = self.model.config._attn_implementation == "eager"
         return {**inputs, "attention_mask": block_diagonal_mask(batch.position_ids, self.mask_dtype if eager else None)}
+
+
+def local_part(batch: Batch, context: varlen.Context) -> Batch:
+    """--context-parallel: this rank's contiguous part of every row (inputs, their targets, their positions),
+    with the documents of the whole rows, which the attention's all-to-all brings back together. Rows without
+    position ids (--document-masking off) count positions from each row's start, one document per row."""
+    rows, length = batch.input_ids.shape
+    positions, documents = batch.position_ids, batch.documents
+    if positions is None:
+        positions = torch.arange(length, device=batch.input_ids.device).expand(rows, length)
+        documents = Documents.whole_rows(rows, length, batch.input_ids.device)
+    part = length // context.size
+    cut = slice(context.rank * part, (context.rank + 1) * part)
+    return dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[:, cut],
+        labels=batch.labels[:, cut],
+        position_ids=positions[:, cut],
+        documents=documents,
+    )
 
 
 @torch.no_grad()
