@@ -57,7 +57,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # head gradient summed over many tokens could overflow. bf16 has fp32's range: rounded here, as above.
         fp16 = torch.float16 in (hidden.dtype, weight.dtype)
         work = torch.float32 if fp16 else None
-        head = weight.float() if fp16 else weight
+        head = weight.float() if fp16 and needs_grad[0] else weight  # for the hidden states' gradient only
         grad_hidden = torch.zeros_like(hidden, dtype=work) if needs_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=work) if needs_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs_grad[2] else None

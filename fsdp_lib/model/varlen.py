@@ -2,7 +2,7 @@
 
 The data plan knows where each packed document starts; `Batch.to` turns that into host-side bounds (and a
 `cu_seqlens` tensor copied with the batch) before the batch reaches the device. The training forward hands the
-bounds over (`use_documents`) and gives the model an empty 4-D "mask" (`DOCUMENTS_MARK`): transformers returns a
+bounds over (`use_documents`) and gives the model an empty 4-D "mask" (`documents_mark`): transformers returns a
 4-D mask as it is, so it builds no [B x 1 x T x T] tensor and never inspects the position ids for packing (no host
 sync), and every attention layer calls `varlen_attention` with it. That function attends within each document:
   - on CUDA in bf16/fp16, torch's own variable-length flash kernel (`torch.nn.attention.varlen.varlen_attn`) over
@@ -18,6 +18,7 @@ the start-up probe (probes.py) moves on to another way of masking.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,6 @@ import torch.nn.functional as F
 from fsdp_lib.data.batch import Documents
 
 NAME = "varlen"
-# What the training forward passes as attention_mask: 4-D, so transformers returns it untouched, and empty, so it
-# can never be taken for a real mask (a real one is [B x 1 x q x kv] with q, kv >= 1).
-_MARKS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,11 @@ def _sequence_to_heads(t: torch.Tensor, context: Context) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(rows, length // n, n * heads, dim)
 
 
+# What the training forward passes as attention_mask: 4-D, so transformers returns it untouched, and empty, so it
+# can never be taken for a real mask (a real one is [B x 1 x q x kv] with q, kv >= 1).
+_MARKS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def documents_mark(rows: int, device: torch.device) -> torch.Tensor:
     """The empty [rows x 1 x 0 x 0] attention_mask that asks the model's layers for document attention."""
     key = (rows, device)
@@ -86,9 +89,10 @@ def documents_mark(rows: int, device: torch.device) -> torch.Tensor:
     return _MARKS[key]
 
 
+@functools.cache
 def _torch_varlen():
     """torch's variable-length flash attention and how this version says "causal" (2.11: is_causal; 2.13:
-    window_size=(-1, 0)), or None where torch has none."""
+    window_size=(-1, 0)), or None where torch has none. Read once: every attention layer asks."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
