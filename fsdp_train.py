@@ -64,16 +64,18 @@ from fsdp_lib.runtime import (
 from fsdp_lib.state import TrainState
 from fsdp_lib.train.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
-from fsdp_lib.train.dpo import DPOObjective, build_objective, reference_flops_per_token
+from fsdp_lib.train.dpo import reference_flops_per_token
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
+from fsdp_lib.train.objective import Objective, build_objective
 from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer, global_grad_norm, lr_at
+from fsdp_lib.train.rewards import reward_problems
 from fsdp_lib.train.samples import SAMPLES_FILE, SamplePrompt, generate_samples, load_sample_prompts
 
 # -- the step -------------------------------------------------------------------------------------
 
 
 def forward_backward(
-    train_forward: nn.Module | DPOObjective,
+    train_forward: nn.Module | Objective,
     micro_batches: list[Batch],
     trained_tokens: int,
     guard: BadStepGuard,
@@ -178,7 +180,7 @@ def evaluate_mixture(train_forward: nn.Module, blocks: MixedBlocks, cfg: TrainCo
 
 
 def validate(
-    bundle: ModelBundle, objective: DPOObjective | None, blocks: PackedBlocks | MixedBlocks, cfg: TrainConfig, d: Dist
+    bundle: ModelBundle, objective: Objective | None, blocks: PackedBlocks | MixedBlocks, cfg: TrainConfig, d: Dist
 ) -> dict[str, float]:
     """The validation figures: the loss (and perplexity) of the held-out tokens (per dataset too, for a mixture),
     or DPO's on the held-out pairs."""
@@ -222,7 +224,7 @@ def run(cfg: TrainConfig) -> int:
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
     bundle = build_model(cfg, precision, d)
     prompts = load_sample_prompts(cfg, data.tokenizer, getattr(bundle.config, "max_position_embeddings", None))
-    objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, or None
+    objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, GRPO or None
     optimizer = build_optimizer(bundle.model, cfg)
 
     fingerprint = resume_fingerprint(cfg, bundle.config, data, bundle.peft, objective_fingerprint)
@@ -295,11 +297,11 @@ def train_loop(
     metrics: Metrics,
     state: TrainState,
     stop: StopRequest,
-    objective: DPOObjective | None = None,
+    objective: Objective | None = None,
     prompts: list[SamplePrompt] | None = None,
 ) -> bool:
     """Returns True when training ran to the end, False when it stopped on a signal (after saving).
-    objective: --objective dpo's, called per micro-batch in place of the language-model loss; prompts: those of
+    objective: --objective dpo's or grpo's, called per micro-batch in place of the language-model loss; prompts: those of
     --sample-prompts, completed at every evaluation."""
     prompts = prompts or []
     plan, last_step = data.train, total_steps(cfg, data.train)
@@ -322,6 +324,9 @@ def train_loop(
             step_in_epoch = state.samples_in_epoch // plan.global_batch
             micro_batches, trained = prefetch.get(state.epoch, step_in_epoch)
             sources = prefetch.sources(state.epoch, step_in_epoch)
+        if objective is not None and objective.online:  # GRPO: the batches are the prompts' sampled completions
+            with metrics.timer.phase("generate"):
+                micro_batches, trained = objective.rollout(micro_batches, state.epoch)
         loss_sum, aux_loss = forward_backward(
             step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
         )
@@ -333,6 +338,8 @@ def train_loop(
         metrics.record(loss_sum, trained, aux_loss, objective.take_stats() if objective else None, sources)
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard.sync(state))
+            if objective is not None:  # GRPO: one prompt's completions and their rewards
+                metrics.write_samples(state.step, objective.take_samples())
         if evaluation_due(cfg, state.step, last_step):
             if data.validation is not None:
                 result = validate(bundle, objective, data.validation, cfg, d)
@@ -365,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         problems = problems or peft_problems(cfg)  # the adapter flags against the model, built on meta
+        problems = problems or reward_problems(cfg.reward, cfg.reward_weights, cfg.reward_pattern)  # files imported
         problems = problems or model_folder_problems(resolve_model_dir(cfg.model_name))  # files whole, vocab fits
         if problems:
             raise ConfigError(problems)

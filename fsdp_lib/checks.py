@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from fsdp_lib.config import (
+    GRPO_FLAGS,
     LORA_FLAGS,
     REFERENCE_FREE_LOSSES,
     TrainConfig,
@@ -31,6 +32,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += _device_problems(cfg, world_size)
     problems += _peft_problems(cfg)
     problems += _dpo_problems(cfg)
+    problems += _grpo_problems(cfg)
     problems += _context_problems(cfg, world_size)
     problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
@@ -318,6 +320,54 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
     if cfg.objective == "dpo" and cfg.document_masking == "off":
         problems.append(
             "--objective dpo packs a pair's sequences as separate documents: it needs --document-masking on"
+        )
+    return problems
+
+
+def _grpo_problems(cfg: TrainConfig) -> list[str]:
+    """The GRPO flags: only with --objective grpo (or auto, where the dataset decides), and in range. The reward
+    files are imported later, in fsdp_train.main (rewards.reward_problems)."""
+    if cfg.objective in ("lm", "dpo"):
+        changed = changed_flags(cfg, GRPO_FLAGS)
+        return [f"{', '.join(changed)} need --objective grpo (got --objective {cfg.objective})"] if changed else []
+    if cfg.objective == "auto" and not changed_flags(cfg, GRPO_FLAGS):
+        return []  # a prompt dataset then stops the run for want of --reward (plan.resolve_objective)
+    problems = []
+    if cfg.objective == "grpo" and not cfg.reward:
+        problems.append(
+            "--objective grpo needs at least one --reward: FILE.py:FUNCTION, or a built-in (accuracy, format)"
+        )
+    if cfg.objective == "grpo" and changed_dpo_flags(cfg):
+        problems.append(f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo, not grpo")
+    if cfg.num_generations < 2:
+        problems.append(
+            f"--num-generations must be at least 2 (got {cfg.num_generations}): advantages compare the completions "
+            "of one prompt; 8-16 is usual"
+        )
+    if cfg.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
+    elif cfg.max_new_tokens >= cfg.seq_length:
+        problems.append(
+            f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in --seq-length {cfg.seq_length} "
+            "(prompt + completion); raise --seq-length or lower --max-new-tokens"
+        )
+    if not cfg.temperature > 0 or not math.isfinite(cfg.temperature):
+        problems.append(f"--temperature must be a positive number (got {cfg.temperature}); GRPO samples, 1.0 is usual")
+    if not 0.0 < cfg.top_p <= 1.0:
+        problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if not 0.0 < cfg.epsilon < 1.0:
+        problems.append(f"--epsilon must be in (0, 1) (got {cfg.epsilon}); 0.2 is usual")
+    if cfg.epsilon_high and not cfg.epsilon_high >= cfg.epsilon:
+        problems.append(
+            f"--epsilon-high {cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher raises the upper bound "
+            "(DAPO: 0.28), 0 keeps it at --epsilon"
+        )
+    if not cfg.grpo_beta >= 0 or not math.isfinite(cfg.grpo_beta):
+        problems.append(f"--grpo-beta must not be negative (got {cfg.grpo_beta}); 0 = no KL term")
+    if cfg.objective == "grpo" and cfg.context_parallel > 1:
+        problems.append(
+            f"--context-parallel {cfg.context_parallel} is not supported with --objective grpo yet (generation runs "
+            "whole sequences on each process); use --context-parallel 1"
         )
     return problems
 

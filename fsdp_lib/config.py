@@ -155,9 +155,10 @@ class TrainConfig:
     objective: str = _opt(
         "auto",
         "lm = next-token loss (text, or conversations' assistant turns); dpo = direct preference optimisation on "
-        "pairs (prompt, chosen, rejected: data_hf.py --format preference); auto = dpo for a dataset with chosen and "
-        "rejected columns, else lm",
-        choices=("auto", "lm", "dpo"),
+        "pairs (prompt, chosen, rejected: data_hf.py --format preference); grpo = online RL: completions sampled "
+        "for each prompt (a 'prompt' column: data_hf.py --format prompts), scored by --reward; auto = dpo for a "
+        "dataset with chosen and rejected columns, grpo for one with a prompt column and no text or messages, else lm",
+        choices=("auto", "lm", "dpo", "grpo"),
     )
     dpo_beta: float = _opt(
         0.1,
@@ -184,6 +185,49 @@ class TrainConfig:
         "once before step 1 and stored with the token cache (no second model in memory); live = a frozen copy "
         "(--peft: the same model with adapters off); auto = live with --peft and no --adapter, else precomputed",
         choices=("auto", "precomputed", "live"),
+    )
+
+    # --- Online RL with rewards (GRPO)
+    num_generations: int = _opt(8, "--objective grpo: completions sampled per prompt (a group; at least 2)")
+    max_new_tokens: int = _opt(256, "--objective grpo: the longest completion, in tokens (cut at the end token)")
+    temperature: float = _opt(1.0, "--objective grpo: sampling temperature (> 0)")
+    top_p: float = _opt(1.0, "--objective grpo: nucleus sampling, the probability mass kept (1 = all)")
+    reward: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "--objective grpo: a reward function, FILE.py:FUNCTION (TRL's signature: f(prompts, completions, "
+            "**columns) -> one float or None per completion) or a built-in: accuracy (the completion's last number "
+            "or \\boxed{} answer equals the answer/solution column's), format (matches --reward-pattern); give it "
+            "several times to combine them",
+            "choices": None,
+            "short": None,
+        },
+    )
+    reward_weights: str = _opt("", "--objective grpo: one weight per --reward, comma-separated (default: 1 each)")
+    reward_pattern: str = _opt(
+        r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*",
+        "--reward format: the regular expression a whole completion must match (dot matches newlines)",
+    )
+    grpo_loss: str = _opt(
+        "dapo",
+        "--objective grpo: how token losses are averaged over the global batch. grpo = per completion, then over "
+        "completions; dapo = over all completion tokens (long completions are not under-weighted); dr_grpo = summed "
+        "/ (completions x --max-new-tokens), advantages not divided by the group's std",
+        choices=("grpo", "dapo", "dr_grpo"),
+    )
+    epsilon: float = _opt(0.2, "--objective grpo: the policy ratio is clipped to [1 - epsilon, 1 + --epsilon-high]")
+    epsilon_high: float = _opt(0.0, "--objective grpo: the upper clip (DAPO's clip-higher: 0.28); 0 = --epsilon")
+    grpo_beta: float = _opt(
+        0.0,
+        "--objective grpo: weight of the KL term to the reference (the model with adapters off with --peft, else a "
+        "frozen copy); 0 = no reference, as is current practice",
+    )
+    rollout_unshard: str = _opt(
+        "auto",
+        "--objective grpo: keep the decoder layers gathered for a whole generation (on: one all-gather per layer, "
+        "the whole model in memory meanwhile) or gather each for every token (off); auto = on where the model "
+        "takes under a quarter of the GPU's memory",
+        choices=("auto", "on", "off"),
     )
 
     # --- Cadence: metric lines, checkpoints, evaluation
@@ -361,11 +405,18 @@ def load_config(argv: list[str] | None) -> TrainConfig:
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "export_merged")
 DPO_FLAGS = ("dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "reference")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # --dpo-loss values that use no reference model
+GRPO_FLAGS = (
+    "num_generations", "max_new_tokens", "temperature", "top_p", "reward", "reward_weights", "reward_pattern",
+    "grpo_loss", "epsilon", "epsilon_high", "grpo_beta", "rollout_unshard",
+)  # fmt: skip
 
 
 def changed_flags(cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
     """Those of the fields `names` set to something other than their default, as --flag names."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in dataclasses.fields(TrainConfig)
+    }
     return [f"--{n.replace('_', '-')}" for n in names if getattr(cfg, n) != defaults[n]]
 
 

@@ -21,6 +21,8 @@ class Batch:
     sequence_ids: torch.Tensor | None = None
     sequences: torch.Tensor | None = None
     reference: torch.Tensor | None = None
+    # --objective grpo (grpo.completion_batch): each sequence's advantage.
+    advantages: torch.Tensor | None = None
     # Where the packed documents start, read from the position ids on the host (set by `to`).
     documents: Documents | None = None
 

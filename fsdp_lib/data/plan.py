@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_lib.config import TrainConfig, changed_dpo_flags, parse_data_slice, parse_data_weights
+from fsdp_lib.config import GRPO_FLAGS, TrainConfig, changed_dpo_flags, changed_flags, parse_data_slice, parse_data_weights
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, uses_tools
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.preference import PairBlocks, PairEncoder
+from fsdp_lib.data.prompts import PromptSet, load_prompts
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import dataset_kind
@@ -33,7 +34,7 @@ class DataPlan:
     just (epoch, samples consumed), and a final partial global batch is always dropped.
     """
 
-    blocks: PackedBlocks | MixedBlocks
+    blocks: PackedBlocks | MixedBlocks | PromptSet  # a PromptSet's "blocks" are prompts (--objective grpo)
     seed: int
     global_batch: int
     micro_batch: int
@@ -99,7 +100,7 @@ class Prefetcher:
     def _load(self, epoch: int, step: int) -> tuple[list[Batch], int]:
         order = self._order(epoch)
         batches = self.plan.micro_batches(order, step)
-        if self.pin:
+        if self.pin and all(isinstance(b, Batch) for b in batches):  # prompts (GRPO) are not tensors yet
             batches = [Batch(*(None if t is None else t.pin_memory() for t in b.tensors())) for b in batches]
         return batches, self.plan.trained_tokens(order, step)
 
@@ -144,7 +145,7 @@ class TrainData:
     tokenizer_hash: str
     dataset_fingerprint: str
     data_format: str  # what turns rows into trained tokens: text or chat (template, --loss-on), document masking
-    objective: str = "lm"  # lm or dpo (--objective, resolved against the dataset)
+    objective: str = "lm"  # lm, dpo or grpo (--objective, resolved against the dataset)
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Source:
     """One -d dataset, tokenised and packed."""
 
     name: str  # as given with -d
-    train: PackedBlocks | PairBlocks
+    train: PackedBlocks | PairBlocks | PromptSet
     validation: PackedBlocks | PairBlocks | None
     rows: int
     tokens: int
@@ -200,8 +201,9 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
             f"epoch are fewer than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
             f"lower --seq-length, --batch-size or --grad-accum-steps"
         )
+    unit = f"prompts (x {cfg.num_generations} completions)" if sources[0].objective == "grpo" else "blocks"
     log(
-        f"data: {plan.epoch_blocks:,} train blocks of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
+        f"data: {plan.epoch_blocks:,} train {unit} of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
         f"({d.data_world} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
         f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
     )
@@ -222,6 +224,8 @@ def check_ids_fit(sources: list[Source], tokenizer: Any, model_dir: Path) -> Non
         return
     for source in sources:
         for blocks in (source.train, source.validation):
+            if isinstance(blocks, PromptSet):  # prompts: checked as they are tokenised (load_prompts)
+                continue
             highest = int(blocks.tokens.max()) if blocks is not None and blocks.tokens.size else -1
             if highest >= rows:
                 raise TrainError(
@@ -243,10 +247,11 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     if cfg.data_slice:
         train_split = slice_rows(train_split, cfg.data_slice)
     objective = resolve_objective(cfg, train_split.column_names, name)
-    if objective == "dpo" and len(cfg.dataset_name) > 1:
-        raise TrainError(
-            f"--dataset-name {name} holds preference pairs, which train alone (--objective dpo); give -d once"
-        )
+    if objective in ("dpo", "grpo") and len(cfg.dataset_name) > 1:
+        what = "preference pairs" if objective == "dpo" else "prompts"
+        raise TrainError(f"--dataset-name {name} holds {what}, which train alone (--objective {objective}); give -d once")
+    if objective == "grpo":
+        return prompt_source(cfg, name, train_split, val_split, tokenizer)
     columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too
     tools = objective != "dpo" and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
     chat = chat_encoder(cfg, tokenizer, columns, tools, name)
@@ -281,6 +286,23 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
     tokens = len(train_blocks.tokens) if isinstance(train_blocks, PackedBlocks) else int(np.sum(train_blocks.lengths))
     return Source(name, train_blocks, validation, len(train_split), tokens, fingerprint, data_format, objective)
+
+
+def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any, tokenizer: Any) -> Source:
+    """--objective grpo's dataset: its train prompts tokenised (each at most --seq-length - --max-new-tokens
+    tokens). A validation split is not evaluated yet (said in the log)."""
+    prompts = load_prompts(train_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "train")
+    if val_split is not None and len(val_split):
+        log(f"--objective grpo: the {len(val_split):,} validation prompts of {name} are not evaluated (not supported yet)")
+    template = chat_template_hash(tokenizer) if prompts.conversational else "text"
+    log(
+        f"--objective grpo{' (auto: the dataset has a prompt column)' if cfg.objective == 'auto' else ''}: "
+        f"{len(prompts):,} {'conversational' if prompts.conversational else 'plain-text'} prompts of {name}, other "
+        f"columns for the rewards: {[c for c in train_split.column_names if c != 'prompt']}"
+    )
+    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/"
+    tokens = sum(len(ids) for ids in prompts.ids)
+    return Source(name, prompts, None, len(train_split), tokens, fingerprint, f"prompts:{template}", "grpo")
 
 
 def mixture_plan(
@@ -320,7 +342,7 @@ def describe_datasets(cfg: TrainConfig) -> None:
             train_split, val_split = load_text_dataset(name, cfg.text_column or None)
         except ValueError as exc:
             raise TrainError(f"--dataset-name: {exc}") from exc
-        kind = {"preference": "preference pairs", "messages": "conversations"}.get(
+        kind = {"preference": "preference pairs", "messages": "conversations", "prompts": "prompts"}.get(
             dataset_kind(train_split.column_names), "text"
         )
         held_out = f", {len(val_split):,} validation rows" if val_split is not None else ""
@@ -331,9 +353,27 @@ def describe_datasets(cfg: TrainConfig) -> None:
 
 
 def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> str:
-    """--objective as lm or dpo: auto follows the dataset; an explicit choice must fit it."""
+    """--objective as lm, dpo or grpo: auto follows the dataset; an explicit choice must fit it."""
     name = name or cfg.datasets_label
-    preference = dataset_kind(columns) == "preference"
+    kind = dataset_kind(columns)
+    preference = kind == "preference"
+    if cfg.objective == "grpo" or (cfg.objective == "auto" and kind == "prompts"):
+        if "prompt" not in columns or preference:
+            raise TrainError(
+                f"--objective grpo: --dataset-name {name} has the columns {columns}; it needs a 'prompt' column (and "
+                "no chosen/rejected); convert prompts with: python data_hf.py --format prompts ..."
+            )
+        if not cfg.reward:
+            raise TrainError(
+                f"--dataset-name {name} holds prompts (--objective auto: grpo), which train with rewards: give "
+                "--reward FILE.py:FUNCTION or a built-in (accuracy, format)"
+            )
+        return "grpo"
+    if changed_flags(cfg, GRPO_FLAGS):
+        raise TrainError(
+            f"{', '.join(changed_flags(cfg, GRPO_FLAGS))} apply to --objective grpo; --dataset-name {name} has the "
+            f"columns {columns}, not a 'prompt' column"
+        )
     if cfg.objective == "dpo" and not preference:
         raise TrainError(
             f"--objective dpo: --dataset-name {name} has the columns {columns}, not prompt, chosen and "

@@ -25,7 +25,8 @@ def load_text_dataset(
 
     A data_hf.py folder is a Dataset, or a DatasetDict with a `train` and an optional `validation` split. Each split
     has a `text` column (plain text), a `messages` column (conversations: lists of {"role", "content"}) or
-    `prompt`, `chosen` and `rejected` columns (preference pairs, each a list of messages); with
+    `prompt`, `chosen` and `rejected` columns (preference pairs, each a list of messages), or a `prompt` column
+    (--objective grpo's prompts, with any other columns); with
     `text_column` that column is used as the text instead. Memory-mapped, never copied."""
     import datasets
     import pyarrow as pa
@@ -59,7 +60,8 @@ def load_text_dataset(
         if split is not None and dataset_kind(split.column_names) is None:
             raise ValueError(
                 f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
-                f"column, nor 'prompt', 'chosen' and 'rejected' (preference pairs); pass --text-column NAME to use "
+                f"column, nor 'prompt' (prompts for --objective grpo, with 'chosen' and 'rejected': preference "
+                f"pairs); pass --text-column NAME to use "
                 f"another column as the text, or {how_to_make}"
             )
     return train, validation

@@ -1,11 +1,13 @@
 """The dataset schema: the kinds of dataset data_hf.py writes and the trainer reads, their columns, the fields of a
 turn, the roles a turn may have, and the rule that tells a saved dataset's kind from its column names.
 
-A dataset is one of three kinds:
+A dataset is one of four kinds:
 - "text": one column `text`, a string per row;
 - "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id} per row (one conversation),
   and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
-- "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair).
+- "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair);
+- "prompts" (read by the trainer only, for --objective grpo): `prompt`, a string or a list of {role, content}
+  turns, and any other columns, which the reward functions read (a reference answer, test cases).
 data_hf.py decides the kind when it writes (and names it in its summary's "column"); the trainer finds it again
 from the column names with dataset_kind.
 """
@@ -48,10 +50,13 @@ def turn_fields(column: str) -> tuple[str, ...]:
 def dataset_kind(columns: Iterable[str]) -> str | None:
     """The kind of a saved dataset (a key of DATASET_COLUMNS) told from its column names: "preference" when it has
     all of PREFERENCE_COLUMNS, else "messages" when it has a `messages` column (with or without `tools`), else
-    "text" when it has a `text` column; None when it is none of them."""
+    "text" when it has a `text` column, else "prompts" when it has a `prompt` column; None when it is none of
+    them."""
     names = set(columns)
     if set(PREFERENCE_COLUMNS) <= names:
         return "preference"
     if "messages" in names:
         return "messages"
-    return "text" if "text" in names else None
+    if "text" in names:
+        return "text"
+    return "prompts" if "prompt" in names else None

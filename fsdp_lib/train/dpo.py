@@ -6,6 +6,7 @@ place of the language-model loss, its metrics, and validation on held-out pairs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import time
@@ -96,10 +97,37 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             layer._disable_adapters = False
 
 
+def reference_token_log_probs(policy: CausalLMLoss, frozen: CausalLMLoss | None, batch: Batch) -> torch.Tensor:
+    """The live reference's log-probability of each target token, without gradient: the frozen copy, or (frozen
+    None, --peft) the policy with its adapters off."""
+    module = policy if frozen is None else frozen
+    off = adapters_off(policy.model) if frozen is None else contextlib.nullcontext()
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), off:
+            return module(batch, per_token=True)[0]
+    finally:
+        module.train(was_training)
+        if frozen is not None:  # no backward ever reshards the copy: give its gathered layers back now
+            reshard_all(frozen)
+
+
+def frozen_copy(cfg: TrainConfig, precision: str, d: Dist) -> CausalLMLoss:
+    """A frozen FSDP-sharded copy of the starting model (the reference without --peft), before any checkpoint is
+    loaded into the policy."""
+    log("--reference live: building a frozen copy of the starting model (FSDP-sharded, no gradients)")
+    copy = build_model(dataclasses.replace(cfg, activation_checkpointing="off"), precision, d)
+    copy.model.requires_grad_(False)
+    return copy.train_forward
+
+
 class DPOObjective:
     """What the training step calls for each micro-batch instead of CausalLMLoss: batch -> (the summed loss of its
     pairs, the router loss or None). forward_backward scales the sum by processes / (pairs in the global batch), so
     the gradient is that of the mean pair loss over the whole global batch at any process count or accumulation."""
+
+    online = False  # its batches come from the data plan (GRPO's are generated: grpo.py)
 
     def __init__(self, cfg: TrainConfig, policy: CausalLMLoss, reference: str, frozen: CausalLMLoss | None = None):
         # reference: precomputed | adapters-off | copy | none (reference-free losses)
@@ -118,17 +146,8 @@ class DPOObjective:
     def reference_log_probs(self, batch: Batch) -> torch.Tensor:
         if self.reference == "precomputed":
             return batch.reference.float()
-        module = self.policy if self.reference == "adapters-off" else self.frozen
-        off = adapters_off(self.policy.model) if self.reference == "adapters-off" else contextlib.nullcontext()
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad(), off:
-                return sequence_log_probs(module, batch)
-        finally:
-            module.train(was_training)
-            if self.frozen is not None:  # no backward ever reshards the copy: give its gathered layers back now
-                reshard_all(self.frozen)
+        token_logps = reference_token_log_probs(self.policy, self.frozen, batch)
+        return sequence_sums(token_logps, batch.sequence_ids, len(batch.sequences))
 
     def pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each pair's loss (with gradient) and the router loss; adds the pairs' figures to self.stats."""
@@ -170,6 +189,9 @@ class DPOObjective:
     def take_stats(self) -> torch.Tensor | None:
         stats, self.stats = self.stats, None
         return stats
+
+    def take_samples(self) -> list[dict]:
+        return []
 
     @staticmethod
     def window_figures(totals: torch.Tensor, elapsed: float) -> dict[str, float]:
@@ -300,13 +322,11 @@ def dpo_summary(cfg: TrainConfig, mode: str) -> str:
     return f"--dpo-loss {cfg.dpo_loss}, beta {cfg.dpo_beta}{gamma}{orpo}{smoothing}{sft}; reference: {what}"
 
 
-def build_objective(
+def build_dpo(
     cfg: TrainConfig, bundle: ModelBundle, data: TrainData, precision: str, d: Dist
-) -> tuple[DPOObjective | None, dict | str]:
-    """(the DPO objective, or None for --objective lm; what a resume must agree with). Before any checkpoint is
-    loaded: a precomputed reference is the starting model's."""
-    if data.objective != "dpo":
-        return None, "lm"
+) -> tuple[DPOObjective, dict]:
+    """(the DPO objective, what a resume must agree with). Before any checkpoint is loaded: a precomputed reference
+    is the starting model's."""
     if d.context_size > 1:
         raise TrainError(
             f"--context-parallel {d.context_size}: the dataset holds preference pairs (DPO), which do not support "
@@ -328,12 +348,7 @@ def build_objective(
             if data.validation is not None:
                 attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
     elif mode == "copy" and not cfg.export_only:
-        import dataclasses
-
-        log("--reference live: building a frozen copy of the starting model (FSDP-sharded, no gradients)")
-        copy = build_model(dataclasses.replace(cfg, activation_checkpointing="off"), precision, d)
-        copy.model.requires_grad_(False)
-        frozen = copy.train_forward
+        frozen = frozen_copy(cfg, precision, d)
     log(f"--objective dpo: {dpo_summary(cfg, mode)}")
     fingerprint = {
         "loss": cfg.dpo_loss,

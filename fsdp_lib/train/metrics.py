@@ -76,7 +76,7 @@ class PhaseTimer:
     """Per-phase times over a logging window. On CUDA, events are recorded and read only at log time,
     so timing adds no host-device sync to the step loop."""
 
-    PHASES = ("data", "forward", "backward", "update")
+    PHASES = ("data", "forward", "backward", "update")  # always reported; others (GRPO's "generate") once timed
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -97,14 +97,14 @@ class PhaseTimer:
         else:
             t0 = time.perf_counter()
             yield
-            self.host_ms[name] += (time.perf_counter() - t0) * 1000
+            self.host_ms[name] = self.host_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
 
     def averages(self, steps: int) -> dict[str, float]:
         totals = dict(self.host_ms)
         if self.events:
             torch.cuda.synchronize()
             for name, start, end in self.events:
-                totals[name] += start.elapsed_time(end)
+                totals[name] = totals.get(name, 0.0) + start.elapsed_time(end)
         return {f"time_{k}_ms": v / max(1, steps) for k, v in totals.items()}
 
 

@@ -17,6 +17,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.tool_calls import template_messages, template_tools
 from fsdp_lib.runtime import reshard_all
+from fsdp_lib.train.rollout import cache_argument, returned_cache
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -90,6 +91,8 @@ def generate_samples(
     resharded."""
     model = train_forward.model
     head = model.get_output_embeddings()
+    decoder = model.base_model if train_forward.chunk else model
+    cache_name = cache_argument(decoder)
     stops = stop_ids(model, tokenizer)
     was_training = train_forward.training
     train_forward.eval()
@@ -102,13 +105,9 @@ def generate_samples(
             for _ in range(max_new_tokens):
                 # the head the chunked loss uses (checked at start-up; a soft cap keeps the argmax), or, for a model
                 # the chunked path does not fit, its own logits
-                if train_forward.chunk:
-                    out = model.base_model(input_ids=tokens, past_key_values=past, use_cache=True)
-                    logits = head(out.last_hidden_state[:, -1:])
-                else:
-                    out = model(input_ids=tokens, past_key_values=past, use_cache=True)
-                    logits = out.logits[:, -1:]
-                past = out.past_key_values
+                out = decoder(input_ids=tokens, use_cache=True, **{cache_name: past})
+                logits = head(out.last_hidden_state[:, -1:]) if train_forward.chunk else out.logits[:, -1:]
+                past = returned_cache(out)
                 tokens = logits.argmax(-1)
                 new.append(int(tokens.item()))
             cut = next((i for i, t in enumerate(new) if t in stops), len(new))

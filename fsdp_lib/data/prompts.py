@@ -1,0 +1,104 @@
+"""Prompts for --objective grpo: a dataset with a `prompt` column (a string, or a list of {role, content} messages,
+TRL's prompt-only shapes; data_hf.py --format prompts writes it) and any other columns, which the reward functions
+receive. Each prompt is tokenised once at start-up: a string as it is, a conversation with the chat template and
+its generation prompt. The DataPlan draws prompts like blocks: a global batch is a number of prompts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fsdp_lib.errors import TrainError
+from fsdp_lib.records.tool_calls import template_messages
+from fsdp_lib.runtime import log
+
+PROMPT_COLUMN = "prompt"
+
+
+@dataclass
+class PromptBatch:
+    """One micro-batch of prompts: their indices in the PromptSet (the sampling keys), token ids, the prompts as
+    the reward functions get them and every other column's values."""
+
+    indices: list[int]
+    ids: list[list[int]]
+    prompts: list[Any]
+    columns: dict[str, list[Any]]
+
+
+@dataclass
+class PromptSet:
+    ids: list[list[int]]  # per kept prompt
+    rows: np.ndarray  # each kept prompt's row in the split
+    split: Any  # the datasets.Dataset (its other columns are read per batch)
+    conversational: bool  # prompts are message lists (completions are then message lists too)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def gather(self, indices: list[int]) -> PromptBatch:
+        records = self.split.select(self.rows[indices].tolist()).to_dict() if indices else {}
+        prompts = records.pop(PROMPT_COLUMN, [])
+        return PromptBatch(list(indices), [self.ids[i] for i in indices], prompts, records)
+
+    def trained_tokens(self, indices: list[int]) -> int:
+        """Prompts (the objective counts its own normaliser once the completions exist)."""
+        return len(indices)
+
+
+def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
+    """(the text the model continues, whether it went through the chat template). A string stays as it is; a list
+    of messages (or a JSON string of one) is rendered with the template's generation prompt."""
+    if isinstance(prompt, str):
+        stripped = prompt.lstrip()
+        if not stripped.startswith("["):
+            return prompt, False
+        try:
+            prompt = json.loads(prompt)
+        except ValueError:
+            return prompt, False
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"a prompt is {type(prompt).__name__}, not a string or a list of messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a conversational prompt needs a chat template, and the tokenizer has none (--chat-template)")
+    text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
+    return text, True
+
+
+def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str) -> PromptSet:
+    """Every prompt of `split` tokenised; a prompt that cannot be rendered or is longer than max_prompt_tokens
+    (--seq-length minus --max-new-tokens) is a counted skip, logged with its first row."""
+    if PROMPT_COLUMN not in split.column_names:
+        raise TrainError(
+            f"--dataset-name {name}: --objective grpo needs a 'prompt' column (columns: {split.column_names}); "
+            "convert prompts with: python data_hf.py --format prompts ..."
+        )
+    ids, rows, kinds = [], [], set()
+    skipped: dict[str, list[int]] = {}
+    for row, prompt in enumerate(split[PROMPT_COLUMN]):
+        try:
+            text, templated = prompt_text(prompt, tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a bad prompt is a counted skip, as in data_hf.py
+            skipped.setdefault(str(exc)[:120], []).append(row)
+            continue
+        tokens = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        if not tokens:
+            skipped.setdefault("an empty prompt", []).append(row)
+        elif len(tokens) > max_prompt_tokens:
+            reason = f"longer than {max_prompt_tokens} tokens (--seq-length minus --max-new-tokens)"
+            skipped.setdefault(reason, []).append(row)
+        else:
+            ids.append(tokens)
+            rows.append(row)
+            kinds.add(templated)
+    for reason, where in skipped.items():
+        log(f"WARNING: {what} prompts of {name}: skipped {len(where)} ({reason}; first: row {where[0]})")
+    if len(kinds) > 1:
+        raise TrainError(
+            f"--dataset-name {name}: the {what} prompts mix plain strings and conversations; the completions the "
+            "reward functions get would differ in kind. Convert them all to one kind"
+        )
+    return PromptSet(ids, np.asarray(rows, dtype=np.int64), split, kinds == {True})

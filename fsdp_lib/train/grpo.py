@@ -1,0 +1,352 @@
+"""Online RL with verifiable rewards (--objective grpo): each step, every prompt of the global batch gets
+--num-generations completions sampled on the sharded model (rollout.py), scored by the --reward functions
+(rewards.py); the rewards are normalised within each prompt's group into advantages, and the step takes the
+clipped policy-gradient loss of Shao et al. 2024, with an optional KL term to the reference (--grpo-beta).
+
+The loss normalisations (--grpo-loss), over the whole global batch at any process count or accumulation:
+  grpo:    each completion's mean token loss, averaged over completions (the GRPO paper);
+  dapo:    the token losses summed over every completion, divided by their tokens (DAPO, Yu et al. 2025; the
+           default: a long completion's tokens weigh as much as a short one's);
+  dr_grpo: the token losses summed, divided by completions x --max-new-tokens, and advantages not divided by the
+           group's standard deviation (Dr. GRPO, Liu et al. 2025: neither length nor difficulty bias).
+Clipping: ratio clamped to [1 - --epsilon, 1 + --epsilon-high] (DAPO's clip-higher when --epsilon-high > --epsilon).
+One optimizer step per generation batch, so the ratio is 1 in value (the old policy is the current one) and only its
+gradient acts; the clip matters once several steps reuse a batch, which this version does not do."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.data.batch import Batch
+from fsdp_lib.data.plan import TrainData
+from fsdp_lib.data.prompts import PromptBatch, PromptSet
+from fsdp_lib.errors import TrainError
+from fsdp_lib.model.build import ModelBundle
+from fsdp_lib.model.loss import CausalLMLoss
+from fsdp_lib.runtime import Dist, eagerly, log
+from fsdp_lib.train.dpo import disable_dropout, frozen_copy, reference_token_log_probs, sequence_sums
+from fsdp_lib.train.rewards import RewardError, RewardFunction, combine, completion_text, load_rewards, score
+from fsdp_lib.train.rollout import generate, sampling_uniforms
+from fsdp_lib.train.samples import stop_ids
+
+# The figures a step sums per rank (then over the window and the ranks), then one triple per reward function.
+GRPO_STATS = (
+    "completions",
+    "reward",
+    "reward_sq",
+    "prompt_tokens",
+    "completion_tokens",
+    "stopped",
+    "groups",
+    "zero_std_groups",
+    "entropy",
+    "generated_tokens",
+    "generation_s",
+    "clipped_tokens",
+    "kl",
+)
+STD_EPS = 1e-4  # added to a group's standard deviation (as TRL), so a group of equal rewards gives advantages of 0
+
+
+def group_advantages(rewards: np.ndarray, group: int, scale: bool) -> np.ndarray:
+    """(reward - its group's mean), divided by the group's standard deviation (unbiased) + STD_EPS when `scale`.
+    rewards: [prompts x group] flattened, a prompt's completions next to each other."""
+    grouped = rewards.reshape(-1, group)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    if scale:
+        centred = centred / (grouped.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
+    return centred.reshape(-1)
+
+
+def token_losses(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    reference: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, clipped mask, per-token KL or zeros). -min(r A, clip(r, 1 - eps, 1 + eps_high) A) with
+    r = exp(logp - old logp), + beta x the k3 estimator exp(ref - logp) - (ref - logp) - 1 (Schulman 2020)."""
+    ratio = torch.exp(logps - old_logps)
+    clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
+    losses = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    clipped = ((ratio < 1.0 - epsilon) & (advantages < 0)) | ((ratio > 1.0 + epsilon_high) & (advantages > 0))
+    kl = torch.zeros_like(losses)
+    if beta and reference is not None:
+        delta = reference - logps
+        kl = torch.exp(delta) - delta - 1.0
+        losses = losses + beta * kl
+    return losses, clipped, kl
+
+
+def completion_batch(
+    prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, pad_id: int
+) -> Batch:
+    """Rows prompt + completion (right-padded), labels on the completion tokens only, each row its own sequence."""
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    rows = len(prompts)
+    ids = torch.full((rows, length), pad_id, dtype=torch.int64)
+    labels = torch.full((rows, length), -100, dtype=torch.int64)
+    owner = torch.full((rows, length), -1, dtype=torch.int64)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, : len(p) + len(c)] = torch.as_tensor(p + c)
+        labels[i, len(p) - 1 : len(p) + len(c) - 1] = torch.as_tensor(c)
+        owner[i, len(p) - 1 : len(p) + len(c) - 1] = i
+    return Batch(
+        ids, labels, None, owner, torch.arange(rows), None, torch.as_tensor(advantages, dtype=torch.float32)
+    )
+
+
+class GRPOObjective:
+    """The training step's objective for --objective grpo. `rollout` turns this rank's prompt micro-batches into
+    completion batches (and the global normaliser); then, per micro-batch, the call returns (the summed loss, the
+    router loss or None), which forward_backward scales by processes / normaliser."""
+
+    online = True
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        policy: CausalLMLoss,
+        rewards: list[RewardFunction],
+        tokenizer: Any,
+        prompts: PromptSet,
+        d: Dist,
+        reference: str,
+        frozen: CausalLMLoss | None,
+        keep_gathered: bool,
+    ):
+        self.cfg, self.policy, self.rewards, self.tokenizer, self.prompts, self.d = cfg, policy, rewards, tokenizer, prompts, d
+        self.reference, self.frozen, self.keep_gathered = reference, frozen, keep_gathered
+        self.group = cfg.num_generations
+        self.epsilon_high = cfg.epsilon_high or cfg.epsilon
+        self.stops = stop_ids(policy.model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.host_stats = np.zeros(len(GRPO_STATS) + 3 * len(rewards))
+        self.device_stats: torch.Tensor | None = None
+        self.samples: list[dict] = []
+        self.last_rewards: list[float] = []  # the last rollout's combined rewards on this rank, in row order
+
+    def set_requires_gradient_sync(self, flag: bool) -> None:
+        self.policy.set_requires_gradient_sync(flag)
+
+    # -- generation and rewards -------------------------------------------------------------------------------------
+
+    def rollout(self, batches: list[PromptBatch], epoch: int) -> tuple[list[Batch], int]:
+        """This rank's completion batches and the global batch's normaliser (completions for grpo, completion
+        tokens for dapo, completions x --max-new-tokens for dr_grpo). Every rank generates every micro-batch even
+        after a reward function failed on it (the ranks' forwards must line up); then all stop with its message."""
+        out, error = [], None
+        tokens = sequences = 0
+        self.last_rewards = []
+        with eagerly():
+            for k, prompts in enumerate(batches):
+                batch, problem = self.rollout_one(prompts, epoch, first=k == 0)
+                error = error or problem
+                out.append(batch)
+                sequences += len(batch.sequences)
+                tokens += int((batch.sequence_ids >= 0).sum())
+        gathered: list[Any] = [None] * self.d.world_size
+        dist.all_gather_object(gathered, (error, sequences, tokens), group=self.d.cpu_group)
+        failed = [(rank, e) for rank, (e, _, _) in enumerate(gathered) if e]
+        if failed:
+            rank, message = failed[0]
+            raise TrainError(f"{message} (rank {rank}); fix the reward function and rerun the same command to resume")
+        sequences = sum(s for _, s, _ in gathered)
+        tokens = sum(t for _, _, t in gathered)
+        normaliser = {"grpo": sequences, "dapo": tokens, "dr_grpo": sequences * self.cfg.max_new_tokens}
+        return out, max(1, normaliser[self.cfg.grpo_loss])
+
+    def rollout_one(self, prompts: PromptBatch, epoch: int, first: bool) -> tuple[Batch, str | None]:
+        cfg, g = self.cfg, self.group
+        rows = [ids for ids in prompts.ids for _ in range(g)]
+        keys = np.repeat(np.asarray(prompts.indices, dtype=np.int64), g)
+        generations = np.tile(np.arange(g, dtype=np.int64), len(prompts.ids))
+        uniforms = sampling_uniforms(cfg.seed, epoch, keys, generations, cfg.max_new_tokens)
+        done = generate(
+            self.policy, rows, uniforms, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self.stops, self.pad_id,
+            self.d.device, self.keep_gathered,
+        )  # fmt: skip
+        texts = [
+            self.tokenizer.decode(t[:-1] if stopped else t, skip_special_tokens=True)
+            for t, stopped in zip(done.tokens, done.stopped)
+        ]
+        completions: list[Any] = texts
+        if self.prompts.conversational:
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        repeated = [p for p in prompts.prompts for _ in range(g)]
+        columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
+        error = None
+        try:
+            scores = score(self.rewards, repeated, completions, columns)
+        except RewardError as exc:
+            error, scores = str(exc), np.zeros((len(self.rewards), len(rows)))
+        rewards = combine(scores, self.rewards)
+        self.last_rewards += rewards.tolist()
+        advantages = group_advantages(rewards, g, scale=cfg.grpo_loss != "dr_grpo")
+        batch = completion_batch(rows, done.tokens, advantages, self.pad_id)
+        self.count(rows, done, rewards, scores)
+        if first:
+            self.samples = [
+                {"prompt": shown, "completion": completion_text(c), "reward": float(r),
+                 "rewards": {f.name: (None if math.isnan(s) else float(s)) for f, s in zip(self.rewards, column)}}
+                for shown, c, r, column in zip(
+                    [self.tokenizer.decode(rows[0])] * g, completions[:g], rewards[:g], scores[:, :g].T
+                )
+            ]  # fmt: skip
+        return batch, error
+
+    def count(self, rows: list[list[int]], done: Any, rewards: np.ndarray, scores: np.ndarray) -> None:
+        grouped = rewards.reshape(-1, self.group)
+        figures = [
+            len(rows),
+            rewards.sum(),
+            (rewards**2).sum(),
+            sum(len(r) for r in rows),
+            sum(len(t) for t in done.tokens),
+            sum(done.stopped),
+            grouped.shape[0],
+            int((grouped.std(axis=1) == 0).sum()),
+            done.entropy_sum,
+            sum(len(t) for t in done.tokens),
+            done.seconds,
+            0.0,
+            0.0,
+        ]
+        for row in scores:
+            applies = ~np.isnan(row)
+            figures += [np.nansum(row), np.nansum(row**2), applies.sum()]
+        self.host_stats += np.asarray(figures, dtype=np.float64)
+
+    # -- the loss ---------------------------------------------------------------------------------------------------
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = batch.sequence_ids.flatten()
+        mask = ids >= 0
+        reference = None
+        if self.cfg.grpo_beta:  # the reference first: its activations are gone before the policy's exist
+            reference = reference_token_log_probs(self.policy, self.frozen, batch)
+        logps, aux = self.policy(batch, per_token=True)
+        advantages = batch.advantages[ids.clamp(min=0)]
+        losses, clipped, kl = token_losses(
+            logps, logps.detach(), advantages, self.cfg.epsilon, self.epsilon_high, self.cfg.grpo_beta, reference
+        )
+        losses = losses * mask
+        if self.cfg.grpo_loss == "grpo":
+            count = len(batch.sequences)
+            lengths = torch.bincount(ids[mask], minlength=count).clamp_min(1)
+            loss_sum = (sequence_sums(losses, batch.sequence_ids, count) / lengths).sum()
+        else:
+            loss_sum = losses.sum()
+        figures = torch.stack([(clipped & mask).sum().double(), (kl * mask).sum().double()])
+        self.device_stats = figures if self.device_stats is None else self.device_stats + figures
+        return loss_sum, aux
+
+    # -- metrics and samples ----------------------------------------------------------------------------------------
+
+    def take_stats(self) -> torch.Tensor:
+        stats = torch.from_numpy(self.host_stats.copy()).to(self.d.device)
+        if self.device_stats is not None:
+            at = GRPO_STATS.index("clipped_tokens")
+            stats[at : at + 2] += self.device_stats.to(stats.device)
+        self.host_stats[:] = 0
+        self.device_stats = None
+        return stats
+
+    def take_samples(self) -> list[dict]:
+        samples, self.samples = self.samples, []
+        return samples if self.d.is_main else []
+
+    def window_figures(self, totals: torch.Tensor, elapsed: float) -> dict[str, float]:
+        """The log record's GRPO figures from the window's sums over the ranks."""
+        values = totals.double().cpu().numpy()
+        base = dict(zip(GRPO_STATS, values[: len(GRPO_STATS)].tolist()))
+        n = max(1.0, base["completions"])
+        tokens = max(1.0, base["completion_tokens"])
+        mean = base["reward"] / n
+        record = {
+            "reward": mean,
+            "reward_std": math.sqrt(max(0.0, base["reward_sq"] / n - mean**2)),
+            "completion_length": base["completion_tokens"] / n,
+            "completions/truncated": 1.0 - base["stopped"] / n,
+            "frac_reward_zero_std": base["zero_std_groups"] / max(1.0, base["groups"]),
+            "entropy": base["entropy"] / max(1.0, base["generated_tokens"]),
+            "clip_ratio": base["clipped_tokens"] / tokens,
+            "generation_tokens_per_s": base["generated_tokens"] / max(1e-9, base["generation_s"] / self.d.world_size),
+            "trained_tokens": int(base["completion_tokens"]),
+            "trained_tokens_per_s": base["completion_tokens"] / elapsed,
+            "tokens_per_s": (base["prompt_tokens"] + base["completion_tokens"]) / elapsed,
+        }
+        if self.cfg.grpo_beta:
+            record["kl"] = base["kl"] / tokens
+        for k, reward in enumerate(self.rewards):
+            total, squares, count = values[len(GRPO_STATS) + 3 * k : len(GRPO_STATS) + 3 * k + 3]
+            if count:
+                m = total / count
+                record[f"rewards/{reward.name}"] = m
+                record[f"rewards/{reward.name}_std"] = math.sqrt(max(0.0, squares / count - m**2))
+        return record
+
+
+def keep_layers_gathered(cfg: TrainConfig, bundle: ModelBundle, d: Dist) -> bool:
+    """--rollout-unshard: on = the decoder layers stay gathered for a whole generation; auto = on where the whole
+    model's parameters take under a quarter of the accelerator's memory (always on a CPU)."""
+    if cfg.rollout_unshard != "auto":
+        return cfg.rollout_unshard == "on"
+    if d.device.type != "cuda":
+        return True
+    itemsize = {"bf16": 2, "fp16": 2}.get(cfg.precision, 4)
+    return bundle.num_params * itemsize < 0.25 * torch.cuda.get_device_properties(d.device).total_memory
+
+
+def build_grpo(
+    cfg: TrainConfig, bundle: ModelBundle, data: TrainData, precision: str, d: Dist
+) -> tuple[GRPOObjective, dict]:
+    """(the GRPO objective, what a resume must agree with), before any checkpoint is loaded (a frozen reference copy
+    is the starting model)."""
+    try:
+        rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from exc
+    dropped = disable_dropout(bundle.model)
+    if dropped:
+        log(f"--objective grpo: dropout off in {dropped} module(s), so the log-probs are those that sampled")
+    reference, frozen = "none", None
+    if cfg.grpo_beta:
+        reference = "adapters-off" if bundle.peft is not None else "copy"
+        if reference == "copy" and not cfg.export_only:
+            frozen = frozen_copy(cfg, precision, d)
+    keep = keep_layers_gathered(cfg, bundle, d)
+    weights = ", ".join(f"{r.name} x {r.weight:g}" for r in rewards)
+    log(
+        f"--objective grpo: {cfg.num_generations} completions per prompt (<= {cfg.max_new_tokens} tokens, temperature "
+        f"{cfg.temperature}, top-p {cfg.top_p}), rewards {weights}; --grpo-loss {cfg.grpo_loss}, clip "
+        f"[{1 - cfg.epsilon:g}, {1 + (cfg.epsilon_high or cfg.epsilon):g}], KL beta {cfg.grpo_beta}"
+        + (f" to {'the model with adapters off' if reference == 'adapters-off' else 'a frozen copy'}" if cfg.grpo_beta
+           else " (no reference model)")
+        + f"; generation keeps the layers gathered: {'yes' if keep else 'no, one layer at a time'}"
+    )  # fmt: skip
+    fingerprint = {
+        "objective": "grpo",
+        "loss": cfg.grpo_loss,
+        "num_generations": cfg.num_generations,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "epsilon": [cfg.epsilon, cfg.epsilon_high or cfg.epsilon],
+        "beta": cfg.grpo_beta,
+        "rewards": [[r.identity, r.weight] for r in rewards],
+        "reference": reference,
+    }
+    prompts = data.train.blocks
+    assert isinstance(prompts, PromptSet)
+    objective = GRPOObjective(cfg, bundle.train_forward, rewards, data.tokenizer, prompts, d, reference, frozen, keep)
+    return objective, fingerprint

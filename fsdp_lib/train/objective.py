@@ -1,0 +1,25 @@
+"""The objective a run trains: the language-model loss (None here: the training forward is the objective), DPO on
+preference pairs (dpo.py) or GRPO on prompts with rewards (grpo.py), as the data plan resolved --objective."""
+
+from __future__ import annotations
+
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.data.plan import TrainData
+from fsdp_lib.model.build import ModelBundle
+from fsdp_lib.runtime import Dist
+from fsdp_lib.train.dpo import DPOObjective, build_dpo
+from fsdp_lib.train.grpo import GRPOObjective, build_grpo
+
+Objective = DPOObjective | GRPOObjective
+
+
+def build_objective(
+    cfg: TrainConfig, bundle: ModelBundle, data: TrainData, precision: str, d: Dist
+) -> tuple[Objective | None, dict | str]:
+    """(the objective, or None for --objective lm; what a resume must agree with), before any checkpoint is
+    loaded."""
+    if data.objective == "dpo":
+        return build_dpo(cfg, bundle, data, precision, d)
+    if data.objective == "grpo":
+        return build_grpo(cfg, bundle, data, precision, d)
+    return None, "lm"

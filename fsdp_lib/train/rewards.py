@@ -1,0 +1,220 @@
+"""--objective grpo's rewards: the functions of --reward (FILE.py:FUNCTION, or a built-in by name), their weights
+(--reward-weights), and scoring a batch of completions with them.
+
+A reward function has TRL's signature, so existing ones work unchanged: `f(prompts, completions, **columns)` returns
+one float per completion, or None where it does not apply. `prompts` and `completions` are strings, or for chat
+prompts lists of messages (a completion is [{"role": "assistant", "content": text}]); `columns` holds every other
+column of the prompt dataset (the reference answer, test cases), one value per completion. Built-ins:
+  accuracy: 1.0 when the completion's answer (the content of its last \\boxed{...}, else its last number) equals the
+            reference's (the `answer`, `solution`, `ground_truth`, `target` or `reference` column, read the same
+            way, so "#### 42" and "\\boxed{42}" both give 42), else 0.0; None for a row without a reference.
+  format:   1.0 when the whole completion matches --reward-pattern (default: <think>...</think> then
+            <answer>...</answer>), else 0.0.
+A function that raises or returns the wrong number of values stops the run with an error naming it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "target", "reference")
+BUILT_IN = ("accuracy", "format")
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # as given to --reward: FILE.py:FUNCTION or a built-in's name
+    function: Callable[..., Any]
+    weight: float
+    identity: str  # what a resume pins: the built-in's name and pattern, or the file's name and content hash
+
+
+def _boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, at = 0, start + len("\\boxed")
+    for i in range(at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[at + 1 : i]
+    return None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def final_answer(text: str) -> str | None:
+    """A completion's or a reference's answer: its last \\boxed{} content, else its last number (commas dropped),
+    else None."""
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def answers_equal(a: str, b: str) -> bool:
+    """Numerically equal when both are numbers (42 = 42.0), else equal as stripped text without spaces."""
+    try:
+        return math.isclose(float(a.replace(",", "")), float(b.replace(",", "")), rel_tol=1e-9, abs_tol=1e-9)
+    except ValueError:
+        return re.sub(r"\s+", "", a) == re.sub(r"\s+", "", b)
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: the string, or the content of a chat completion's messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(m.get("content") or "") for m in completion)
+
+
+def accuracy_reward(prompts: list, completions: list, **columns: Any) -> list[float | None]:
+    """1.0 when the completion's final answer equals the reference's, else 0.0; None where there is no reference."""
+    name = next((c for c in REFERENCE_COLUMNS if c in columns), None)
+    references = columns[name] if name else [None] * len(completions)
+    out: list[float | None] = []
+    for completion, reference in zip(completions, references):
+        expected = final_answer(str(reference)) if reference is not None else None
+        if expected is None:
+            out.append(None)
+            continue
+        got = final_answer(completion_text(completion))
+        out.append(1.0 if got is not None and answers_equal(got, expected) else 0.0)
+    return out
+
+
+def format_reward(pattern: str) -> Callable[..., list[float]]:
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def reward(prompts: list, completions: list, **columns: Any) -> list[float]:
+        return [1.0 if compiled.fullmatch(completion_text(c)) else 0.0 for c in completions]
+
+    return reward
+
+
+def parse_weights(text: str, count: int) -> list[float] | str:
+    """--reward-weights as floats (default: 1 each), or a problem."""
+    if not text:
+        return [1.0] * count
+    try:
+        weights = [float(item) for item in text.split(",")]
+    except ValueError:
+        return f"--reward-weights {text}: expected comma-separated numbers, one per --reward"
+    if len(weights) != count:
+        return f"--reward-weights {text}: {len(weights)} weight(s) for {count} --reward function(s); give one each"
+    if not all(math.isfinite(w) for w in weights):
+        return f"--reward-weights {text}: the weights must be finite numbers"
+    return weights
+
+
+def load_reward(spec: str, weight: float, pattern: str) -> RewardFunction:
+    """One --reward: a built-in's name, or FILE.py:FUNCTION, imported from the file. Raises ValueError naming the
+    flag and the fix."""
+    if spec == "accuracy":
+        return RewardFunction(spec, accuracy_reward, weight, "accuracy")
+    if spec == "format":
+        return RewardFunction(spec, format_reward(pattern), weight, f"format:{pattern}")
+    path_text, sep, function_name = spec.rpartition(":")
+    if not sep or not path_text.endswith(".py") or not function_name:
+        raise ValueError(
+            f"--reward {spec}: expected FILE.py:FUNCTION (a Python file and a function in it) or a built-in "
+            f"({', '.join(BUILT_IN)})"
+        )
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"--reward {spec}: no file {path}")
+    module_name = f"reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
+    try:
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader)  # type: ignore[arg-type]
+        loader.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - the user's file: any error in it is theirs to fix, named here
+        raise ValueError(f"--reward {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
+        raise ValueError(f"--reward {spec}: {path} has no function {function_name!r} (it has: {', '.join(found)})")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return RewardFunction(spec, function, weight, f"{path.name}:{function_name}:{digest}")
+
+
+def load_rewards(specs: list[str], weights_text: str, pattern: str) -> list[RewardFunction]:
+    weights = parse_weights(weights_text, len(specs))
+    if isinstance(weights, str):
+        raise ValueError(weights)
+    return [load_reward(spec, weight, pattern) for spec, weight in zip(specs, weights)]
+
+
+def reward_problems(specs: list[str], weights_text: str, pattern: str) -> list[str]:
+    """The --reward, --reward-weights and --reward-pattern problems, each naming the flag (checked before any
+    process group: the files are imported here once)."""
+    problems = []
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        problems.append(f"--reward-pattern {pattern!r}: not a regular expression ({exc})")
+        return problems
+    weights = parse_weights(weights_text, len(specs))
+    if isinstance(weights, str):
+        problems.append(weights)
+    for spec in specs:
+        try:
+            load_reward(spec, 1.0, pattern)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+class RewardError(Exception):
+    """A reward function failed or returned the wrong values; the message names it."""
+
+
+def score(functions: list[RewardFunction], prompts: list, completions: list, columns: dict[str, list]) -> np.ndarray:
+    """[functions x completions] float64, NaN where a function returned None. Raises RewardError naming the
+    function that raised or returned something other than one number (or None) per completion."""
+    out = np.full((len(functions), len(completions)), np.nan)
+    for k, reward in enumerate(functions):
+        try:
+            values = reward.function(prompts=prompts, completions=completions, **columns)
+        except Exception as exc:  # noqa: BLE001 - the user's function: stop naming it, whatever it raised
+            raise RewardError(f"--reward {reward.name} raised {type(exc).__name__}: {exc}") from exc
+        try:
+            values = list(values)
+        except TypeError:
+            raise RewardError(
+                f"--reward {reward.name} returned {type(values).__name__}, not a list of one float per completion"
+            ) from None
+        if len(values) != len(completions):
+            raise RewardError(
+                f"--reward {reward.name} returned {len(values)} value(s) for {len(completions)} completions; "
+                "return one float (or None) per completion"
+            )
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            try:
+                out[k, i] = float(value)
+            except (TypeError, ValueError):
+                raise RewardError(
+                    f"--reward {reward.name} returned {value!r} for completion {i}; return a float or None"
+                ) from None
+            if not math.isfinite(out[k, i]):
+                raise RewardError(f"--reward {reward.name} returned {value!r} for completion {i}; rewards must be finite")
+    return out
+
+
+def combine(scores: np.ndarray, functions: list[RewardFunction]) -> np.ndarray:
+    """Each completion's reward: the weighted sum of its functions' rewards, those that returned None left out (as
+    TRL's nansum); 0 for a completion no function applied to."""
+    weights = np.asarray([f.weight for f in functions], dtype=np.float64)[:, None]
+    return np.nansum(scores * weights, axis=0)

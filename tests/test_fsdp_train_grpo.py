@@ -1,0 +1,351 @@
+"""--objective grpo: sampling streams keyed by (seed, epoch, prompt, completion, token), inverse-CDF sampling with
+top-p, the advantages and the clipped token loss against their formulas, the built-in rewards and every way a reward
+file or function can be wrong; then real runs on CPU (2 processes, gloo): one step's loss and every parameter's
+gradient against a float64 implementation written here, for each --grpo-loss; a model that answers right about half
+of the time learns to answer right nearly always; a kill -9 and rerun (also on one process) gives the same completions
+and losses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_lib.train.grpo import STD_EPS, group_advantages, token_losses
+from fsdp_lib.train.rewards import (
+    RewardError,
+    accuracy_reward,
+    final_answer,
+    format_reward,
+    load_reward,
+    reward_problems,
+    score,
+)
+from fsdp_lib.train.rollout import sample_tokens, sampling_uniforms
+from tests.fsdp_helpers import (
+    BASE_FLAGS,
+    io_args,
+    killed_at_step,
+    make_model,
+    output_of,
+    read_metrics,
+    run_trainer,
+)
+
+WORKERS = Path(__file__).parent / "workers"
+PROMPT = "3 plus 4 is "
+REWARDS = '''
+import os
+
+def distinct(prompts, completions, **columns):
+    return [float(len(set(c))) for c in completions]
+
+def fails_on_rank_1(prompts, completions, **columns):
+    if os.environ.get("RANK") == "1":
+        raise KeyError("solution")
+    return [0.0 for c in completions]
+'''
+
+
+# -- sampling -----------------------------------------------------------------------------------------------------
+
+
+def test_sampling_streams_are_keyed_by_prompt_and_completion_not_by_batch():
+    prompts, gens = np.array([5, 5, 9, 2]), np.array([0, 1, 0, 3])
+    u = sampling_uniforms(7, 1, prompts, gens, 16)
+    assert u.shape == (4, 16) and u.dtype == torch.float64 and float(u.min()) >= 0 and float(u.max()) < 1
+    # the same key in another batch, at another row, draws the same numbers
+    again = sampling_uniforms(7, 1, np.array([2, 5]), np.array([3, 1]), 16)
+    assert torch.equal(again[0], u[3]) and torch.equal(again[1], u[1])
+    # every part of the key matters
+    for other in (sampling_uniforms(8, 1, prompts, gens, 16), sampling_uniforms(7, 2, prompts, gens, 16)):
+        assert not torch.equal(other, u)
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[:, 0], u[:, 1])
+    many = sampling_uniforms(0, 0, np.arange(2000), np.zeros(2000, dtype=np.int64), 8).flatten()
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.var()) - 1 / 12) < 0.005
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_top_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    u = torch.rand(4000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    picked, entropy = sample_tokens(logits, u, 1.0, 1.0)
+    freq = torch.bincount(picked, minlength=4).double() / 4000
+    assert torch.allclose(freq, probs.double(), atol=0.03), freq
+    assert torch.allclose(entropy, -(probs * probs.log()).sum().expand(4000), atol=1e-5)
+    # top-p 0.7 keeps 0.5 and 0.3 (the mass before the third token, 0.8, is over 0.7), renormalised
+    picked, _ = sample_tokens(logits, u, 1.0, 0.7)
+    freq = torch.bincount(picked, minlength=4).double() / 4000
+    assert freq[2] == 0 and freq[3] == 0 and abs(float(freq[0]) - 0.625) < 0.03
+    # a low temperature is nearly greedy; u = 0 and u -> 1 stay in range
+    picked, _ = sample_tokens(logits[:2], torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64), 0.05, 1.0)
+    assert picked.tolist()[0] == 0 and 0 <= picked.tolist()[1] < 4
+
+
+# -- the objective's formulas, in float64 -------------------------------------------------------------------------
+
+
+def test_group_advantages_are_normalised_within_each_prompts_group():
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    scaled = group_advantages(rewards, 4, scale=True)
+    first = rewards[:4]
+    assert np.allclose(scaled[:4], (first - first.mean()) / (first.std(ddof=1) + STD_EPS), atol=1e-12)
+    assert np.allclose(scaled[4:], 0.0)  # a group of equal rewards teaches nothing
+    assert np.allclose(group_advantages(rewards, 4, scale=False)[:4], first - 0.5)
+
+
+def test_token_losses_clip_the_ratio_and_add_the_k3_kl():
+    g = torch.Generator().manual_seed(0)
+    logps = torch.randn(64, dtype=torch.float64, generator=g).requires_grad_()
+    old = logps.detach() + 0.3 * torch.randn(64, dtype=torch.float64, generator=g)
+    ref = logps.detach() + 0.5 * torch.randn(64, dtype=torch.float64, generator=g)
+    adv = torch.randn(64, dtype=torch.float64, generator=g)
+    losses, clipped, kl = token_losses(logps, old, adv, 0.2, 0.28, beta=0.04, reference=ref)
+    ratio = torch.exp(logps - old)
+    want = -torch.min(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    want_kl = torch.exp(ref - logps) - (ref - logps) - 1
+    assert torch.allclose(losses, want + 0.04 * want_kl, rtol=1e-12, atol=1e-12)
+    assert torch.equal(clipped, ((ratio < 0.8) & (adv < 0)) | ((ratio > 1.28) & (adv > 0))) and clipped.any()
+    losses.sum().backward()
+    # a clipped token passes no gradient through the ratio (only the KL's)
+    kl_grad = 0.04 * (1 - torch.exp(ref - logps.detach()))
+    assert torch.allclose(logps.grad[clipped], kl_grad[clipped], atol=1e-12)
+    assert torch.all(kl >= 0)
+
+
+# -- rewards --------------------------------------------------------------------------------------------------------
+
+
+def test_builtin_rewards_read_boxed_answers_last_numbers_and_the_format():
+    assert final_answer("so it is \\boxed{\\frac{1}{2}} indeed") == "\\frac{1}{2}"
+    assert final_answer("3 + 4 = 7, then 1,234.5 left") == "1234.5" and final_answer("none") is None
+    completions = ["The answer is 7.", "\\boxed{7.0}", "8", [{"role": "assistant", "content": "so 7"}], "x"]
+    got = accuracy_reward([""] * 5, completions, solution=["#### 7", "7", "7", "\\boxed{7}", None])
+    assert got == [1.0, 1.0, 0.0, 1.0, None]
+    assert accuracy_reward(["a"], ["7"]) == [None]  # no reference column: not applicable
+    fmt = format_reward(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*")
+    assert fmt([], ["<think>a\nb</think> <answer>7</answer>", "<answer>7</answer>"]) == [1.0, 0.0]
+
+
+def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
+    good = tmp_path / "rewards.py"
+    good.write_text(REWARDS)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    assert reward_problems([f"{good}:distinct", "accuracy", "format"], "1,0.5,2", ".*") == []
+    problems = reward_problems(
+        [f"{tmp_path}/missing.py:f", f"{good}:nope", f"{broken}:f", "lengthy", f"{good}:"], "1,2", "("
+    )
+    assert len(problems) == 1 and "--reward-pattern '('" in problems[0]
+    problems = reward_problems([f"{tmp_path}/missing.py:f", f"{good}:nope", f"{broken}:f", "lengthy"], "1,2", ".*")
+    assert "--reward-weights 1,2: 2 weight(s) for 4 --reward function(s)" in problems[0]
+    assert f"no file {tmp_path}/missing.py" in problems[1]
+    assert "has no function 'nope' (it has: distinct, fails_on_rank_1" in problems[2]
+    assert "importing" in problems[3] and "ModuleNotFoundError" in problems[3]
+    assert "expected FILE.py:FUNCTION" in problems[4] and "accuracy, format" in problems[4]
+
+    def reward(spec: str, body: str):
+        path = tmp_path / f"{spec}.py"
+        path.write_text(body)
+        return load_reward(f"{path}:f", 1.0, ".*")
+
+    cases = {
+        "raises": ("def f(prompts, completions, **kw):\n    raise ValueError('bad answer column')\n", "raised ValueError: bad answer column"),
+        "short": ("def f(prompts, completions, **kw):\n    return [1.0]\n", "returned 1 value(s) for 2 completions"),
+        "word": ("def f(prompts, completions, **kw):\n    return ['a', 1]\n", "returned 'a' for completion 0"),
+        "scalar": ("def f(prompts, completions, **kw):\n    return 1.0\n", "returned float, not a list"),
+        "nan": ("def f(prompts, completions, **kw):\n    return [float('nan'), 1]\n", "rewards must be finite"),
+    }  # fmt: skip
+    for name, (body, message) in cases.items():
+        with pytest.raises(RewardError, match="--reward .*" + name) as err:
+            score([reward(name, body)], ["p", "p"], ["a", "b"], {})
+        assert message in str(err.value), name
+    nones = reward("nones", "def f(prompts, completions, **kw):\n    return [None, 2]\n")
+    assert np.isnan(score([nones], ["p", "p"], ["a", "b"], {})[0, 0])
+
+
+# -- real runs ------------------------------------------------------------------------------------------------------
+
+
+def answer_half_of_the_time_model(folder: Path) -> Path:
+    """A tiny Llama (untied head) whose next token after PROMPT is "7" or "8", each about half of the time: their
+    head rows are set so both logits are 8 after the prompt, every other row scaled down to near 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    make_model(folder, with_weights=True, tied=False, fill_stored=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
+        head = model.lm_head.weight
+        head.mul_(0.01)
+        for answer in ("7", "8"):
+            (token,) = tokenizer.encode(answer)
+            head[token] = 8 * hidden / hidden.dot(hidden)
+        probs = torch.softmax(model(input_ids=ids).logits[0, -1], -1)
+    assert 0.4 < float(probs[tokenizer.encode("7")[0]]) < 0.5
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def grpo_inputs(tmp_path_factory) -> dict[str, Path]:
+    import datasets
+
+    root = tmp_path_factory.mktemp("grpo")
+    rewards = root / "rewards.py"
+    rewards.write_text(REWARDS)
+    sums = [{"prompt": f"{a} plus {b} is", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    datasets.Dataset.from_list(sums).save_to_disk(str(root / "sums"))
+    datasets.Dataset.from_list([{"prompt": PROMPT, "answer": "7"}] * 48).save_to_disk(str(root / "seven"))
+    return {
+        "root": root,
+        "rewards": rewards,
+        "sums": root / "sums",
+        "seven": root / "seven",
+        "diverse": make_model(root / "diverse", with_weights=True, fill_stored=False),
+        "half": answer_half_of_the_time_model(root / "half"),
+    }
+
+
+@pytest.mark.slow
+def test_one_step_loss_and_gradients_equal_a_float64_grpo(grpo_inputs, tmp_path):
+    """2 processes x 2 micro-batches x 2 prompts x 4 completions, each --grpo-loss: the loss of the global batch and
+    every parameter's gradient equal the objective written out below on the unsharded float64 model."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "grads.pt"
+    args = [
+        *io_args("grads", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS,
+        "--objective", "grpo", "--reward", f"{grpo_inputs['rewards']}:distinct", "--num-generations", "4",
+        "--max-new-tokens", "6", "-b", "2", "--grad-accum-steps", "2",
+    ]  # fmt: skip
+    proc = run_trainer(args, script=WORKERS / "grpo_grads.py", env={"GRPO_GRADS_OUT": str(out)})
+    assert proc.returncode == 0, output_of(proc)
+    results = torch.load(out)
+    rollouts = {loss: [row for rank_rows, _ in got["parts"] for row in rank_rows] for loss, got in results.items()}
+    assert rollouts["grpo"] == rollouts["dapo"] == rollouts["dr_grpo"]  # the same sampling keys: the same tokens
+    model = AutoModelForCausalLM.from_pretrained(grpo_inputs["diverse"], dtype=torch.float64, use_cache=False)
+    for loss_type, got in results.items():
+        model.zero_grad()
+        rows = [row for rank_rows, _ in got["parts"] for row in rank_rows]
+        rewards = torch.tensor([r for _, rank_rewards in got["parts"] for r in rank_rewards], dtype=torch.float64)
+        assert len(rows) == 32 and len({tuple(c) for _, c in rows}) > 8  # sampled, and not all alike
+        grouped = rewards.view(-1, 4)
+        advantages = grouped - grouped.mean(1, keepdim=True)
+        if loss_type != "dr_grpo":
+            advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+        advantages = advantages.flatten()
+        assert advantages.abs().max() > 0.1
+        per_row = []
+        for (prompt, completion), advantage in zip(rows, advantages):
+            ids = torch.tensor(prompt + completion)
+            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1]
+            logps = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+            ratio = torch.exp(logps - logps.detach())
+            per_row.append(-torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage))
+        if loss_type == "grpo":
+            loss = torch.stack([r.mean() for r in per_row]).mean()
+        elif loss_type == "dapo":
+            loss = torch.cat(per_row).sum() / sum(len(r) for r in per_row)
+        else:
+            loss = torch.cat(per_row).sum() / (len(per_row) * 6)
+        loss.backward()
+        assert abs(got["loss"] - loss.item()) < 1e-6, (loss_type, got["loss"], loss.item())
+        params = dict(model.named_parameters())
+        assert set(got["grads"]) == set(params)
+        for name, grad in got["grads"].items():
+            expected = params[name].grad
+            err = (grad.double() - expected).norm() / expected.norm().clamp_min(1e-12)
+            assert err < 1e-5, (loss_type, name, err.item())
+
+
+def learn_args(grpo_inputs: dict[str, Path], save: Path, experiment: str = "learn") -> list[str]:
+    return [
+        *io_args(experiment, grpo_inputs["seven"], grpo_inputs["half"], save), *BASE_FLAGS,
+        "--reward", "accuracy", "--num-generations", "8", "--max-new-tokens", "1", "-b", "1", "--max-steps", "12",
+        "--lr", "1e-2", "--lr-schedule", "constant", "--warmup-steps", "0", "--ckpt-freq", "2",
+    ]  # fmt: skip
+
+
+def samples_by_step(exp_dir: Path) -> dict[int, list[tuple[str, float]]]:
+    out: dict[int, list] = {}
+    for line in (exp_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append((row["completion"], row["reward"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def learned(grpo_inputs) -> Path:
+    """The uninterrupted run: 12 steps of 2 processes x 1 prompt x 8 completions (--objective auto: the dataset has a
+    prompt column), with a checkpoint every 2 steps."""
+    save = grpo_inputs["root"] / "learned"
+    proc = run_trainer(learn_args(grpo_inputs, save))
+    assert proc.returncode == 0, output_of(proc)
+    log = output_of(proc)
+    assert "--objective grpo (auto: the dataset has a prompt column)" in log and "rewards accuracy x 1" in log
+    return save / "learn"
+
+
+@pytest.mark.slow
+def test_a_model_right_half_of_the_time_learns_to_answer_right(learned, grpo_inputs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    records = [r for r in read_metrics(learned) if "reward" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert 0.15 <= records[0]["reward"] <= 0.85, records[0]
+    assert min(r["reward"] for r in records[-3:]) >= 0.85, [r["reward"] for r in records]
+    for key in ("reward_std", "completion_length", "entropy", "clip_ratio", "generation_tokens_per_s",
+                "rewards/accuracy", "frac_reward_zero_std", "time_generate_ms"):  # fmt: skip
+        assert key in records[0], key
+    samples = samples_by_step(learned)
+    assert len(samples[1]) == 8 and {reward for _, reward in samples[1]} == {0.0, 1.0}
+    tokenizer = AutoTokenizer.from_pretrained(learned / "final")
+    model = AutoModelForCausalLM.from_pretrained(learned / "final", dtype=torch.float32)
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([tokenizer.encode(PROMPT)])).logits[0, -1], -1)
+    assert float(probs[tokenizer.encode("7")[0]]) > 0.95
+
+
+@pytest.mark.slow
+def test_kill9_rerun_and_a_one_process_resume_give_the_same_completions(learned, grpo_inputs, tmp_path):
+    args = learn_args(grpo_inputs, tmp_path / "a")
+    killed_at_step(args, tmp_path / "a" / "learn", 3)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # for the one-process resume below
+    rerun = run_trainer(args)
+    assert rerun.returncode == 0, output_of(rerun)
+    assert "resumed from" in output_of(rerun)
+    expected = {r["step"]: r for r in read_metrics(learned) if "reward" in r}
+    got = {r["step"]: r for r in read_metrics(tmp_path / "a" / "learn") if "reward" in r}
+    for step in range(1, 13):
+        for key in ("loss", "reward", "grad_norm", "completion_length"):
+            assert got[step][key] == expected[step][key], (step, key)
+    assert samples_by_step(tmp_path / "a" / "learn") == samples_by_step(learned)
+    # the same global batch on one process (2 micro-batches of 1 prompt): the same prompts and sampling keys
+    alone = learn_args(grpo_inputs, tmp_path / "b")
+    resumed = run_trainer([*alone, "--grad-accum-steps", "2"], nproc=1)
+    assert resumed.returncode == 0, output_of(resumed)
+    assert "world size changed (2 -> 1)" in output_of(resumed)
+    got = {r["step"]: r for r in read_metrics(tmp_path / "b" / "learn") if "reward" in r}
+    first = min(got)
+    assert first <= 3 and samples_by_step(tmp_path / "b" / "learn") == samples_by_step(learned)
+    for step in range(first, 13):
+        assert got[step]["reward"] == expected[step]["reward"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_inputs, tmp_path):
+    spec = f"{grpo_inputs['rewards']}:fails_on_rank_1"
+    args = [*io_args("fails", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS, "--reward", spec,
+            "--num-generations", "2", "--max-new-tokens", "2", "-b", "1", "--max-steps", "2"]  # fmt: skip
+    proc = run_trainer(args, timeout=120)
+    log = output_of(proc)
+    assert proc.returncode != 0
+    assert f"--reward {spec} raised KeyError: 'solution' (rank 1); fix the reward function" in log

@@ -1,0 +1,70 @@
+"""Run under torchrun with fsdp_train.py's flags (--objective grpo): the trainer's set-up, then, for each --grpo-loss,
+the first step's rollout (generation, rewards, advantages) and forward_backward only. Rank 0 saves to
+$GRPO_GRADS_OUT, per loss: the step's loss (over the global batch), every parameter's full gradient, and every
+completion of the global batch (prompt ids, completion ids, combined reward), grouped by prompt, for the test to
+recompute on the unsharded model in float64."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # fsdp_train.py, a script at the repository root
+import fsdp_train  # noqa: E402
+from fsdp_lib.config import load_config, resolve_precision  # noqa: E402
+from fsdp_lib.data.plan import build_data  # noqa: E402
+from fsdp_lib.model.anatomy import clean_fqn  # noqa: E402
+from fsdp_lib.model.build import build_model  # noqa: E402
+from fsdp_lib.offline import resolve_model_dir  # noqa: E402
+from fsdp_lib.runtime import setup_distributed  # noqa: E402
+from fsdp_lib.state import TrainState  # noqa: E402
+from fsdp_lib.train.metrics import PhaseTimer  # noqa: E402
+from fsdp_lib.train.objective import build_objective  # noqa: E402
+from fsdp_lib.train.optim import BadStepGuard  # noqa: E402
+
+
+def main() -> None:
+    cfg = load_config(sys.argv[1:])
+    precision = resolve_precision(cfg)
+    d = setup_distributed(cfg)
+    data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
+    bundle = build_model(cfg, precision, d)
+    objective, _ = build_objective(cfg, bundle, data, precision, d)
+    plan = data.train
+    order = plan.epoch_order(0)
+    results = {}
+    for loss in ("grpo", "dapo", "dr_grpo"):
+        objective.cfg = dataclasses.replace(cfg, grpo_loss=loss)
+        batches, normaliser = objective.rollout(plan.micro_batches(order, 0), 0)
+        guard = BadStepGuard(TrainState(), d.device, precision, cfg.max_bad_steps)
+        loss_sum, _ = fsdp_train.forward_backward(objective, batches, normaliser, guard, d, PhaseTimer(d.device))
+        total = loss_sum.detach().clone()
+        dist.all_reduce(total)
+        grads = {}
+        for name, param in bundle.model.named_parameters():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            grads[clean_fqn(name)] = grad.detach().cpu().clone()
+            param.grad = None
+        rows = []
+        for batch in batches:  # each row: its tokens, where its completion starts and its reward
+            for i in range(len(batch.sequences)):
+                trained = (batch.sequence_ids[i] >= 0).nonzero().flatten()
+                start, end = int(trained[0]) + 1, int(trained[-1]) + 2
+                rows.append((batch.input_ids[i, :start].tolist(), batch.input_ids[i, start:end].tolist()))
+        mine = (rows, objective.last_rewards)
+        gathered: list = [None] * d.world_size
+        dist.all_gather_object(gathered, mine)
+        objective.take_stats()
+        results[loss] = {"loss": total.item() / normaliser, "grads": grads, "parts": gathered}
+    if d.is_main:
+        torch.save(results, os.environ["GRPO_GRADS_OUT"])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
