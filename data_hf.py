@@ -4,6 +4,7 @@
     python data_hf.py --data-folder raw_text --save-dir hf_datasets/my_corpus --val-fraction 0.01 --overwrite
     python data_hf.py --data-folder chat_data --save-dir hf_datasets/my_chat --format chat --val-fraction 0.01
     python data_hf.py --data-folder dpo_data --save-dir hf_datasets/my_pairs --format preference --val-fraction 0.01
+    python data_hf.py --data-folder math_problems --save-dir hf_datasets/my_prompts --format prompts
 
 The result is a `datasets.Dataset` (or, with --val-fraction, a `DatasetDict` with `train` and `validation`),
 written with the layout of `save_to_disk` so `datasets.load_from_disk` and fsdp_train.py read it directly. It has
@@ -12,7 +13,11 @@ list<struct<role: string, content: string>>, one conversation per record; see pa
 fsdp_lib/records/conversation.py for the record shapes), or with --format preference three: `prompt`, `chosen` and
 `rejected`, each a list of turns typed like `messages`, one preference pair per record (the prompt ends with a user
 turn, each response starts with an assistant turn; see parse_preference in fsdp_lib/records/preference.py for the
-record shapes: TRL standard and conversational, UltraFeedback, implicit prompt, Anthropic HH, ShareGPT, Alpaca). --format auto (the default) writes `messages` when every record
+record shapes: TRL standard and conversational, UltraFeedback, implicit prompt, Anthropic HH, ShareGPT, Alpaca), or
+with --format prompts (for fsdp_train.py --objective grpo) two: `prompt`, a list of turns ending with a user turn
+(from a prompt, question, problem or instruction + input key), and `columns_json`, every other field of the record
+as one JSON object, which the reward functions get as columns (see fsdp_lib/records/prompts.py). --format auto (the
+default; it never writes prompts) writes `messages` when every record
 read is a conversation, the preference columns when every record read is a pair (chosen + rejected), else `text`.
 Text rows, one per extracted string (--json-mode records: one per record):
 
@@ -98,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="data_hf.py",
         description="Convert text/Markdown/JSON/JSONL/YAML files into a Hugging Face dataset with one 'text' column "
-        "(plain text), one 'messages' column (conversations) or 'prompt', 'chosen' and 'rejected' columns "
-        "(preference pairs, for DPO).",
+        "(plain text), one 'messages' column (conversations), 'prompt', 'chosen' and 'rejected' columns "
+        "(preference pairs, for DPO) or 'prompt' and 'columns_json' (prompts with their other fields, for GRPO).",
     )
     parser.add_argument(
         "--data_folder", "--data-folder", dest="data_folder", type=_path_arg, required=True,
@@ -121,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         "conversations, instruction/input/output, prompt/completion, question/answer; .txt/.md are skipped); "
         "preference: 'prompt', 'chosen' and 'rejected' columns (lists of messages), one pair per record with chosen "
         "and rejected (beside prompt, ShareGPT conversations, or instruction; or alone as whole conversations or "
-        "Anthropic HH strings whose shared start is the prompt; .txt/.md are skipped); auto: chat if every record "
-        "read is a conversation, preference if every one is a pair, else text, with a note counting them "
-        "(default: %(default)s)",
+        "Anthropic HH strings whose shared start is the prompt; .txt/.md are skipped); prompts: 'prompt' (a list of "
+        "messages) and 'columns_json' (the record's other fields, e.g. the answer, as JSON), one prompt per record "
+        "from a prompt, question, problem or instruction (+ input) key, for --objective grpo (.txt/.md are skipped); "
+        "auto: chat if every record read is a conversation, preference if every one is a pair, else text, with a "
+        "note counting them (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--json-mode", "--json_mode", dest="json_mode", choices=JSON_MODES, default="strings",
@@ -133,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-chars", "--max_chars", dest="max_chars", type=int, default=DEFAULT_MAX_CHARS,
         help="longest row in characters; longer text is split at blank lines, else at newlines; a longer "
-        "conversation or preference pair is skipped (default: %(default)s)",
+        "conversation, preference pair or prompt record is skipped (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--min-chars", "--min_chars", dest="min_chars", type=int, default=0,
@@ -301,7 +308,7 @@ def _no_files_message(args: argparse.Namespace, text_files: int) -> str:
     where = f"under --data_folder {args.data_folder} (hidden files and folders are skipped)"
     if not text_files:
         return f"no files with the extensions {' '.join(args.extensions)} {where}; check the path or pass --extensions"
-    what = "conversation" if args.data_format == "chat" else "preference"
+    what = {"chat": "conversation", "preference": "preference", "prompts": "prompt"}[args.data_format]
     return (
         f"no {what} files (.json .jsonl .ndjson .yaml .yml; --format {args.data_format}) {where}: its {text_files} "
         f"text file(s) are not read with --format {args.data_format}; pass --format text to convert plain text, or "
@@ -330,7 +337,9 @@ def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) 
     if args.strict and problems:
         refusals.append(f"--strict: {problems} problem(s) found (listed above); fix them or drop --strict")
     if summary["rows_total"] == 0:
-        found = {"messages": "conversations", "preference": "preference pairs"}.get(summary["column"])
+        found = {"messages": "conversations", "preference": "preference pairs", "prompts": "prompts"}.get(
+            summary["column"]
+        )
         what = f"{found} were found (see the counts by reason above)" if found else "rows were extracted"
         short = summary.get("dropped_below_min_chars", 0)
         fix = f": {short} row(s) were shorter than --min-chars {args.min_chars}; lower it" if short else ""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import data_hf
 from fsdp_lib.train.grpo import STD_EPS, group_advantages, token_losses
 from fsdp_lib.train.rewards import (
     RewardError,
@@ -41,7 +42,8 @@ PROMPT = "3 plus 4 is "
 REWARDS = '''
 import os
 
-def distinct(prompts, completions, **columns):
+def distinct(prompts, completions, answer, **columns):
+    assert len(answer) == len(completions) and all(a.isdigit() for a in answer)  # the dataset's column, per completion
     return [float(len(set(c))) for c in completions]
 
 def fails_on_rank_1(prompts, completions, **columns):
@@ -200,8 +202,10 @@ def grpo_inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("grpo")
     rewards = root / "rewards.py"
     rewards.write_text(REWARDS)
-    sums = [{"prompt": f"{a} plus {b} is", "answer": str(a + b)} for a in range(4) for b in range(4)]
-    datasets.Dataset.from_list(sums).save_to_disk(str(root / "sums"))
+    sums = [{"question": f"{a} plus {b} is", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    (root / "raw").mkdir()
+    (root / "raw" / "sums.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sums))
+    assert data_hf.main(["--data-folder", str(root / "raw"), "--save-dir", str(root / "sums"), "--format", "prompts"]) == 0
     datasets.Dataset.from_list([{"prompt": PROMPT, "answer": "7"}] * 48).save_to_disk(str(root / "seven"))
     return {
         "root": root,

@@ -13,6 +13,7 @@ from itertools import accumulate
 
 from fsdp_lib.records.conversation import Conversation, ToolTurn
 from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.prompts import PromptRecord
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS, Turns
 from fsdp_lib.records.tool_calls import TURN_FIELDS
 
@@ -173,3 +174,22 @@ def encode_pairs(pairs: list[PreferencePair]) -> tuple[list[EncodedRows], int]:
         digest = hashlib.blake2b(b"".join(part.digest for part in fields), digest_size=16).digest()
         chunks.append(EncodedRows(last - first, b"", b"", digest, "preference", fields=fields))
     return chunks, sum(replaced for _, _, replaced in encoded)
+
+
+def encode_prompts(records: list[PromptRecord]) -> tuple[list[EncodedRows], int]:
+    """(Arrow-layout chunks of a prompts dataset, its prompt turns and its columns_json strings, number of strings
+    whose lone surrogates were replaced). Like a preference chunk: the columns of a chunk hold the same rows."""
+    prompts = [record.prompt for record in records]
+    contents, ends, replaced = _encoded_contents(prompts)
+    columns, replaced_in_columns = _utf8([record.columns_json for record in records])
+    sizes = [sum(map(len, contents[ends[i] : ends[i + 1]])) + len(columns[i]) for i in range(len(records))]
+    bounds = _chunk_bounds(sizes)
+    chunks = []
+    for first, last in zip(bounds, bounds[1:], strict=False):
+        fields = (
+            _messages_chunk(prompts[first:last], contents[ends[first] : ends[last]], with_tools=False),
+            _string_chunk(columns[first:last]),
+        )
+        digest = hashlib.blake2b(b"".join(part.digest for part in fields), digest_size=16).digest()
+        chunks.append(EncodedRows(last - first, b"", b"", digest, "prompts", fields=fields))
+    return chunks, replaced + replaced_in_columns

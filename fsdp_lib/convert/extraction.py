@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from fsdp_lib.convert.results import FileResult, Problem, Row
 from fsdp_lib.records.conversation import Conversation, calls_json, parse_conversation
 from fsdp_lib.records.preference import PreferencePair, parse_preference, record_kind
+from fsdp_lib.records.prompts import PromptRecord, parse_prompt_record
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.text import extract_strings
 
 DEFAULT_MAX_CHARS = 1_000_000
-DATA_FORMATS = ("auto", "text", "chat", "preference")
+DATA_FORMATS = ("auto", "text", "chat", "preference", "prompts")
 # The formats whose every record is parsed as one row (no text is extracted), and the kind of dataset each writes.
-RECORD_FORMATS = {"chat": "messages", "preference": "preference"}
+RECORD_FORMATS = {"chat": "messages", "preference": "preference", "prompts": "prompts"}
 JSON_MODES = ("strings", "records")
 
 
@@ -87,18 +88,19 @@ class Extraction:
 
     def _row(
         self, record: object, kind: str, result: FileResult, records_seen: set[int] | None, line: int | None
-    ) -> Conversation | PreferencePair | None:
-        """The conversation ("chat") or preference pair ("preference") of a record; None, with the bad record
-        counted, if it cannot be one."""
+    ) -> Conversation | PreferencePair | PromptRecord | None:
+        """The conversation ("chat"), preference pair ("preference") or prompt ("prompts") of a record; None, with
+        the bad record counted, if it cannot be one."""
         try:
             if records_seen is not None and isinstance(record, dict):
                 if id(record) in records_seen:
                     raise BadRecord("repeated_yaml_alias", "an alias to a record already read")
                 records_seen.add(id(record))
-            row = parse_preference(record) if kind == "preference" else parse_conversation(record)
+            parse = {"preference": parse_preference, "prompts": parse_prompt_record}.get(kind, parse_conversation)
+            row = parse(record)
             chars = row_chars(row)
             if chars > self.max_chars:
-                too_long = "pair_too_long" if kind == "preference" else "conversation_too_long"
+                too_long = {"preference": "pair_too_long", "prompts": "prompt_too_long"}.get(kind, "conversation_too_long")
                 raise BadRecord(too_long, f"{chars} characters > --max-chars {self.max_chars}")
         except BadRecord as err:
             where = "" if line is not None else f"record {result.records_seen}: "
@@ -111,7 +113,7 @@ def row_chars(row: Row) -> int:
     """Characters of a row: of a text, of a conversation's contents, or of a pair's three columns."""
     if isinstance(row, str):
         return len(row)
-    if isinstance(row, PreferencePair):
+    if isinstance(row, (PreferencePair, PromptRecord)):
         return row.chars
     chars = sum(len(turn[1]) for turn in row)
     if not getattr(row, "uses_tools", False):

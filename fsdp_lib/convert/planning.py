@@ -167,11 +167,11 @@ def plan_tasks(files: Iterable[tuple[Path, int]], piece_bytes: int) -> list[Task
 
 
 def record_inputs(files: list[tuple[Path, int]], data_format: str) -> tuple[list[tuple[Path, int]], list[Problem]]:
-    """With --format chat or preference, text files are not read (they cannot hold conversations or pairs): each is
+    """With --format chat, preference or prompts, text files are not read (they cannot hold such records): each is
     a skipped file."""
     if data_format not in RECORD_FORMATS:
         return files, []
-    what = "conversations" if data_format == "chat" else "preference pairs"
+    what = {"chat": "conversations", "preference": "preference pairs", "prompts": "prompts"}[data_format]
     skipped = [
         Problem(str(path), f"text_file_in_{data_format}_run", f"{what} are read from .json/.jsonl/.ndjson/.yaml/.yml "
                 "files only; convert text files with --format text")

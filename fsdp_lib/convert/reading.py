@@ -19,6 +19,7 @@ from fsdp_lib.convert.extraction import DEFAULT_MAX_CHARS, RECORD_FORMATS, Conve
 from fsdp_lib.convert.results import REASONS, FileResult, Problem, Row
 from fsdp_lib.convert.streaming import JsonStreamError, YamlDepthBound, iter_json_values, yaml_loader
 from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.prompts import PromptRecord
 from fsdp_lib.records.text import split_long_text
 
 KIND_BY_EXTENSION = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".yaml": "yaml", ".yml": "yaml"}
@@ -347,6 +348,10 @@ def iter_rows(
                 result.pairs_found += 1
                 yield item
                 continue
+            if isinstance(item, PromptRecord):
+                result.prompts_found += 1
+                yield item
+                continue
             if not isinstance(item, str):
                 result.conversations_found += 1
                 yield item
@@ -388,5 +393,6 @@ def read_file(
 
 def note_no_text(result: FileResult) -> None:
     """A whole file that parsed fine but held no string at all gets a problem, so it does not vanish silently."""
-    if not (result.strings_found or result.conversations_found or result.pairs_found or result.problems):
+    found = result.strings_found or result.conversations_found or result.pairs_found or result.prompts_found
+    if not (found or result.problems):
         result.problems.append(Problem(result.path, "no_text", REASONS["no_text"]))

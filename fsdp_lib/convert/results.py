@@ -1,4 +1,4 @@
-"""What reading a file gives: its rows (Row: a text, a conversation or a preference pair), the problems met
+"""What reading a file gives: its rows (Row: a text, a conversation, a preference pair or a prompt), the problems met
 (Problem, each with a reason of REASONS) and the counts the summary adds up (FileResult)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fsdp_lib.records.conversation import Conversation
 from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.prompts import PromptRecord
 from fsdp_lib.records.reasons import RECORD_REASONS
 
 # Why a file, a line or a piece is skipped (a record's reasons are RECORD_REASONS).
@@ -25,14 +26,16 @@ FILE_REASONS = {
     "folder, the token cache): its files are not raw data; not read",
     "text_file_in_chat_run": "a text file (not .json/.jsonl/.yaml) in a --format chat run: not read",
     "text_file_in_preference_run": "a text file (not .json/.jsonl/.yaml) in a --format preference run: not read",
+    "text_file_in_prompts_run": "a text file (not .json/.jsonl/.yaml) in a --format prompts run: not read",
 }
 # Every reason a run may count, with the explanation the summary saves beside it.
 REASONS = {**FILE_REASONS, **RECORD_REASONS}
 MAX_LISTED = 1000  # per list in the summary; the counts are always complete
 # Per piece of a file, the bad records listed with their detail; past this they are only counted.
 RECORD_PROBLEMS_LISTED = MAX_LISTED
-# What a task yields: a text row, a conversation (--format chat) or a preference pair (--format preference).
-Row = str | Conversation | PreferencePair
+# What a task yields: a text row, a conversation (--format chat), a preference pair (--format preference) or a
+# prompt (--format prompts).
+Row = str | Conversation | PreferencePair | PromptRecord
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class FileResult:
     strings_found: int = 0  # extracted strings (--json-mode records: records) before splitting and filtering
     conversations_found: int = 0  # conversation rows (--format chat or auto)
     pairs_found: int = 0  # preference pairs (--format preference or auto)
+    prompts_found: int = 0  # prompt records (--format prompts)
     records_seen: int = 0  # JSON/YAML records looked at, to number the bad ones
     conversation_shaped_as_text: int = 0  # records that look like conversations, extracted as text
     preference_shaped_as_text: int = 0  # records with chosen + rejected, extracted as text
@@ -80,7 +84,7 @@ class FileResult:
     @property
     def skipped_reason(self) -> str | None:
         """The reason nothing was kept from this file, or None if rows were kept or nothing went wrong."""
-        if self.strings_found or self.conversations_found or self.pairs_found or not self.problems:
+        if self.strings_found or self.conversations_found or self.pairs_found or self.prompts_found or not self.problems:
             return None
         return self.problems[0].reason
 

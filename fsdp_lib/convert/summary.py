@@ -18,7 +18,8 @@ from fsdp_lib.records.schema import DATASET_COLUMNS, PREFERENCE_COLUMNS
 # The counts of a FileResult that add up piece by piece into its file, then file by file into the run (a file is
 # judged whole: whether it held text, conversations or pairs), and those that add up from each piece into the run.
 FILE_COUNTS = (
-    "strings_found", "conversations_found", "pairs_found", "conversation_shaped_as_text", "preference_shaped_as_text"
+    "strings_found", "conversations_found", "pairs_found", "prompts_found", "conversation_shaped_as_text",
+    "preference_shaped_as_text",
 )  # fmt: skip
 PIECE_COUNTS = ("bytes_read", "dropped_empty", "dropped_short", "extra_rows_from_splitting", "rows_from_conversations")
 
@@ -32,9 +33,11 @@ class Tally:
     files_with_text: int = 0
     files_with_conversations: int = 0
     files_with_pairs: int = 0
+    files_with_prompts: int = 0
     files_skipped: int = 0
     conversations_found: int = 0
     pairs_found: int = 0
+    prompts_found: int = 0
     conversation_shaped_as_text: int = 0
     preference_shaped_as_text: int = 0
     rows_from_conversations: int = 0
@@ -106,9 +109,10 @@ class Tally:
 
     def _finish_file(self, file: FileResult) -> None:
         _add_counts(self, file, FILE_COUNTS)
-        self.files_with_text += self._rows_in_file > file.conversations_found + file.pairs_found
+        self.files_with_text += self._rows_in_file > file.conversations_found + file.pairs_found + file.prompts_found
         self.files_with_conversations += file.conversations_found > 0
         self.files_with_pairs += file.pairs_found > 0
+        self.files_with_prompts += file.prompts_found > 0
         if file.conversation_shaped_as_text and len(self.conversation_text_files) < MAX_LISTED:
             self.conversation_text_files[file.path] = file.conversation_shaped_as_text
         if file.preference_shaped_as_text and len(self.preference_text_files) < MAX_LISTED:
@@ -137,11 +141,14 @@ def build_summary(
     the options, the counts, the problems listed (up to MAX_LISTED each) and the reasons explained."""
     rows = {split: writer.rows for split, writer in writers.items()}
     text = column == "text"  # the text counters describe rows that a conversation dataset does not hold
-    files_with_rows = {"messages": tally.files_with_conversations, "preference": tally.files_with_pairs}
+    files_with_rows = {
+        "messages": tally.files_with_conversations, "preference": tally.files_with_pairs,
+        "prompts": tally.files_with_prompts,
+    }  # fmt: skip
     return {
         "data_folder": str(args.data_folder),
         "save_dir": str(args.save_dir),
-        "column": column,  # the kind of dataset: text, messages or preference
+        "column": column,  # the kind of dataset: text, messages, preference or prompts
         "columns": list(DATASET_COLUMNS[column]),
         "notes": _format_notes(tally, args.data_format, column),
         "options": {
@@ -164,6 +171,7 @@ def build_summary(
         "strings_found": tally.strings_found if text else 0,
         "conversations_found": tally.conversations_found,
         "pairs_found": tally.pairs_found,
+        "prompts_found": tally.prompts_found,
         "conversation_records_as_text": tally.conversation_shaped_as_text if text else 0,
         "conversation_text_files": tally.conversation_text_files if text else {},
         "preference_records_as_text": tally.preference_shaped_as_text if text else 0,
@@ -246,7 +254,9 @@ def one_line(summary: dict[str, Any]) -> str:
     split_text = f" (train {rows['train']}, validation {rows['validation']})" if "validation" in rows else ""
     counts = summary["counts_by_reason"]
     reasons = f" ({', '.join(f'{reason} {count}' for reason, count in counts.items())})" if counts else ""
-    unit = {"messages": "conversations", "preference": "preference pairs"}.get(summary["column"], "rows")
+    unit = {"messages": "conversations", "preference": "preference pairs", "prompts": "prompts"}.get(
+        summary["column"], "rows"
+    )
     return (
         f"data_hf: {summary['files_found']} files, {megabytes:.1f} MB -> {summary['rows_total']} {unit}{split_text} "
         f"in {summary['seconds']:.1f} s ({speed:.1f} MB/s); {summary['files_skipped']} files skipped, "

@@ -16,13 +16,14 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from fsdp_lib.convert import reading
-from fsdp_lib.convert.chunks import EncodedRows, encode_conversations, encode_pairs, encode_rows
+from fsdp_lib.convert.chunks import EncodedRows, encode_conversations, encode_pairs, encode_prompts, encode_rows
 from fsdp_lib.convert.extraction import row_chars
 from fsdp_lib.convert.planning import Options, Task
 from fsdp_lib.convert.reading import iter_rows, note_no_text, read_file
 from fsdp_lib.convert.results import FileResult, Row
 from fsdp_lib.records.conversation import conversation_json
 from fsdp_lib.records.preference import PreferencePair, preference_json
+from fsdp_lib.records.prompts import PromptRecord, prompt_json
 
 # Below this much input, worker processes (about a second each to start) would cost more than they save.
 PARALLEL_MIN_BYTES = 32 << 20
@@ -54,6 +55,8 @@ def row_split(row: Row, val_fraction: float) -> str:
         return assign_split(row, val_fraction)
     if isinstance(row, PreferencePair):
         return assign_split(preference_json(row), val_fraction)
+    if isinstance(row, PromptRecord):
+        return assign_split(prompt_json(row), val_fraction)
     return assign_split(conversation_json(row), val_fraction)
 
 
@@ -68,8 +71,9 @@ def _rows_to_output(rows: list[Row], files: list[FileResult], val_fraction: floa
         texts = [row for row in split_rows if isinstance(row, str)]
         conversations = [row for row in split_rows if isinstance(row, tuple)]
         pairs = [row for row in split_rows if isinstance(row, PreferencePair)]
+        prompts = [row for row in split_rows if isinstance(row, PromptRecord)]
         output.splits[split], replaced = encode_rows(texts)
-        for encode, kept in ((encode_conversations, conversations), (encode_pairs, pairs)):
+        for encode, kept in ((encode_conversations, conversations), (encode_pairs, pairs), (encode_prompts, prompts)):
             if kept:
                 chunks, replaced_in_messages = encode(kept)
                 output.splits[split] += chunks

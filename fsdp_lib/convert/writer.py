@@ -129,7 +129,7 @@ def arrow_type(column: str) -> pa.DataType:
     content: string>>: the types datasets gives the features of column_features."""
     import pyarrow as pa
 
-    if column in ("text", "tools"):
+    if column in ("text", "tools", "columns_json"):
         return pa.string()
     return pa.list_(pa.struct([pa.field(name, pa.string()) for name in turn_fields(column)]))
 
@@ -141,7 +141,7 @@ def column_features(column: str) -> datasets.Features:
 
     features = {}
     for name in DATASET_COLUMNS[column]:
-        if name in ("text", "tools"):
+        if name in ("text", "tools", "columns_json"):
             features[name] = datasets.Value("string")
         else:
             features[name] = datasets.List({field: datasets.Value("string") for field in turn_fields(name)})

@@ -291,6 +291,8 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
 def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any, tokenizer: Any) -> Source:
     """--objective grpo's dataset: its train prompts tokenised (each at most --seq-length - --max-new-tokens
     tokens). A validation split is not evaluated yet (said in the log)."""
+    if cfg.chat_template:  # as for conversations: the file replaces the tokenizer's template (and is exported)
+        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
     prompts = load_prompts(train_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "train")
     if val_split is not None and len(val_split):
         log(f"--objective grpo: the {len(val_split):,} validation prompts of {name} are not evaluated (not supported yet)")

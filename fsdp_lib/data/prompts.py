@@ -1,7 +1,9 @@
 """Prompts for --objective grpo: a dataset with a `prompt` column (a string, or a list of {role, content} messages,
-TRL's prompt-only shapes; data_hf.py --format prompts writes it) and any other columns, which the reward functions
-receive. Each prompt is tokenised once at start-up: a string as it is, a conversation with the chat template and
-its generation prompt. The DataPlan draws prompts like blocks: a global batch is a number of prompts."""
+TRL's prompt-only shapes; data_hf.py --format prompts writes messages) and any other columns, which the reward
+functions receive (data_hf.py keeps a record's other fields in one `columns_json` column, handed over as the
+columns it holds). Each prompt is tokenised once at start-up: a string as it is; messages with the chat template
+and its generation prompt, or, for a tokenizer without one, a system + user prompt as its plain text. The DataPlan
+draws prompts like blocks: a global batch is a number of prompts."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fsdp_lib.records.tool_calls import template_messages
 from fsdp_lib.runtime import log
 
 PROMPT_COLUMN = "prompt"
+COLUMNS_JSON = "columns_json"  # data_hf.py --format prompts: a record's other fields as one JSON object
 
 
 @dataclass
@@ -42,6 +45,10 @@ class PromptSet:
     def gather(self, indices: list[int]) -> PromptBatch:
         records = self.split.select(self.rows[indices].tolist()).to_dict() if indices else {}
         prompts = records.pop(PROMPT_COLUMN, [])
+        if COLUMNS_JSON in records:  # the fields data_hf.py kept, as the columns they were
+            fields = [json.loads(text or "{}") for text in records.pop(COLUMNS_JSON)]
+            for name in dict.fromkeys(name for row in fields for name in row):
+                records.setdefault(name, [row.get(name) for row in fields])
         return PromptBatch(list(indices), [self.ids[i] for i in indices], prompts, records)
 
     def trained_tokens(self, indices: list[int]) -> int:
@@ -51,21 +58,19 @@ class PromptSet:
 
 def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
     """(the text the model continues, whether it went through the chat template). A string stays as it is; a list
-    of messages (or a JSON string of one) is rendered with the template's generation prompt."""
+    of messages is rendered with the template's generation prompt, or, without a template, a user turn (after an
+    optional system turn) becomes its plain text (system text, a blank line, user text)."""
     if isinstance(prompt, str):
-        stripped = prompt.lstrip()
-        if not stripped.startswith("["):
-            return prompt, False
-        try:
-            prompt = json.loads(prompt)
-        except ValueError:
-            return prompt, False
+        return prompt, False
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"a prompt is {type(prompt).__name__}, not a string or a list of messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("a conversational prompt needs a chat template, and the tokenizer has none (--chat-template)")
-    text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
-    return text, True
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
+        return text, True
+    roles = [turn.get("role") for turn in prompt]
+    if roles not in (["user"], ["system", "user"]):
+        raise ValueError(f"a prompt of turns {roles} needs a chat template, and the tokenizer has none (--chat-template)")
+    return "\n\n".join(str(turn.get("content") or "") for turn in prompt), False
 
 
 def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str) -> PromptSet:

@@ -1,4 +1,4 @@
-"""Why a record is skipped: BadRecord, raised by the record parsers (conversation.py, preference.py), and
+"""Why a record is skipped: BadRecord, raised by the record parsers (conversation.py, preference.py, prompts.py), and
 RECORD_REASONS, each reason a record can be skipped for with the explanation the run summary prints beside it."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ RECORD_REASONS = {
     "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
     # Preference records (--format preference, or auto): the conversation reasons above apply to their turns too.
     "not_a_preference_pair": "a record without both chosen and rejected keys (--format preference)",
-    "ambiguous_keys": "a preference record with two keys that differ only in case (e.g. chosen and Chosen)",
+    "ambiguous_keys": "a preference or prompt record with two keys that differ only in case (e.g. chosen and Chosen)",
     "bad_preference_value": "prompt, chosen or rejected that is not a string or a list of turns (or one turn "
     "object), or, without a prompt, chosen and rejected that are not both lists of turns or both HH strings",
     "malformed_hh_string": "chosen/rejected strings without a prompt that are not Anthropic HH dialogues "
@@ -37,6 +37,11 @@ RECORD_REASONS = {
     "identical_responses": "chosen and rejected responses that are the same (ignoring surrounding whitespace): "
     "nothing to prefer",
     "pair_too_long": "a pair (prompt + chosen + rejected) longer than --max-chars characters (a pair is never split)",
+    # Prompt records (--format prompts): the conversation reasons above apply to a prompt's turns too.
+    "not_a_prompt_record": "a record without a prompt, question, problem or instruction key (--format prompts)",
+    "empty_prompt": "a prompt whose last user turn is empty or whitespace",
+    "non_json_field": "a field JSON cannot hold (e.g. a YAML date), so the record's columns cannot be kept",
+    "prompt_too_long": "a prompt record (its prompt and other fields) longer than --max-chars characters",
 }
 
 

@@ -6,8 +6,10 @@ A dataset is one of four kinds:
 - "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id} per row (one conversation),
   and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
 - "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair);
-- "prompts" (read by the trainer only, for --objective grpo): `prompt`, a string or a list of {role, content}
-  turns, and any other columns, which the reward functions read (a reference answer, test cases).
+- "prompts" (--objective grpo): `prompt`, a list of {role, content} turns ending with a user turn, and
+  `columns_json`, the record's other fields as one JSON object, which the reward functions read as columns (a
+  reference answer, test cases). The trainer also reads a `prompt` column of strings with any other columns
+  (TRL's prompt-only datasets).
 data_hf.py decides the kind when it writes (and names it in its summary's "column"); the trainer finds it again
 from the column names with dataset_kind.
 """
@@ -23,7 +25,11 @@ Turns = tuple[tuple[str, str], ...]
 # The columns of a preference dataset, each a list of messages like `messages`; the trainer reads these names.
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 # The columns of each kind of dataset ("column" in the summary names the kind).
-DATASET_COLUMNS = {"text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS}
+# The columns of a prompts dataset (--format prompts): the prompt turns and the record's other fields as JSON.
+PROMPT_COLUMNS = ("prompt", "columns_json")
+DATASET_COLUMNS = {
+    "text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS, "prompts": PROMPT_COLUMNS,
+}  # fmt: skip
 # Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
 # Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool turns: TOOL_RESULT_ROLES and
 # TOOL_CALL_ROLES, in --format chat only (a preference record with them is an unknown_role skip).

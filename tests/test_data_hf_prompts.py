@@ -1,0 +1,106 @@
+"""Tests for data_hf.py --format prompts (the prompts of fsdp_train.py --objective grpo): every record shape becomes
+prompt turns plus the record's other fields as JSON, bad records are counted skips by reason, the result is the
+same with worker processes and in pieces, the validation split is by record, and the trainer reads the fields back
+as the columns they were."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from datasets import load_from_disk
+
+from fsdp_lib.convert import reading
+from fsdp_lib.data.prompts import PromptSet, prompt_text
+from fsdp_lib.records.prompts import PromptRecord, parse_prompt_record
+from fsdp_lib.records.reasons import BadRecord
+from tests.test_data_hf_preference import convert, jsonl, summary_of, write_files
+
+GOOD = [
+    ({"question": "What is 2 plus 3?", "answer": "5", "id": 1}, [("user", "What is 2 plus 3?")], {"answer": "5", "id": 1}),
+    ({"Problem": "7*6?", "solution": "\\boxed{42}"}, [("user", "7*6?")], {"solution": "\\boxed{42}"}),
+    ({"prompt": "plain", "system": "Be brief.", "tests": [[1, 2]]}, [("system", "Be brief."), ("user", "plain")],
+     {"tests": [[1, 2]]}),
+    ({"prompt": [{"from": "human", "value": "hi"}], "meta": {"a": None}}, [("user", "hi")], {"meta": {"a": None}}),
+    ({"instruction": "Add", "input": "1 and 1", "output": "2"}, [("user", "Add\n\n1 and 1")], {"output": "2"}),
+]  # fmt: skip
+BAD = [
+    ({"chosen": "x", "rejected": "y"}, "not_a_prompt_record"),
+    ("just a string", "not_a_prompt_record"),
+    ({"question": 5}, "non_string_content"),
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "prompt_not_ending_with_user"),
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}, "misplaced_system_turn"),
+    ({"question": "  "}, "empty_prompt"),
+    ({"prompt": "a", "Prompt": "b"}, "ambiguous_keys"),
+    ({"prompt": [{"role": "wizard", "content": "q"}]}, "unknown_role"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("record", "prompt", "columns"), GOOD)
+def test_every_prompt_shape_keeps_the_other_fields(record: dict, prompt: list, columns: dict) -> None:
+    got = parse_prompt_record(record)
+    assert got.prompt == tuple(prompt) and json.loads(got.columns_json) == columns
+
+
+@pytest.mark.parametrize(("record", "reason"), BAD)
+def test_bad_prompt_records_have_their_reason(record: object, reason: str) -> None:
+    with pytest.raises(BadRecord) as err:
+        parse_prompt_record(record)
+    assert err.value.reason == reason
+
+
+def prompts_corpus(root: Path) -> Path:
+    good = [record for record, _, _ in GOOD]
+    return write_files(root, {
+        "a.jsonl": jsonl(good[:2] + [bad for bad, _ in BAD] + good[2:]),
+        "b.json": json.dumps(good),
+        "c.yaml": yaml.safe_dump_all(good),
+        "notes.txt": "a text file is not read with --format prompts\n",
+    })  # fmt: skip
+
+
+def test_format_prompts_writes_prompt_turns_and_fields_and_counts_bad_records(tmp_path: Path, capsys) -> None:
+    assert convert(prompts_corpus(tmp_path / "raw"), tmp_path / "out", "--format", "prompts") == 0
+    dataset = load_from_disk(str(tmp_path / "out"))
+    assert dataset.column_names == ["prompt", "columns_json"] and len(dataset) == 3 * len(GOOD)
+    first = [{"role": r, "content": c} for r, c in GOOD[0][1]]
+    assert dataset[0]["prompt"] == first and json.loads(dataset[0]["columns_json"]) == GOOD[0][2]
+    summary = summary_of(tmp_path / "out")
+    assert summary["column"] == "prompts" and summary["prompts_found"] == 3 * len(GOOD)
+    expected = {reason: sum(1 for _, r in BAD if r == reason) for _, reason in BAD}
+    assert summary["counts_by_reason"] == {**expected, "text_file_in_prompts_run": 1}
+    assert f"-> {3 * len(GOOD)} prompts" in capsys.readouterr().out
+
+
+def test_prompts_are_the_same_with_workers_in_pieces_and_split_by_record(tmp_path: Path, monkeypatch) -> None:
+    raw = write_files(tmp_path / "raw", {"big.jsonl": jsonl([{"question": f"q{i}?", "answer": str(i)} for i in range(300)])})
+    assert convert(raw, tmp_path / "one", "--format", "prompts", "--val-fraction", "0.2") == 0
+    monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)  # the file is read in pieces by two workers
+    args = ("--format", "prompts", "--val-fraction", "0.2", "--num-proc", "2")
+    assert convert(raw, tmp_path / "two", *args) == 0
+    one, two = load_from_disk(str(tmp_path / "one")), load_from_disk(str(tmp_path / "two"))
+    for split in ("train", "validation"):
+        assert sorted(map(json.dumps, one[split])) == sorted(map(json.dumps, two[split])) and len(one[split]) > 20
+
+
+def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.data.prompts import load_prompts
+    from tests.fsdp_helpers import make_model
+
+    assert convert(prompts_corpus(tmp_path / "raw"), tmp_path / "out", "--format", "prompts") == 0
+    tokenizer = AutoTokenizer.from_pretrained(make_model(tmp_path / "model"))
+    prompts = load_prompts(load_from_disk(str(tmp_path / "out")), tokenizer, 1000, "out", "train")
+    assert isinstance(prompts, PromptSet) and len(prompts) == 3 * len(GOOD) and not prompts.conversational
+    batch = prompts.gather([0, 2, 4])
+    assert batch.columns["answer"] == ["5", None, None] and batch.columns["tests"] == [None, [[1, 2]], None]
+    assert batch.columns["output"] == [None, None, "2"] and "columns_json" not in batch.columns
+    # without a chat template: system + user as plain text; a string as it is; a turn list with a template
+    assert prompt_text([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], tokenizer) == ("S\n\nU", False)
+    assert prompt_text("as is", tokenizer) == ("as is", False)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    assert prompt_text([{"role": "user", "content": "U"}], tokenizer) == ("<user>U<assistant>", True)
+    assert isinstance(parse_prompt_record({"prompt": "x"}), PromptRecord)
