@@ -31,6 +31,7 @@ from tests.fsdp_helpers import (
     BASE_FLAGS,
     io_args,
     killed_at_step,
+    make_chat_model,
     make_model,
     output_of,
     read_metrics,
@@ -45,6 +46,11 @@ import os
 def distinct(prompts, completions, answer, **columns):
     assert len(answer) == len(completions) and all(a.isdigit() for a in answer)  # the dataset's column, per completion
     return [float(len(set(c))) for c in completions]
+
+def chat(prompts, completions, answer, **columns):
+    assert isinstance(prompts[0], list) and prompts[0][-1]["role"] == "user", prompts[0]
+    assert isinstance(completions[0], list) and completions[0][0]["role"] == "assistant", completions[0]
+    return [float(len(c[0]["content"]) % 3) for c in completions]
 
 def fails_on_rank_1(prompts, completions, **columns):
     if os.environ.get("RANK") == "1":
@@ -146,7 +152,7 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
     problems = reward_problems([f"{tmp_path}/missing.py:f", f"{good}:nope", f"{broken}:f", "lengthy"], "1,2", ".*")
     assert "--reward-weights 1,2: 2 weight(s) for 4 --reward function(s)" in problems[0]
     assert f"no file {tmp_path}/missing.py" in problems[1]
-    assert "has no function 'nope' (it has: distinct, fails_on_rank_1" in problems[2]
+    assert "has no function 'nope' (it has: chat, distinct, fails_on_rank_1" in problems[2]
     assert "importing" in problems[3] and "ModuleNotFoundError" in problems[3]
     assert "expected FILE.py:FUNCTION" in problems[4] and "accuracy, format" in problems[4]
 
@@ -353,3 +359,49 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_i
     log = output_of(proc)
     assert proc.returncode != 0
     assert f"--reward {spec} raised KeyError: 'solution' (rank 1); fix the reward function" in log
+
+
+@pytest.mark.slow
+def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_prompts(grpo_inputs, tmp_path):
+    """--peft lora, --grpo-beta (the reference: the same model with its adapters off), conversational prompts
+    rendered with the Llama 3 template (completions reach the reward function as messages) and a validation split
+    evaluated at step 0 and at the end."""
+    import datasets
+
+    def rows(n: int, start: int) -> list[dict]:
+        return [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}], "answer": str(i + 1)}
+                for i in range(start, start + n)]  # fmt: skip
+
+    data = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(8, 0)),
+                                 "validation": datasets.Dataset.from_list(rows(3, 20))})  # fmt: skip
+    data.save_to_disk(str(tmp_path / "chat"))
+    model = make_chat_model(tmp_path / "model", with_weights=True)
+    args = [
+        *io_args("lora", tmp_path / "chat", model, tmp_path), *BASE_FLAGS, "--seq-length", "64",
+        "--reward", f"{grpo_inputs['rewards']}:chat", "--num-generations", "4", "--max-new-tokens", "6", "-b", "1",
+        "--max-steps", "2", "--peft", "lora", "--grpo-beta", "0.04", "--lr", "1e-3",
+    ]  # fmt: skip
+    proc = run_trainer(args)
+    log = output_of(proc)
+    assert proc.returncode == 0, log
+    assert "KL beta 0.04 to the model with adapters off" in log and "3 validation prompts" in log
+    records = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = {r["step"]: r for r in records if "val_reward" in r}
+    assert set(evaluations) == {0, 2} and all(r["val_completions"] == 12 for r in evaluations.values())
+    steps = [r for r in records if "reward" in r]
+    assert "val_rewards/chat" in evaluations[2] and "rewards/chat" in steps[-1]
+    assert len(steps) == 2 and all(r["kl"] >= 0 for r in steps)
+    assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("template", ["llama3", "qwen2.5", "gemma", "mistral"])
+def test_a_templated_completion_ends_at_the_templates_end_of_turn(template, tmp_path):
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.data.prompts import end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(make_chat_model(tmp_path / "model", template=template))
+    expected = {"llama3": "<|eot_id|>", "qwen2.5": "<|im_end|>", "gemma": "<end_of_turn>", "mistral": "<|eos|>"}[template]
+    assert end_of_turn_ids(tokenizer) == {tokenizer.convert_tokens_to_ids(expected)}
+    tokenizer.chat_template = None
+    assert end_of_turn_ids(tokenizer) == set()

@@ -154,7 +154,7 @@ class Source:
 
     name: str  # as given with -d
     train: PackedBlocks | PairBlocks | PromptSet
-    validation: PackedBlocks | PairBlocks | None
+    validation: PackedBlocks | PairBlocks | PromptSet | None
     rows: int
     tokens: int
     fingerprint: str
@@ -205,7 +205,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     log(
         f"data: {plan.epoch_blocks:,} train {unit} of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
         f"({d.data_world} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
-        f"{len(validation) if validation else 0} validation blocks, document masking {cfg.document_masking}"
+        f"{len(validation) if validation else 0} validation {unit.split()[0]}, document masking {cfg.document_masking}"
     )
     data_format += f":document-masking-{cfg.document_masking}"
     return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
@@ -289,22 +289,23 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
 
 
 def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any, tokenizer: Any) -> Source:
-    """--objective grpo's dataset: its train prompts tokenised (each at most --seq-length - --max-new-tokens
-    tokens). A validation split is not evaluated yet (said in the log)."""
+    """--objective grpo's dataset: its train and validation prompts tokenised (each at most --seq-length -
+    --max-new-tokens tokens); a validation evaluates to the held-out prompts' mean reward."""
     if cfg.chat_template:  # as for conversations: the file replaces the tokenizer's template (and is exported)
         tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
     prompts = load_prompts(train_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "train")
+    validation = None
     if val_split is not None and len(val_split):
-        log(f"--objective grpo: the {len(val_split):,} validation prompts of {name} are not evaluated (not supported yet)")
+        validation = load_prompts(val_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "validation")
     template = chat_template_hash(tokenizer) if prompts.conversational else "text"
     log(
         f"--objective grpo{' (auto: the dataset has a prompt column)' if cfg.objective == 'auto' else ''}: "
         f"{len(prompts):,} {'conversational' if prompts.conversational else 'plain-text'} prompts of {name}, other "
         f"columns for the rewards: {[c for c in train_split.column_names if c != 'prompt']}"
     )
-    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/"
+    fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
     tokens = sum(len(ids) for ids in prompts.ids)
-    return Source(name, prompts, None, len(train_split), tokens, fingerprint, f"prompts:{template}", "grpo")
+    return Source(name, prompts, validation, len(train_split), tokens, fingerprint, f"prompts:{template}", "grpo")
 
 
 def mixture_plan(

@@ -107,3 +107,19 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             "reward functions get would differ in kind. Convert them all to one kind"
         )
     return PromptSet(ids, np.asarray(rows, dtype=np.int64), split, kinds == {True})
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """The special tokens the chat template writes right after an assistant turn's text (Llama 3's <|eot_id|>,
+    ChatML's <|im_end|>, Gemma's <end_of_turn>, or EOS): a sampled completion of a templated prompt ends there."""
+    marker = "Zq7mark"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that renders no such conversation has no end to find
+        return set()
+    tail = text[text.find(marker) + len(marker) :] if marker in text else ""
+    special = set(tokenizer.all_special_ids)
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    return {next((i for i in ids if i in special), None)} - {None}

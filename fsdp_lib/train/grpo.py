@@ -16,6 +16,7 @@ gradient acts; the clip matters once several steps reuse a batch, which this ver
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,15 +25,15 @@ import torch.distributed as dist
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.batch import Batch
-from fsdp_lib.data.plan import TrainData
-from fsdp_lib.data.prompts import PromptBatch, PromptSet
+from fsdp_lib.data.plan import TrainData, evaluation_shares
+from fsdp_lib.data.prompts import PromptBatch, PromptSet, end_of_turn_ids
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, eagerly, log
 from fsdp_lib.train.dpo import disable_dropout, frozen_copy, reference_token_log_probs, sequence_sums
 from fsdp_lib.train.rewards import RewardError, RewardFunction, combine, completion_text, load_rewards, score
-from fsdp_lib.train.rollout import generate, sampling_uniforms
+from fsdp_lib.train.rollout import Completions, generate, sampling_uniforms
 from fsdp_lib.train.samples import stop_ids
 
 # The figures a step sums per rank (then over the window and the ranks), then one triple per reward function.
@@ -52,6 +53,19 @@ GRPO_STATS = (
     "kl",
 )
 STD_EPS = 1e-4  # added to a group's standard deviation (as TRL), so a group of equal rewards gives advantages of 0
+VALIDATION_EPOCH = -1  # the sampling streams of the held-out prompts: apart from every training epoch's
+
+
+@dataclass
+class Scored:
+    """A micro-batch's sampled completions (token rows, as strings or messages) and rewards."""
+
+    rows: list[list[int]]  # each completion's prompt ids (a prompt's --num-generations rows next to each other)
+    done: Completions
+    completions: list[Any]
+    scores: np.ndarray  # [reward functions x completions], NaN where a function returned None
+    rewards: np.ndarray  # combined
+    error: str | None  # a reward function's failure, raised once every rank has generated
 
 
 def group_advantages(rewards: np.ndarray, group: int, scale: bool) -> np.ndarray:
@@ -129,6 +143,8 @@ class GRPOObjective:
         self.group = cfg.num_generations
         self.epsilon_high = cfg.epsilon_high or cfg.epsilon
         self.stops = stop_ids(policy.model, tokenizer)
+        if prompts.conversational:  # a templated prompt's completion ends with the template's end of turn
+            self.stops |= end_of_turn_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.host_stats = np.zeros(len(GRPO_STATS) + 3 * len(rewards))
         self.device_stats: torch.Tensor | None = None
@@ -154,18 +170,15 @@ class GRPOObjective:
                 out.append(batch)
                 sequences += len(batch.sequences)
                 tokens += int((batch.sequence_ids >= 0).sum())
-        gathered: list[Any] = [None] * self.d.world_size
-        dist.all_gather_object(gathered, (error, sequences, tokens), group=self.d.cpu_group)
-        failed = [(rank, e) for rank, (e, _, _) in enumerate(gathered) if e]
-        if failed:
-            rank, message = failed[0]
-            raise TrainError(f"{message} (rank {rank}); fix the reward function and rerun the same command to resume")
-        sequences = sum(s for _, s, _ in gathered)
-        tokens = sum(t for _, _, t in gathered)
+        self.raise_if_failed(error)
+        counts = torch.tensor([sequences, tokens], dtype=torch.int64)
+        dist.all_reduce(counts, group=self.d.cpu_group)
+        sequences, tokens = counts.tolist()
         normaliser = {"grpo": sequences, "dapo": tokens, "dr_grpo": sequences * self.cfg.max_new_tokens}
         return out, max(1, normaliser[self.cfg.grpo_loss])
 
-    def rollout_one(self, prompts: PromptBatch, epoch: int, first: bool) -> tuple[Batch, str | None]:
+    def sample_and_score(self, prompts: PromptBatch, epoch: int) -> Scored:
+        """--num-generations completions of each prompt, sampled with the streams of `epoch`, and their rewards."""
         cfg, g = self.cfg, self.group
         rows = [ids for ids in prompts.ids for _ in range(g)]
         keys = np.repeat(np.asarray(prompts.indices, dtype=np.int64), g)
@@ -189,20 +202,62 @@ class GRPOObjective:
             scores = score(self.rewards, repeated, completions, columns)
         except RewardError as exc:
             error, scores = str(exc), np.zeros((len(self.rewards), len(rows)))
-        rewards = combine(scores, self.rewards)
-        self.last_rewards += rewards.tolist()
-        advantages = group_advantages(rewards, g, scale=cfg.grpo_loss != "dr_grpo")
-        batch = completion_batch(rows, done.tokens, advantages, self.pad_id)
-        self.count(rows, done, rewards, scores)
+        return Scored(rows, done, completions, scores, combine(scores, self.rewards), error)
+
+    def rollout_one(self, prompts: PromptBatch, epoch: int, first: bool) -> tuple[Batch, str | None]:
+        g = self.group
+        got = self.sample_and_score(prompts, epoch)
+        self.last_rewards += got.rewards.tolist()
+        advantages = group_advantages(got.rewards, g, scale=self.cfg.grpo_loss != "dr_grpo")
+        batch = completion_batch(got.rows, got.done.tokens, advantages, self.pad_id)
+        self.count(got.rows, got.done, got.rewards, got.scores)
         if first:
             self.samples = [
                 {"prompt": shown, "completion": completion_text(c), "reward": float(r),
-                 "rewards": {f.name: (None if math.isnan(s) else float(s)) for f, s in zip(self.rewards, column)}}
+                 "rewards": {f.label: (None if math.isnan(s) else float(s)) for f, s in zip(self.rewards, column)}}
                 for shown, c, r, column in zip(
-                    [self.tokenizer.decode(rows[0])] * g, completions[:g], rewards[:g], scores[:, :g].T
+                    [self.tokenizer.decode(got.rows[0])] * g, got.completions[:g], got.rewards[:g], got.scores[:, :g].T
                 )
             ]  # fmt: skip
-        return batch, error
+        return batch, got.error
+
+    @torch.no_grad()
+    def evaluate(self, prompts: PromptSet, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+        """The held-out prompts' mean reward (combined and per function) and completion length, --num-generations
+        completions each, sampled with the validation streams (the same numbers at every evaluation, so the figures
+        of two evaluations differ by the model only). Every rank runs as many generations (a rank without a prompt
+        left generates for a stand-in and counts nothing): the ranks' forwards must line up."""
+        count = len(prompts) if not cfg.eval_max_blocks else min(len(prompts), cfg.eval_max_blocks)
+        sums = np.zeros(3 + 2 * len(self.rewards))  # completions, reward, completion tokens, per function: sum, count
+        error = None
+        with eagerly():
+            for idx in evaluation_shares(count, cfg.batch_size, d):
+                got = self.sample_and_score(prompts.gather(idx or [0]), VALIDATION_EPOCH)
+                error = error or got.error
+                real = len(idx) * self.group
+                sums[:3] += [real, got.rewards[:real].sum(), sum(len(t) for t in got.done.tokens[:real])]
+                for k, row in enumerate(got.scores[:, :real]):
+                    sums[3 + 2 * k : 5 + 2 * k] += [np.nansum(row), (~np.isnan(row)).sum()]
+        self.raise_if_failed(error)
+        totals = torch.from_numpy(sums).to(d.device)
+        dist.all_reduce(totals)
+        values = totals.cpu().numpy()
+        n = max(1.0, values[0])
+        figures = {"val_reward": values[1] / n, "val_completion_length": values[2] / n, "val_completions": int(values[0])}
+        for k, reward in enumerate(self.rewards):
+            total, applies = values[3 + 2 * k : 5 + 2 * k]
+            if applies:
+                figures[f"val_rewards/{reward.label}"] = total / applies
+        return figures
+
+    def raise_if_failed(self, error: str | None) -> None:
+        """Every rank stops, with the first failing rank's message, when a reward function failed on any."""
+        gathered: list[Any] = [None] * self.d.world_size
+        dist.all_gather_object(gathered, error, group=self.d.cpu_group)
+        failed = [(rank, e) for rank, e in enumerate(gathered) if e]
+        if failed:
+            rank, message = failed[0]
+            raise TrainError(f"{message} (rank {rank}); fix the reward function and rerun the same command to resume")
 
     def count(self, rows: list[list[int]], done: Any, rewards: np.ndarray, scores: np.ndarray) -> None:
         grouped = rewards.reshape(-1, self.group)
@@ -246,7 +301,7 @@ class GRPOObjective:
             loss_sum = (sequence_sums(losses, batch.sequence_ids, count) / lengths).sum()
         else:
             loss_sum = losses.sum()
-        figures = torch.stack([(clipped & mask).sum().double(), (kl * mask).sum().double()])
+        figures = torch.stack([(clipped & mask).sum().double(), (kl.detach() * mask).sum().double()])
         self.device_stats = figures if self.device_stats is None else self.device_stats + figures
         return loss_sum, aux
 
@@ -291,8 +346,8 @@ class GRPOObjective:
             total, squares, count = values[len(GRPO_STATS) + 3 * k : len(GRPO_STATS) + 3 * k + 3]
             if count:
                 m = total / count
-                record[f"rewards/{reward.name}"] = m
-                record[f"rewards/{reward.name}_std"] = math.sqrt(max(0.0, squares / count - m**2))
+                record[f"rewards/{reward.label}"] = m
+                record[f"rewards/{reward.label}_std"] = math.sqrt(max(0.0, squares / count - m**2))
         return record
 
 

@@ -14,6 +14,7 @@ A function that raises or returns the wrong number of values stops the run with 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import math
@@ -35,6 +36,7 @@ class RewardFunction:
     function: Callable[..., Any]
     weight: float
     identity: str  # what a resume pins: the built-in's name and pattern, or the file's name and content hash
+    label: str = ""  # in metric names (rewards/LABEL): the built-in's or the function's name, else the whole spec
 
 
 def _boxed(text: str) -> str | None:
@@ -152,7 +154,9 @@ def load_rewards(specs: list[str], weights_text: str, pattern: str) -> list[Rewa
     weights = parse_weights(weights_text, len(specs))
     if isinstance(weights, str):
         raise ValueError(weights)
-    return [load_reward(spec, weight, pattern) for spec, weight in zip(specs, weights)]
+    functions = [load_reward(spec, weight, pattern) for spec, weight in zip(specs, weights)]
+    short = [f.name.rpartition(":")[2] for f in functions]
+    return [dataclasses.replace(f, label=s if short.count(s) == 1 else f.name) for f, s in zip(functions, short)]
 
 
 def reward_problems(specs: list[str], weights_text: str, pattern: str) -> list[str]:
