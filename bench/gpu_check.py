@@ -21,7 +21,8 @@ One section per device call (each is sized for 8 of a call's 10 minutes); the es
 BENCHMARKS.md's launches of the 1B preset (72-105 s each: start-up, model init, compilation, then the final 12 GB
 checkpoint and export, which fsdp_train.py always writes; a 1B run at seq 2048 x 8 trains ~58k tokens/s compiled):
 kernels ~6-7 min (4 launches), mfu ~4 min (2), peft ~4.5 min (3, plus a 1B model folder with weights), dpo ~2 min
-(1, the 125M preset), resume ~1.5 min (3, a 4-layer model), fp8 0 (nothing to launch while fsdp_train.py has no
+(1, the 125M preset), resume ~1.5 min (3, a 4-layer model), grpo ~2.5 min on an H200 (1 launch, then transformers'
+generate in-process; 1B with weights, shared with peft), fp8 0 (nothing to launch while fsdp_train.py has no
 --fp8). --budget-s (default 480) bounds each section: a launch that would start with less of it left than the
 section's longest launch so far (at least a minute) is skipped ("not measured"), one that runs past it is killed and
 reported the same way; --total-budget-s bounds the command (e.g. 540 for several sections in one 10-minute call). The
@@ -50,6 +51,11 @@ launch.run_trainer or the bench that owns the measurement; a generated corpus, n
   resumes from step 10. Claims: the resumed run's loss equals the uninterrupted run's at every step, bit for bit;
   the steps trained twice (before the kill and after the resume) have the same losses.
 - fp8: FP8 against bf16; reports "not measured: --fp8 not implemented" while fsdp_train.py has no --fp8 flag.
+- grpo: `--objective grpo` on bench_peft's 1B with weights (random: the completions run to --max-new-tokens), 64
+  prompts of 60 words, --reward accuracy, seq 1024, --max-new-tokens 256, --num-generations 8, -b 4 (32 completions
+  per step), activation checkpointing on, 4 steps (the first skipped): generation tokens/s, step and generation time,
+  the CUDA peak; against transformers' `generate` on an unsharded bf16 copy of the same weights (same prompts,
+  sampling and lengths, -b prompts x 8 per call, one warm-up call). Claim: our generation tokens/s >= generate's.
 
 Figures are fsdp_train.py's own metrics.jsonl (tokens_per_s, mfu, mem_peak_alloc_gb), as bench_mfu.py reads them:
 the first window (warm-up, compilation) skipped, the median of the others (peak: their highest).
@@ -93,7 +99,7 @@ from common import REPO_ROOT, format_table, machine_info, median
 from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
 from launch import LaunchError, gpus_hidden, run_trainer, torchrun
 
-SECTIONS = ("kernels", "mfu", "peft", "dpo", "resume", "fp8")
+SECTIONS = ("kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo")
 DEFAULT_OUT = REPO_ROOT / "outputs" / "gpu_check"
 DEFAULT_BUDGET_S = 480.0
 LOSS_RTOL = 2e-2
@@ -112,6 +118,7 @@ GPU_PLAN: dict[str, Any] = {
     "peft": bench_peft.GPU_FULL,
     "dpo": bench_dpo.GPU_FULL,
     "resume": {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 512, "batch": 4, "steps": 20, "ckpt": 5, "kill": 15},
+    "grpo": {"prompts": 64, "prompt_words": 60, "seq": 1024, "new": 256, "group": 8, "batch": 4, "steps": 4},
     "min_launch_s": 60.0,
 }
 DRY_PLAN: dict[str, Any] = {
@@ -123,6 +130,7 @@ DRY_PLAN: dict[str, Any] = {
     "peft": {**bench_peft.CPU_QUICK, "label": "CPU, 1 process (dry run)", "nproc": 1, "precision": "fp32"},
     "dpo": {**bench_dpo.CPU_QUICK, "label": "CPU, 1 process (dry run)", "nproc": 1, "pairs": 8, "precision": "fp32"},
     "resume": {"seq": 64, "batch": 2, "steps": 6, "ckpt": 2, "kill": 4},
+    "grpo": {"prompts": 16, "prompt_words": 12, "seq": 128, "new": 16, "group": 4, "batch": 2, "steps": 3},
     "min_launch_s": 0.0,
     "peak_tflops": 1.0,  # nominal: a CPU has no datasheet peak; proves the MFU plumbing, not a figure
     # the rows a dry run launches where a section has several; the others: "not launched in --dry-run"
@@ -347,6 +355,13 @@ def figures(windows: list[dict[str, Any]], log: str) -> dict[str, Any]:
         "losses": [[w["step"], w["loss"]] for w in windows],
         "last_loss": windows[-1]["loss"],
         "attention": attention.group(1) if attention else None,
+        **({  # --objective grpo's windows (one step each): the phases' sum is the step
+            "generation_tokens_per_s": median([w["generation_tokens_per_s"] for w in steady]),
+            "generate_ms": median([w["time_generate_ms"] for w in steady]),
+            "step_ms": median([sum(v for k, v in w.items() if k.startswith("time_") and k.endswith("_ms"))
+                               for w in steady]),
+            "completion_length": median([w["completion_length"] for w in steady]),
+        } if all("generation_tokens_per_s" in w for w in steady) else {}),  # fmt: skip
     }
 
 
@@ -573,6 +588,95 @@ def section_fp8(ctx: Context) -> SectionResult:
     return [row], [Claim("FP8 vs bf16", "FP8 tokens/s and loss against bf16", "-", None, reason)]
 
 
+def grpo_inputs(ctx: Context, p: dict[str, Any]) -> tuple[Path, Path]:
+    """Prompts cut from the generated corpus (p["prompt_words"] words each, an `answer` column of "7": the accuracy
+    reward is mostly 0 for a random model) and a model with weights (bench_peft's 1B on a GPU, the dry run's Llama),
+    which the baseline loads as it is."""
+    import datasets
+
+    if ctx.dry:
+        _, model = ctx.text_inputs()
+    else:
+        model = ctx.cached("peft model", lambda: bench_peft.init_model(ctx.work, ctx.corpus(), ctx.plan["peft"], "model_peft"))
+    words = " ".join(make_corpus(200_000)).split()
+    n, k = p["prompts"], p["prompt_words"]
+    prompts = [" ".join(words[i * k : (i + 1) * k]) + "\nAnswer:" for i in range(n)]
+    folder = ctx.work / "grpo_prompts"
+    if not folder.exists():
+        datasets.Dataset.from_dict({"prompt": prompts, "answer": ["7"] * n}).save_to_disk(str(folder))
+    return folder, model
+
+
+def generate_baseline(model_dir: Path, prompts: list[str], p: dict[str, Any], dry: bool) -> Row:
+    """transformers' generate on an unsharded copy of the model (bf16 on the GPU; fp32 in the dry run), the same
+    sampling (temperature 1, top-p 1, no top-k) and lengths, -b prompts x the group per call, as TRL generates
+    with a gathered model: generated tokens (to the first end token) per second, after one warm-up call."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cpu" if dry else "cuda")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    dtype = torch.float32 if dry else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    eos = tokenizer.eos_token_id
+    times, tokens = [], 0
+    batches = [prompts[i : i + p["batch"]] for i in range(0, p["batch"] * p["steps"], p["batch"])]
+    for i, batch in enumerate(batches):
+        enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                **enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=p["new"],
+                num_return_sequences=p["group"], pad_token_id=eos,
+            )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i == 0:
+            continue  # warm-up
+        times.append(time.perf_counter() - start)
+        for row in out[:, enc["input_ids"].shape[1] :].tolist():
+            tokens += next((j + 1 for j, t in enumerate(row) if t == eos), len(row))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"row": "transformers generate, unsharded copy", "status": "ok", "generation_tokens_per_s": tokens / sum(times)}
+
+
+def section_grpo(ctx: Context) -> SectionResult:
+    """--objective grpo (the accuracy reward, --max-new-tokens p["new"], --num-generations p["group"], -b p["batch"]
+    prompts, activation checkpointing on): step time, generation tokens/s and the CUDA peak, against transformers'
+    generate on an unsharded copy (generation tokens/s)."""
+    p = ctx.plan["grpo"]
+    name = "GRPO, generation on the sharded model"
+    if (reason := ctx.skip_reason("grpo", "grpo")) is not None:
+        ours = not_run(name, "not measured", reason)
+    else:
+        prompts, model = ctx.cached("grpo inputs", lambda: grpo_inputs(ctx, p))
+        s = Setting(p["seq"], p["batch"], p["steps"], 1, extra=[
+            "--objective", "grpo", "--reward", "accuracy", "--max-new-tokens", str(p["new"]),
+            "--num-generations", str(p["group"]),
+        ])  # fmt: skip
+        ours = train(ctx, name, "grpo", (prompts, model), s)
+    print(f"  {name}: {summary(ours)}", flush=True)
+    base_name = "transformers generate, unsharded copy"
+    if ours["status"] != "ok":
+        base = not_run(base_name, "not measured", "ours did not run")
+    else:
+        import datasets
+
+        texts = datasets.load_from_disk(str(prompts))["prompt"]
+        base = generate_baseline(model, texts, p, ctx.dry)
+    print(f"  {base_name}: {base.get('generation_tokens_per_s', base.get('reason'))}", flush=True)
+    claims = [
+        ratio_claim("GRPO generation vs generate", ours, base, "generation_tokens_per_s", ">=", 1.0, "generation tokens/s"),
+        reported("GRPO generation tokens/s", ours, "generation_tokens_per_s", "tokens/s"),
+    ]
+    return [ours, base], claims
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "kernels": section_kernels,
     "mfu": section_mfu,
@@ -580,6 +684,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "dpo": section_dpo,
     "resume": section_resume,
     "fp8": section_fp8,
+    "grpo": section_grpo,
 }
 
 
@@ -641,6 +746,9 @@ CELLS: list[tuple[str, str, Callable[[Any], str]]] = [  # header, row key, forma
     ("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
     ("pairs/s", "pairs_per_s", lambda v: f"{v:,.3g}"),
     ("MFU", "mfu", lambda v: f"{100 * v:.1f}%"),
+    ("generation tokens/s", "generation_tokens_per_s", lambda v: f"{v:,.0f}"),
+    ("step (ms)", "step_ms", lambda v: f"{v:,.0f}"),
+    ("generation (ms)", "generate_ms", lambda v: f"{v:,.0f}"),
     ("peak (GiB)", "peak_gib", lambda v: f"{v:.2f}"),
     ("attention", "attention", str),
     ("losses (logged steps)", "losses", lambda v: ", ".join(f"{loss:.4g}" for _, loss in v[-6:])),

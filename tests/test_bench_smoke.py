@@ -255,7 +255,7 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
-    assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8"]
+    assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo"]
     for name, section in sections.items():
         assert section["error"] is None and section["rows"], (name, section)
         assert f"{name}: launches" in [c["name"] for c in section["claims"]], name
@@ -264,6 +264,9 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert mfu["status"] == "ok" and mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1, mfu  # nominal 1 TFLOP/s peak
     lora = {r["row"]: r for r in sections["peft"]["rows"]}["LoRA"]
     assert lora["status"] == "ok" and lora["peak_gib"] > 0, lora
+    ours, base = sections["grpo"]["rows"]
+    assert ours["status"] == base["status"] == "ok" and ours["generation_tokens_per_s"] > 0, (ours, base)
+    assert ours["step_ms"] > ours["generate_ms"] > 0 and base["generation_tokens_per_s"] > 0
     twice = {c["name"]: c for c in sections["resume"]["claims"]}["steps trained twice"]
     assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
     text = (tmp_path / "gpu_check.md").read_text()

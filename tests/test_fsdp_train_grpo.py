@@ -238,6 +238,8 @@ def test_one_step_loss_and_gradients_equal_a_float64_grpo(grpo_inputs, tmp_path)
     proc = run_trainer(args, script=WORKERS / "grpo_grads.py", env={"GRPO_GRADS_OUT": str(out)})
     assert proc.returncode == 0, output_of(proc)
     results = torch.load(out)
+    # decoding over the gathered view (no FSDP hooks) and through FSDP, a layer at a time, sample the same tokens
+    assert results.pop("view") == {"used": True, "same_tokens_hooked": True}
     rollouts = {loss: [row for rank_rows, _ in got["parts"] for row in rank_rows] for loss, got in results.items()}
     assert rollouts["grpo"] == rollouts["dapo"] == rollouts["dr_grpo"]  # the same sampling keys: the same tokens
     model = AutoModelForCausalLM.from_pretrained(grpo_inputs["diverse"], dtype=torch.float64, use_cache=False)

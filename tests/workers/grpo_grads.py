@@ -21,11 +21,12 @@ from fsdp_lib.data.plan import build_data  # noqa: E402
 from fsdp_lib.model.anatomy import clean_fqn  # noqa: E402
 from fsdp_lib.model.build import build_model  # noqa: E402
 from fsdp_lib.offline import resolve_model_dir  # noqa: E402
-from fsdp_lib.runtime import setup_distributed  # noqa: E402
+from fsdp_lib.runtime import reshard_all, setup_distributed  # noqa: E402
 from fsdp_lib.state import TrainState  # noqa: E402
 from fsdp_lib.train.metrics import PhaseTimer  # noqa: E402
 from fsdp_lib.train.objective import build_objective  # noqa: E402
 from fsdp_lib.train.optim import BadStepGuard  # noqa: E402
+from fsdp_lib.train.rollout import gathered_view  # noqa: E402
 
 
 def main() -> None:
@@ -61,6 +62,17 @@ def main() -> None:
         dist.all_gather_object(gathered, mine)
         objective.take_stats()
         results[loss] = {"loss": total.item() / normaliser, "grads": grads, "parts": gathered}
+    # the same rollout decoded through FSDP's hooks, one layer gathered at a time, instead of the gathered view
+    objective.keep_gathered = False
+    hooked, _ = objective.rollout(plan.micro_batches(order, 0), 0)
+    objective.keep_gathered = True
+    fast, _ = objective.rollout(plan.micro_batches(order, 0), 0)
+    same = all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(hooked, fast))
+    for module in bundle.train_forward.modules():
+        if hasattr(module, "unshard") and hasattr(module, "reshard"):
+            module.unshard()
+    results["view"] = {"used": gathered_view(bundle.train_forward) is not None, "same_tokens_hooked": same}
+    reshard_all(bundle.train_forward)
     if d.is_main:
         torch.save(results, os.environ["GRPO_GRADS_OUT"])
     dist.destroy_process_group()
