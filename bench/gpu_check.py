@@ -355,13 +355,18 @@ def figures(windows: list[dict[str, Any]], log: str) -> dict[str, Any]:
         "losses": [[w["step"], w["loss"]] for w in windows],
         "last_loss": windows[-1]["loss"],
         "attention": attention.group(1) if attention else None,
-        **({  # --objective grpo's windows (one step each): the phases' sum is the step
-            "generation_tokens_per_s": median([w["generation_tokens_per_s"] for w in steady]),
-            "generate_ms": median([w["time_generate_ms"] for w in steady]),
-            "step_ms": median([sum(v for k, v in w.items() if k.startswith("time_") and k.endswith("_ms"))
-                               for w in steady]),
-            "completion_length": median([w["completion_length"] for w in steady]),
-        } if all("generation_tokens_per_s" in w for w in steady) else {}),  # fmt: skip
+        **(
+            {  # --objective grpo's windows (one step each): the phases' sum is the step
+                "generation_tokens_per_s": median([w["generation_tokens_per_s"] for w in steady]),
+                "generate_ms": median([w["time_generate_ms"] for w in steady]),
+                "step_ms": median(
+                    [sum(v for k, v in w.items() if k.startswith("time_") and k.endswith("_ms")) for w in steady]
+                ),
+                "completion_length": median([w["completion_length"] for w in steady]),
+            }
+            if all("generation_tokens_per_s" in w for w in steady)
+            else {}
+        ),  # fmt: skip
     }
 
 
@@ -597,7 +602,9 @@ def grpo_inputs(ctx: Context, p: dict[str, Any]) -> tuple[Path, Path]:
     if ctx.dry:
         _, model = ctx.text_inputs()
     else:
-        model = ctx.cached("peft model", lambda: bench_peft.init_model(ctx.work, ctx.corpus(), ctx.plan["peft"], "model_peft"))
+        model = ctx.cached(
+            "peft model", lambda: bench_peft.init_model(ctx.work, ctx.corpus(), ctx.plan["peft"], "model_peft")
+        )
     words = " ".join(make_corpus(200_000)).split()
     n, k = p["prompts"], p["prompt_words"]
     prompts = [" ".join(words[i * k : (i + 1) * k]) + "\nAnswer:" for i in range(n)]
@@ -642,7 +649,11 @@ def generate_baseline(model_dir: Path, prompts: list[str], p: dict[str, Any], dr
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"row": "transformers generate, unsharded copy", "status": "ok", "generation_tokens_per_s": tokens / sum(times)}
+    return {
+        "row": "transformers generate, unsharded copy",
+        "status": "ok",
+        "generation_tokens_per_s": tokens / sum(times),
+    }
 
 
 def section_grpo(ctx: Context) -> SectionResult:
@@ -671,7 +682,9 @@ def section_grpo(ctx: Context) -> SectionResult:
         base = generate_baseline(model, texts, p, ctx.dry)
     print(f"  {base_name}: {base.get('generation_tokens_per_s', base.get('reason'))}", flush=True)
     claims = [
-        ratio_claim("GRPO generation vs generate", ours, base, "generation_tokens_per_s", ">=", 1.0, "generation tokens/s"),
+        ratio_claim(
+            "GRPO generation vs generate", ours, base, "generation_tokens_per_s", ">=", 1.0, "generation tokens/s"
+        ),
         reported("GRPO generation tokens/s", ours, "generation_tokens_per_s", "tokens/s"),
     ]
     return [ours, base], claims

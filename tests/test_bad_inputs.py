@@ -296,27 +296,36 @@ TRAINER_FLAG_CASES = [
     flag_case(
         "--dpo-loss that does not exist", ("--dpo-loss", "kto"), "--dpo-loss", "invalid choice: 'kto'", "'simpo'"
     ),
-    flag_case("--objective grpo without --reward", ("--objective", "grpo"), "--objective grpo needs at least one --reward"),
+    flag_case(
+        "--objective grpo without --reward", ("--objective", "grpo"), "--objective grpo needs at least one --reward"
+    ),
     flag_case(
         "--num-generations 1",
         ("--objective", "grpo", "--reward", "accuracy", "--num-generations", "1"),
         "--num-generations must be at least 2",
     ),
     flag_case(
-        "--temperature 0", ("--objective", "grpo", "--reward", "accuracy", "--temperature", "0"), "--temperature must be"
+        "--temperature 0",
+        ("--objective", "grpo", "--reward", "accuracy", "--temperature", "0"),
+        "--temperature must be",
     ),
     flag_case(
         "--max-new-tokens as long as --seq-length",
         ("--objective", "grpo", "--reward", "accuracy", "--max-new-tokens", "512", "--seq-length", "512"),
         "--max-new-tokens 512 leaves no room for a prompt in --seq-length 512",
     ),
-    flag_case("--num-generations with --objective lm", ("--objective", "lm", "--num-generations", "4"),
-              "--num-generations need --objective grpo (got --objective lm)"),  # fmt: skip
+    flag_case(
+        "--num-generations with --objective lm",
+        ("--objective", "lm", "--num-generations", "4"),
+        "--num-generations need --objective grpo (got --objective lm)",
+    ),  # fmt: skip
     flag_case(
         "--reward file that does not exist", ("--reward", "@nowhere.py:score", "--max-new-tokens", "8"), "no file"
     ),
     flag_case(
-        "--reward that is not FILE:FUNCTION", ("--reward", "lengthy", "--max-new-tokens", "8"), "expected FILE.py:FUNCTION"
+        "--reward that is not FILE:FUNCTION",
+        ("--reward", "lengthy", "--max-new-tokens", "8"),
+        "expected FILE.py:FUNCTION",
     ),
     flag_case(
         "--reward-weights not one per --reward",

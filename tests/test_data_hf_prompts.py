@@ -75,7 +75,9 @@ def test_format_prompts_writes_prompt_turns_and_fields_and_counts_bad_records(tm
 
 
 def test_prompts_are_the_same_with_workers_in_pieces_and_split_by_record(tmp_path: Path, monkeypatch) -> None:
-    raw = write_files(tmp_path / "raw", {"big.jsonl": jsonl([{"question": f"q{i}?", "answer": str(i)} for i in range(300)])})
+    raw = write_files(
+        tmp_path / "raw", {"big.jsonl": jsonl([{"question": f"q{i}?", "answer": str(i)} for i in range(300)])}
+    )
     assert convert(raw, tmp_path / "one", "--format", "prompts", "--val-fraction", "0.2") == 0
     monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 1024)  # the file is read in pieces by two workers
     args = ("--format", "prompts", "--val-fraction", "0.2", "--num-proc", "2")
@@ -99,7 +101,10 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
     assert batch.columns["answer"] == ["5", None, None] and batch.columns["tests"] == [None, [[1, 2]], None]
     assert batch.columns["output"] == [None, None, "2"] and "columns_json" not in batch.columns
     # without a chat template: system + user as plain text; a string as it is; a turn list with a template
-    assert prompt_text([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], tokenizer) == ("S\n\nU", False)
+    assert prompt_text([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], tokenizer) == (
+        "S\n\nU",
+        False,
+    )
     assert prompt_text("as is", tokenizer) == ("as is", False)
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     assert prompt_text([{"role": "user", "content": "U"}], tokenizer) == ("<user>U<assistant>", True)

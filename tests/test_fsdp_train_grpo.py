@@ -40,7 +40,7 @@ from tests.fsdp_helpers import (
 
 WORKERS = Path(__file__).parent / "workers"
 PROMPT = "3 plus 4 is "
-REWARDS = '''
+REWARDS = """
 import os
 
 def distinct(prompts, completions, answer, **columns):
@@ -56,7 +56,7 @@ def fails_on_rank_1(prompts, completions, **columns):
     if os.environ.get("RANK") == "1":
         raise KeyError("solution")
     return [0.0 for c in completions]
-'''
+"""
 
 
 # -- sampling -----------------------------------------------------------------------------------------------------
@@ -211,7 +211,9 @@ def grpo_inputs(tmp_path_factory) -> dict[str, Path]:
     sums = [{"question": f"{a} plus {b} is", "answer": str(a + b)} for a in range(4) for b in range(4)]
     (root / "raw").mkdir()
     (root / "raw" / "sums.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sums))
-    assert data_hf.main(["--data-folder", str(root / "raw"), "--save-dir", str(root / "sums"), "--format", "prompts"]) == 0
+    assert (
+        data_hf.main(["--data-folder", str(root / "raw"), "--save-dir", str(root / "sums"), "--format", "prompts"]) == 0
+    )
     datasets.Dataset.from_list([{"prompt": PROMPT, "answer": "7"}] * 48).save_to_disk(str(root / "seven"))
     return {
         "root": root,
@@ -403,7 +405,9 @@ def test_a_templated_completion_ends_at_the_templates_end_of_turn(template, tmp_
     from fsdp_lib.data.prompts import end_of_turn_ids
 
     tokenizer = AutoTokenizer.from_pretrained(make_chat_model(tmp_path / "model", template=template))
-    expected = {"llama3": "<|eot_id|>", "qwen2.5": "<|im_end|>", "gemma": "<end_of_turn>", "mistral": "<|eos|>"}[template]
+    expected = {"llama3": "<|eot_id|>", "qwen2.5": "<|im_end|>", "gemma": "<end_of_turn>", "mistral": "<|eos|>"}[
+        template
+    ]
     assert end_of_turn_ids(tokenizer) == {tokenizer.convert_tokens_to_ids(expected)}
     tokenizer.chat_template = None
     assert end_of_turn_ids(tokenizer) == set()

@@ -100,7 +100,9 @@ class Extraction:
             row = parse(record)
             chars = row_chars(row)
             if chars > self.max_chars:
-                too_long = {"preference": "pair_too_long", "prompts": "prompt_too_long"}.get(kind, "conversation_too_long")
+                too_long = {"preference": "pair_too_long", "prompts": "prompt_too_long"}.get(
+                    kind, "conversation_too_long"
+                )
                 raise BadRecord(too_long, f"{chars} characters > --max-chars {self.max_chars}")
         except BadRecord as err:
             where = "" if line is not None else f"record {result.records_seen}: "

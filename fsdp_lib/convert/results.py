@@ -84,7 +84,13 @@ class FileResult:
     @property
     def skipped_reason(self) -> str | None:
         """The reason nothing was kept from this file, or None if rows were kept or nothing went wrong."""
-        if self.strings_found or self.conversations_found or self.pairs_found or self.prompts_found or not self.problems:
+        if (
+            self.strings_found
+            or self.conversations_found
+            or self.pairs_found
+            or self.prompts_found
+            or not self.problems
+        ):
             return None
         return self.problems[0].reason
 

@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_lib.config import GRPO_FLAGS, TrainConfig, changed_dpo_flags, changed_flags, parse_data_slice, parse_data_weights
+from fsdp_lib.config import (
+    GRPO_FLAGS,
+    TrainConfig,
+    changed_dpo_flags,
+    changed_flags,
+    parse_data_slice,
+    parse_data_weights,
+)
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, uses_tools
@@ -249,7 +256,9 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     objective = resolve_objective(cfg, train_split.column_names, name)
     if objective in ("dpo", "grpo") and len(cfg.dataset_name) > 1:
         what = "preference pairs" if objective == "dpo" else "prompts"
-        raise TrainError(f"--dataset-name {name} holds {what}, which train alone (--objective {objective}); give -d once")
+        raise TrainError(
+            f"--dataset-name {name} holds {what}, which train alone (--objective {objective}); give -d once"
+        )
     if objective == "grpo":
         return prompt_source(cfg, name, train_split, val_split, tokenizer)
     columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too

@@ -69,7 +69,9 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
         return text, True
     roles = [turn.get("role") for turn in prompt]
     if roles not in (["user"], ["system", "user"]):
-        raise ValueError(f"a prompt of turns {roles} needs a chat template, and the tokenizer has none (--chat-template)")
+        raise ValueError(
+            f"a prompt of turns {roles} needs a chat template, and the tokenizer has none (--chat-template)"
+        )
     return "\n\n".join(str(turn.get("content") or "") for turn in prompt), False
 
 

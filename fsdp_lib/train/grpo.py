@@ -114,9 +114,7 @@ def completion_batch(
         ids[i, : len(p) + len(c)] = torch.as_tensor(p + c)
         labels[i, len(p) - 1 : len(p) + len(c) - 1] = torch.as_tensor(c)
         owner[i, len(p) - 1 : len(p) + len(c) - 1] = i
-    return Batch(
-        ids, labels, None, owner, torch.arange(rows), None, torch.as_tensor(advantages, dtype=torch.float32)
-    )
+    return Batch(ids, labels, None, owner, torch.arange(rows), None, torch.as_tensor(advantages, dtype=torch.float32))
 
 
 class GRPOObjective:
@@ -138,7 +136,14 @@ class GRPOObjective:
         frozen: CausalLMLoss | None,
         keep_gathered: bool,
     ):
-        self.cfg, self.policy, self.rewards, self.tokenizer, self.prompts, self.d = cfg, policy, rewards, tokenizer, prompts, d
+        self.cfg, self.policy, self.rewards, self.tokenizer, self.prompts, self.d = (
+            cfg,
+            policy,
+            rewards,
+            tokenizer,
+            prompts,
+            d,
+        )
         self.reference, self.frozen, self.keep_gathered = reference, frozen, keep_gathered
         self.group = cfg.num_generations
         self.epsilon_high = cfg.epsilon_high or cfg.epsilon
@@ -243,7 +248,11 @@ class GRPOObjective:
         dist.all_reduce(totals)
         values = totals.cpu().numpy()
         n = max(1.0, values[0])
-        figures = {"val_reward": values[1] / n, "val_completion_length": values[2] / n, "val_completions": int(values[0])}
+        figures = {
+            "val_reward": values[1] / n,
+            "val_completion_length": values[2] / n,
+            "val_completions": int(values[0]),
+        }
         for k, reward in enumerate(self.rewards):
             total, applies = values[3 + 2 * k : 5 + 2 * k]
             if applies:

@@ -213,7 +213,9 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, col
                     f"--reward {reward.name} returned {value!r} for completion {i}; return a float or None"
                 ) from None
             if not math.isfinite(out[k, i]):
-                raise RewardError(f"--reward {reward.name} returned {value!r} for completion {i}; rewards must be finite")
+                raise RewardError(
+                    f"--reward {reward.name} returned {value!r} for completion {i}; rewards must be finite"
+                )
     return out
 
 

@@ -43,7 +43,9 @@ def sampling_uniforms(seed: int, epoch: int, prompts: np.ndarray, generations: n
     key = _splitmix64(np.full(len(prompts), seed & _MASK64, dtype=np.uint64))
     for part in (np.full(len(prompts), epoch & _MASK64, dtype=np.uint64), prompts, generations):
         key = _splitmix64(key ^ np.asarray(part).astype(np.uint64))
-    counters = _splitmix64(key[:, None] ^ np.arange(1, steps + 1, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03))
+    counters = _splitmix64(
+        key[:, None] ^ np.arange(1, steps + 1, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
+    )
     return torch.from_numpy((counters >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 

@@ -22,8 +22,8 @@ from fsdp_lib.model.build import build_model  # noqa: E402
 from fsdp_lib.offline import resolve_model_dir  # noqa: E402
 from fsdp_lib.runtime import setup_distributed  # noqa: E402
 from fsdp_lib.state import TrainState  # noqa: E402
-from fsdp_lib.train.objective import build_objective  # noqa: E402
 from fsdp_lib.train.metrics import PhaseTimer  # noqa: E402
+from fsdp_lib.train.objective import build_objective  # noqa: E402
 from fsdp_lib.train.optim import BadStepGuard  # noqa: E402
 
 
