@@ -86,7 +86,15 @@ from launch import (
     torchrun,
     trainer_worker,
 )
-from ratios import device_results, failure_text, mode_figures, mode_ratios, numbered_runs, print_goal_ratios
+from ratios import (
+    device_results,
+    failure_text,
+    mode_figures,
+    mode_ratios,
+    numbered_runs,
+    print_goal_ratios,
+    print_reported_ratios,
+)
 
 CPU_FULL = {
     "label": "CPU, 2 processes",
@@ -537,11 +545,7 @@ HEADERS = [
 
 def print_ratios(label: str, s: dict[str, Any]) -> None:
     print_goal_ratios(label, s, GOALS)
-    ratios, per_rep = s["ratios"], s["ratios_per_rep"]
-    for key in RATIOS:
-        if key in ratios and key not in GOALS:
-            reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
-            print(f"{label}: {key.replace('_', ' ')}: {ratios[key]:.3f} (per rep {reps}; reported)")
+    print_reported_ratios(label, s, RATIOS, GOALS)
     check = s["figures"]["full"].get("token_check")
     if check:
         print(

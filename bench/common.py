@@ -1,6 +1,7 @@
 """Helpers shared by the bench/ scripts: command line, machine facts, the results table and JSON, interleaved
 repetitions. The other shared modules: inputs.py (a generated corpus, datasets and model folders), launch.py
-(torchrun, the trainer's worker, metric windows) and ratios.py (the sides' ratios and their goals).
+(torchrun, the trainer's worker, metric windows), ratios.py (the sides' ratios and their goals) and trl_style.py
+(the TRL-style baselines' FSDP2 model, process group, log-probabilities and optimizer).
 
 Every benchmark reports a ratio against a baseline measured in the same run on the same machine, because the
 machines these run on are shared and noisy: baseline and candidate repetitions alternate (ABBA order) and the

@@ -6,14 +6,14 @@ FSDP2 with a live reference copy, run by torchrun as `python bench/dpo_baseline.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from launch import GIB, status_bytes
+from launch import GIB, write_worker_figures
+from trl_style import adamw, build_sharded, selective_log_softmax, start_process_group
 
 # --- Preprocessing ----------------------------------------------------------------------------------------------
 
@@ -37,19 +37,6 @@ def trl_tokenize(tokenizer: Any, pairs: list[dict]) -> list[dict[str, list[int]]
 
 
 # --- The step under FSDP2 (runs under torchrun) -------------------------------------------------------------
-
-
-def selective_log_softmax(logits: Any, index: Any) -> Any:
-    """TRL's trl.trainer.utils.selective_log_softmax: log_softmax(logits)[index] per token. fp32: gather less a
-    row-wise logsumexp; bf16/fp16 (ours: the logits of a bf16 forward): log_softmax one row at a time."""
-    import torch
-    import torch.nn.functional as F
-
-    if logits.dtype in (torch.float32, torch.float64):
-        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
-        return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    rows = [F.log_softmax(row, dim=-1).gather(-1, i.unsqueeze(-1)).squeeze(-1) for row, i in zip(logits, index)]
-    return torch.stack(rows)
 
 
 def concatenated_logps(model: Any, batch: dict[str, Any]) -> Any:
@@ -83,91 +70,25 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int, device: Any) -> dict[
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def build_sharded(model_dir: Path, mesh: Any, compute: str, device: Any, trainable: bool) -> Any:
-    """The HF model built on meta, fully_shard per decoder layer then the root (bf16 MixedPrecisionPolicy, fp32
-    reduce), each rank's shards loaded from the safetensors tensor by tensor (no full copy on any rank)."""
-    import torch
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import distribute_tensor
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.use_cache = False
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.tie_weights()  # accelerate's meta parameters replace the tied head's Parameter with a second one
-    mp = MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16, "fp32": None}[compute], reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    model.to_empty(device=device)
-    for name, value in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = value.to(device)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for file in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if key in params:
-                        param = params.pop(key)
-                        full = f.get_tensor(key).to(device=device, dtype=torch.float32)
-                        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                        param.to_local().copy_(shard.to_local())
-    if params:
-        raise RuntimeError(f"no weights for {sorted(params)[:5]} in {model_dir}")
-    model.requires_grad_(trainable)
-    return model.train(trainable)
-
-
 def baseline_worker(config_file: str) -> int:
     """One torchrun process of the TRL-style run; rank 0 writes the windows, every rank its RSS figures."""
     c = json.loads(Path(config_file).read_text())
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    import transformers  # noqa: F401  (imported before the idle reading, as fsdp_train's runtime is)
-    from torch.distributed.device_mesh import init_device_mesh
 
-    idle = status_bytes("VmRSS")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    mesh = init_device_mesh(device.type, (world,))
+    rank, world, device, mesh, peaks = start_process_group()
     model_dir = Path(c["model"])
     policy = build_sharded(model_dir, mesh, c["precision"], device, trainable=True)
     reference = build_sharded(model_dir, mesh, c["precision"], device, trainable=False)
-    decay = [p for p in policy.parameters() if p.ndim >= 2]
-    no_decay = [p for p in policy.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
-    try:
-        optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(0.9, 0.95), eps=1e-8, fused=True)
-    except (RuntimeError, ValueError):
-        optimizer = torch.optim.AdamW(groups, lr=c["lr"], betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    optimizer = adamw(policy, c["lr"])
     rows = json.loads(Path(c["pairs"]).read_text())
     order = np.random.default_rng(c["seed"]).permutation(len(rows))
     per_rank, steps = c["pairs_per_rank"], len(rows) // (c["pairs_per_rank"] * world)
-    peaks, windows, check = [idle], [], {}
-
-    def reset_peak() -> None:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            peaks.append(status_bytes("VmHWM"))
-            Path("/proc/self/clear_refs").write_text("5")
-
-    def peak_now() -> float:
-        return torch.cuda.max_memory_allocated(device) if cuda else status_bytes("VmHWM")
-
+    windows, check = [], {}
     dist.barrier()
     for step in range(steps):
-        reset_peak()
+        peaks.reset()
         start = time.perf_counter()
         first = step * per_rank * world + rank * per_rank
         batch = collate([rows[i] for i in order[first : first + per_rank]], c["pad_id"], device)
@@ -195,7 +116,7 @@ def baseline_worker(config_file: str) -> int:
             dtype=torch.float64,
         )
         dist.all_reduce(figures)
-        peak = torch.tensor([peak_now()], dtype=torch.float64)
+        peak = torch.tensor([peaks.now()], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         elapsed = time.perf_counter() - start
         loss, pairs, padded, real, trained, right = figures.tolist()
@@ -217,11 +138,7 @@ def baseline_worker(config_file: str) -> int:
         )
         if rank == 0:
             print(f"baseline step {step + 1}/{steps}: {json.dumps(windows[-1])}", flush=True)
-    peaks.append(status_bytes("VmHWM"))
-    figures = {"idle_rss_bytes": idle, "run_peak_rss_bytes": max(peaks), "code": 0, "reference_check": check}
-    Path(f"{c['out']}.rank{rank}.json").write_text(json.dumps(figures))
-    if rank == 0:
-        Path(f"{c['out']}.windows.json").write_text(json.dumps(windows))
+    write_worker_figures(c["out"], rank, peaks, windows, reference_check=check)
     dist.destroy_process_group()
     return 0
 

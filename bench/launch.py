@@ -144,6 +144,46 @@ def status_bytes(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
+class WindowPeaks:
+    """A baseline worker's peak memory per window, measured as fsdp_train.py's metrics measure it: on CPU the
+    process's VmHWM (peak RSS), reset at every window start (/proc/self/clear_refs); on a GPU
+    torch.cuda.max_memory_allocated, reset the same way. `idle` is the RSS when it is made (after the imports);
+    `run_peak` the highest VmHWM over the run, each read just before its reset."""
+
+    def __init__(self, device: Any):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.idle = status_bytes("VmRSS")
+        self.peaks = [self.idle]
+
+    def reset(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peaks.append(status_bytes("VmHWM"))
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def now(self) -> float:
+        """This window's peak so far, bytes."""
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else status_bytes("VmHWM")
+
+    def run_peak(self) -> int:
+        self.peaks.append(status_bytes("VmHWM"))
+        return max(self.peaks)
+
+
+def write_worker_figures(out_prefix: str, rank: int, peaks: WindowPeaks, windows: list[dict], **extra: Any) -> None:
+    """The end of a baseline worker: this rank's RSS figures (and `extra`) to <out_prefix>.rank<R>.json, which
+    rank_figures reads, and on rank 0 the windows to <out_prefix>.windows.json."""
+    figures = {"idle_rss_bytes": peaks.idle, "run_peak_rss_bytes": peaks.run_peak(), "code": 0, **extra}
+    Path(f"{out_prefix}.rank{rank}.json").write_text(json.dumps(figures))
+    if rank == 0:
+        Path(f"{out_prefix}.windows.json").write_text(json.dumps(windows))
+
+
 def trainer_worker(out_prefix: str, argv: list[str]) -> int:
     """fsdp_train.main(argv); writes <out_prefix>.rank<R>.json: this rank's RSS after importing fsdp_train (the
     runtime every mode pays) and its peak RSS over the whole run. fsdp_train resets the peak (VmHWM) at every

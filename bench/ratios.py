@@ -126,6 +126,15 @@ def print_goal_ratios(label: str, summary: dict[str, Any], goals: Goals) -> None
         print(f"{label}: {what}: {ratios[key]:.3f} (per rep {reps}; goal {op} {bound}: {verdict})")
 
 
+def print_reported_ratios(label: str, summary: dict[str, Any], keys: Any, goals: Goals) -> None:
+    """One line per ratio of `keys` that is measured and not a goal: the ratio of the medians, per repetition."""
+    ratios, per_rep = summary["ratios"], summary["ratios_per_rep"]
+    for key in keys:
+        if key in ratios and key not in goals:
+            reps = ", ".join(f"{r:.3f}" for r in per_rep[key])
+            print(f"{label}: {key.replace('_', ' ')}: {ratios[key]:.3f} (per rep {reps}; reported)")
+
+
 def device_results(runs: dict[str, list[dict[str, Any]]], summary: dict[str, Any], goals: Goals) -> dict[str, Any]:
     """One device's part of the results JSON: the summary, every run, and the goals met."""
     return {"summary": summary, "runs": runs, "goal_met": goal_verdicts(summary["ratios"], goals)}

@@ -242,6 +242,40 @@ def test_dpo_bench_quick(repo_root, tmp_path):
 
 
 @pytest.mark.slow
+def test_grpo_bench_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_grpo.py", tmp_path)
+    assert result["gpu"].startswith("not measured")
+    runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
+    p = result["params"]["cpu"]
+    completions = p["nproc"] * p["prompts_per_rank"] * p["num_generations"]
+    for mode in ("ours", "ours_off", "baseline"):
+        (run,) = runs[mode]
+        assert run["status"] == "ok", (mode, run)
+        assert run["steps"] == p["steps"], "one window per optimizer step"
+        assert 0 < run["generation_s"] < run["step_s"], "generation is a part of the step"
+        assert run["generation_tokens_per_s"] > 0 and run["tokens_per_s"] > 0
+        assert 0 < run["idle_rss_gib"] < run["peak_gib"] <= run["run_peak_rss_gib"]
+        # every completion has 1 to --max-new-tokens tokens, counted the same way on both sides
+        assert completions <= run["generated_tokens_per_step"] <= completions * p["max_new_tokens"]
+        assert all(0 <= r <= 1 for r in run["rewards"]), "the accuracy reward is 0 or 1 per completion"
+        assert all(abs(x) < 1 for x in run["losses"]), "ratio 1: the loss is advantages x length terms, near 0"
+    # the same sampling keys and weights: the same completions whether the layers stay gathered or not
+    assert runs["ours"][0]["rewards"] == runs["ours_off"][0]["rewards"]
+    figures = summary["figures"]
+    assert figures["ours"]["layers_kept_gathered"] == "yes" and figures["ours_off"]["layers_kept_gathered"] == "no"
+    assert figures["baseline"]["refresh_s"] > 0, "the baseline gathers its copy's weights every step"
+    check = summary["prompts"]
+    assert check["equal"] == check["steps"] == p["steps"], "both sides train the same prompts at every step"
+    assert set(result["cpu"]["goal_met"]) == {
+        "ours_over_baseline_step_s",
+        "ours_over_baseline_peak",
+        "ours_over_baseline_generation_tokens_per_s",
+    }
+    for ratio in summary["ratios"].values():
+        assert 0.1 < ratio < 10, summary["ratios"]
+
+
+@pytest.mark.slow
 def test_gpu_check_dry_run(repo_root, tmp_path):
     """bench/gpu_check.py --dry-run: every section's plumbing on CPU (launches, metrics, claims, JSON, markdown);
     its claims are marked dry run and only a crashed section or launch fails it."""
