@@ -227,15 +227,16 @@ def grpo_inputs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow
 def test_one_step_loss_and_gradients_equal_a_float64_grpo(grpo_inputs, tmp_path):
-    """2 processes x 2 micro-batches x 2 prompts x 4 completions, each --grpo-loss: the loss of the global batch and
-    every parameter's gradient equal the objective written out below on the unsharded float64 model."""
+    """2 processes x 2 micro-batches x 2 prompts x 4 completions at temperature 0.7, each --grpo-loss: the loss of
+    the global batch and every parameter's gradient equal the objective written out below on the unsharded float64
+    model, whose log-probabilities are those of the distribution that sampled (logits / temperature)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "grads.pt"
     args = [
         *io_args("grads", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS,
         "--objective", "grpo", "--reward", f"{grpo_inputs['rewards']}:distinct", "--num-generations", "4",
-        "--max-new-tokens", "6", "-b", "2", "--grad-accum-steps", "2",
+        "--max-new-tokens", "6", "-b", "2", "--grad-accum-steps", "2", "--temperature", "0.7",
     ]  # fmt: skip
     proc = run_trainer(args, script=WORKERS / "grpo_grads.py", env={"GRPO_GRADS_OUT": str(out)})
     assert proc.returncode == 0, output_of(proc)
@@ -259,7 +260,7 @@ def test_one_step_loss_and_gradients_equal_a_float64_grpo(grpo_inputs, tmp_path)
         per_row = []
         for (prompt, completion), advantage in zip(rows, advantages):
             ids = torch.tensor(prompt + completion)
-            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1]
+            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1] / 0.7  # the sampling temperature
             logps = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
             ratio = torch.exp(logps - logps.detach())
             per_row.append(-torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage))

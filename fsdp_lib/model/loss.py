@@ -106,8 +106,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 class ChunkedTokenLogProbs(torch.autograd.Function):
-    """Per-token log-probabilities of the targets, log softmax(hidden @ weight.T (+ bias))[label], 0 where the label
-    is -100, computed in chunks of tokens so the [tokens x vocab] logits exist one chunk at a time (fp32).
+    """Per-token log-probabilities of the targets, log softmax(hidden @ weight.T (+ bias) / temperature)[label], 0
+    where the label is -100, computed in chunks of tokens so the [tokens x vocab] logits exist one chunk at a time
+    (fp32). The temperature (GRPO's sampling temperature; 1 elsewhere) divides the soft-capped logits.
 
     Unlike ChunkedCrossEntropy the loss built on them (DPO) weighs each token by a factor known only after the whole
     sequence is summed, so the gradients cannot be formed in forward: backward recomputes each chunk's logits (one
@@ -115,10 +116,10 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, softcap):  # type: ignore[override]
-        out = chunked_token_log_probs(hidden, weight, bias, labels, chunk, softcap)
+    def forward(ctx, hidden, weight, bias, labels, chunk, softcap, temperature=1.0):  # type: ignore[override]
+        out = chunked_token_log_probs(hidden, weight, bias, labels, chunk, softcap, temperature)
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels)
-        ctx.chunk, ctx.softcap, ctx.has_bias = chunk, softcap, bias is not None
+        ctx.chunk, ctx.softcap, ctx.has_bias, ctx.temperature = chunk, softcap, bias is not None, temperature
         return out
 
     @staticmethod
@@ -134,6 +135,9 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             logits, capped = _chunk_logits(h, weight, bias, ctx.softcap)
             keep = y != -100
             g = grad_out[start : start + ctx.chunk].float() * keep
+            if ctx.temperature != 1.0:  # d/d logits of logp(logits / T): (onehot - softmax(logits / T)) / T
+                logits = logits.div_(ctx.temperature)
+                g = g / ctx.temperature
             grad = torch.softmax(logits, dim=-1).mul_(-g[:, None])  # d/d logits of sum g * logp
             grad[torch.arange(len(y), device=y.device), torch.where(keep, y, 0)] += g
             if ctx.softcap:
@@ -152,6 +156,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -162,11 +167,14 @@ def chunked_token_log_probs(
     labels: torch.Tensor,
     chunk: int,
     softcap: float | None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """ChunkedTokenLogProbs' values, without autograd (also its forward)."""
     out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
         logits = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)[0]
+        if temperature != 1.0:
+            logits = logits.div_(temperature)
         out[start : start + chunk] = _target_log_probs(logits, labels[start : start + chunk])
         del logits
     return out
@@ -272,16 +280,17 @@ class CausalLMLoss(nn.Module):
         self.context: varlen.Context | None = None  # --context-parallel: this rank's part of each sequence
 
     def forward(
-        self, batch: Batch, probe: bool = False, per_token: bool = False
+        self, batch: Batch, probe: bool = False, per_token: bool = False, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None). probe (start-up
-        checks, no grad): (the model's own logits, the chunked path's logits or None) instead. per_token (DPO):
-        (each target's log-probability [batch x T flattened], 0 where the label is -100; the router loss or None)."""
+        checks, no grad): (the model's own logits, the chunked path's logits or None) instead. per_token (DPO, GRPO):
+        (each target's log-probability [batch x T flattened], 0 where the label is -100, of the logits divided by
+        `temperature`; the router loss or None)."""
         if self.context is not None:
             batch = local_part(batch, self.context)
         inputs = self.model_inputs(batch)
         if per_token:
-            return self.token_log_probs(inputs, batch)
+            return self.token_log_probs(inputs, batch, temperature)
         if probe:  # the logits only: transformers' router loss cannot read a 4-D mask
             own = self.model(**{k: v for k, v in inputs.items() if k not in self.router_kwargs}).logits.float()
             if self.context is not None:  # the whole rows' logits, from every part
@@ -303,19 +312,26 @@ class CausalLMLoss(nn.Module):
         loss = chunked_loss_sum(hidden, head, batch.labels.flatten(), self.chunk, self.softcap)
         return loss, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 
-    def token_log_probs(self, inputs: dict[str, Any], batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def token_log_probs(
+        self, inputs: dict[str, Any], batch: Batch, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.chunk:
             outputs = self.model(**inputs)
             logits = outputs.logits.reshape(*batch.labels.shape, -1)
+            logits = logits / temperature if temperature != 1.0 else logits
             return token_log_probs(logits, batch.labels), router_aux_loss(outputs, self.model.config)
         outputs = self.model.base_model(**inputs)
         head = self.model.get_output_embeddings()
         hidden = outputs.last_hidden_state.flatten(0, 1)
         labels = batch.labels.flatten()
+        # only the positions that have a target go through the head (a prompt's and padding's do not)
+        rows = (labels != -100).nonzero().squeeze(1)
+        args = (hidden.index_select(0, rows), head.weight, head.bias, labels[rows], self.chunk, self.softcap, temperature)
         if torch.is_grad_enabled():
-            logps = ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, labels, self.chunk, self.softcap)
+            picked = ChunkedTokenLogProbs.apply(*args)
         else:
-            logps = chunked_token_log_probs(hidden, head.weight, head.bias, labels, self.chunk, self.softcap)
+            picked = chunked_token_log_probs(*args)
+        logps = torch.zeros(len(labels), dtype=picked.dtype, device=picked.device).index_copy(0, rows, picked)
         return logps, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 
     def model_inputs(self, batch: Batch) -> dict[str, Any]:

@@ -97,16 +97,18 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             layer._disable_adapters = False
 
 
-def reference_token_log_probs(policy: CausalLMLoss, frozen: CausalLMLoss | None, batch: Batch) -> torch.Tensor:
-    """The live reference's log-probability of each target token, without gradient: the frozen copy, or (frozen
-    None, --peft) the policy with its adapters off."""
+def reference_token_log_probs(
+    policy: CausalLMLoss, frozen: CausalLMLoss | None, batch: Batch, temperature: float = 1.0
+) -> torch.Tensor:
+    """The live reference's log-probability of each target token (of the logits / temperature), without gradient:
+    the frozen copy, or (frozen None, --peft) the policy with its adapters off."""
     module = policy if frozen is None else frozen
     off = adapters_off(policy.model) if frozen is None else contextlib.nullcontext()
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), off:
-            return module(batch, per_token=True)[0]
+            return module(batch, per_token=True, temperature=temperature)[0]
     finally:
         module.train(was_training)
         if frozen is not None:  # no backward ever reshards the copy: give its gathered layers back now

@@ -297,8 +297,8 @@ class GRPOObjective:
         mask = ids >= 0
         reference = None
         if self.cfg.grpo_beta:  # the reference first: its activations are gone before the policy's exist
-            reference = reference_token_log_probs(self.policy, self.frozen, batch)
-        logps, aux = self.policy(batch, per_token=True)
+            reference = reference_token_log_probs(self.policy, self.frozen, batch, self.cfg.temperature)
+        logps, aux = self.policy(batch, per_token=True, temperature=self.cfg.temperature)  # the sampled distribution
         advantages = batch.advantages[ids.clamp(min=0)]
         losses, clipped, kl = token_losses(
             logps, logps.detach(), advantages, self.cfg.epsilon, self.epsilon_high, self.cfg.grpo_beta, reference
