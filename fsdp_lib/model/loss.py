@@ -326,7 +326,15 @@ class CausalLMLoss(nn.Module):
         labels = batch.labels.flatten()
         # only the positions that have a target go through the head (a prompt's and padding's do not)
         rows = (labels != -100).nonzero().squeeze(1)
-        args = (hidden.index_select(0, rows), head.weight, head.bias, labels[rows], self.chunk, self.softcap, temperature)
+        args = (
+            hidden.index_select(0, rows),
+            head.weight,
+            head.bias,
+            labels[rows],
+            self.chunk,
+            self.softcap,
+            temperature,
+        )
         if torch.is_grad_enabled():
             picked = ChunkedTokenLogProbs.apply(*args)
         else:
