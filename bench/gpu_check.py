@@ -70,7 +70,8 @@ that raises is reported as failed with its error, and the others still run); a c
 MFU against a nominal 1 TFLOP/s, and only 4 launches (~40 s): kernels' varlen row, which is also mfu's row (identical
 settings, launched once), peft's LoRA, and resume's killed run and its rerun (the steps trained twice compared). The
 other rows read "not launched in --dry-run": dpo's launch (bench_dpo.run_ours) is what bench_dpo.py --quick's smoke
-test runs. The claims are evaluated and marked "dry run": they never fail the exit code; a crashed section or
+test runs, grpo's fsdp_train.py launch what bench_grpo.py --quick's runs (its transformers baseline: GPU only). The
+claims are evaluated and marked "dry run": they never fail the exit code; a crashed section or
 launch does.
 """
 
@@ -135,7 +136,8 @@ DRY_PLAN: dict[str, Any] = {
     "peak_tflops": 1.0,  # nominal: a CPU has no datasheet peak; proves the MFU plumbing, not a figure
     # the rows a dry run launches where a section has several; the others: "not launched in --dry-run"
     # (dpo: none; its launch, bench_dpo.run_ours, is what tests/test_bench_smoke.py's bench_dpo --quick test runs)
-    "rows": {"kernels": ("masked varlen",), "peft": ("lora",), "dpo": ()},
+    # (grpo: none; fsdp_train.py's GRPO launch is what tests/test_bench_smoke.py's bench_grpo --quick test runs)
+    "rows": {"kernels": ("masked varlen",), "peft": ("lora",), "dpo": (), "grpo": ()},
 }
 
 
@@ -673,7 +675,9 @@ def section_grpo(ctx: Context) -> SectionResult:
         ours = train(ctx, name, "grpo", (prompts, model), s)
     print(f"  {name}: {summary(ours)}", flush=True)
     base_name = "transformers generate, unsharded copy"
-    if ours["status"] != "ok":
+    if ctx.dry:
+        base = not_run(base_name, "not measured", "not launched in --dry-run")
+    elif ours["status"] != "ok":
         base = not_run(base_name, "not measured", "ours did not run")
     else:
         import datasets

@@ -123,10 +123,9 @@ def test_mfu_quick(repo_root, tmp_path):
 @pytest.mark.slow
 def test_compare_strategies_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "compare_strategies.py", tmp_path)
-    expected = {(s, o) for s, o in [("none", "off"), ("grad-op", "off"), ("full", "off"), ("full", "on")]}
     ran = {(r["sharding"], r["cpu_offload"], r["activation_checkpointing"]) for r in result["results"].values()}
-    # --quick: every strategy with checkpointing on, and full also with it off (the full grid: without --quick)
-    assert ran == {(s, o, "on") for s, o in expected} | {("full", "off", "off")}, ran
+    # --quick: the two ends of the memory range and the recomputation switch (the full grid: without --quick)
+    assert ran == {("none", "off", "on"), ("full", "on", "on"), ("full", "off", "off")}, ran
     assert any("hybrid: skipped, one node" in note for note in result["skipped"])
     losses = []
     for key, r in result["results"].items():
@@ -188,7 +187,7 @@ def test_compare_strategies_hybrid_only_with_nodes(repo_root, monkeypatch):
     one, skipped = cs.strategy_settings(1)
     assert len(one) == 8 and "hybrid" not in {s.sharding for s in one} and skipped
     quick, _ = cs.strategy_settings(1, quick=True)
-    assert [s.key for s in quick] == ["none ac=on", "grad-op ac=on", "full ac=on", "full ac=off", "full+offload ac=on"]
+    assert [s.key for s in quick] == ["none ac=on", "full ac=off", "full+offload ac=on"]
     two, skipped = cs.strategy_settings(2)
     assert {s.key for s in two} - {s.key for s in one} == {"hybrid ac=on", "hybrid ac=off"} and not skipped
 
@@ -298,9 +297,7 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert mfu["status"] == "ok" and mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1, mfu  # nominal 1 TFLOP/s peak
     lora = {r["row"]: r for r in sections["peft"]["rows"]}["LoRA"]
     assert lora["status"] == "ok" and lora["peak_gib"] > 0, lora
-    ours, base = sections["grpo"]["rows"]
-    assert ours["status"] == base["status"] == "ok" and ours["generation_tokens_per_s"] > 0, (ours, base)
-    assert ours["step_ms"] > ours["generate_ms"] > 0 and base["generation_tokens_per_s"] > 0
+    assert [r["status"] for r in sections["grpo"]["rows"]] == ["not measured"] * 2  # its launch: bench_grpo --quick
     twice = {c["name"]: c for c in sections["resume"]["claims"]}["steps trained twice"]
     assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
     text = (tmp_path / "gpu_check.md").read_text()
