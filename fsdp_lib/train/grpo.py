@@ -136,14 +136,8 @@ class GRPOObjective:
         frozen: CausalLMLoss | None,
         keep_gathered: bool,
     ):
-        self.cfg, self.policy, self.rewards, self.tokenizer, self.prompts, self.d = (
-            cfg,
-            policy,
-            rewards,
-            tokenizer,
-            prompts,
-            d,
-        )
+        self.cfg, self.policy, self.rewards, self.d = cfg, policy, rewards, d
+        self.tokenizer, self.prompts = tokenizer, prompts
         self.reference, self.frozen, self.keep_gathered = reference, frozen, keep_gathered
         self.group = cfg.num_generations
         self.epsilon_high = cfg.epsilon_high or cfg.epsilon
