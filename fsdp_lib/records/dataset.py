@@ -60,8 +60,8 @@ def load_text_dataset(
         if split is not None and dataset_kind(split.column_names) is None:
             raise ValueError(
                 f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
-                f"column, nor 'prompt' (prompts for --objective grpo, with 'chosen' and 'rejected': preference "
-                f"pairs); pass --text-column NAME to use "
+                f"column, nor 'prompt', 'chosen' and 'rejected' (preference pairs) or 'prompt' alone (prompts for "
+                f"--objective grpo); pass --text-column NAME to use "
                 f"another column as the text, or {how_to_make}"
             )
     return train, validation
