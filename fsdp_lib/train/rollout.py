@@ -93,7 +93,8 @@ class Completions:
 
 
 def _keep_gathered(root: nn.Module, keep: bool) -> list[tuple[nn.Module, bool]]:
-    """Every FSDP unit set to stay gathered after its forward (keep) and the settings it had, to restore."""
+    """With `keep`: every FSDP unit gathered now and set to stay gathered after its forward; returns the settings
+    they had, to restore."""
     from torch.distributed.fsdp import FSDPModule
 
     saved = []
@@ -104,6 +105,7 @@ def _keep_gathered(root: nn.Module, keep: bool) -> list[tuple[nn.Module, bool]]:
             group = module._get_fsdp_state()._fsdp_param_group
             saved.append((module, group is not None and group.post_forward_mesh_info is not None))
             module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
     return saved
 
 
@@ -190,10 +192,7 @@ def generate(
     train_forward.eval()
     saved = _keep_gathered(train_forward, keep_gathered)
     train_forward.unshard()
-    if keep_gathered:  # every unit gathered now, then decoded without FSDP's hooks where the model allows
-        for module in train_forward.modules():
-            if module is not train_forward and hasattr(module, "unshard") and hasattr(module, "reshard"):
-                module.unshard()
+    if keep_gathered:  # every unit gathered: decoded without FSDP's hooks where the model allows
         view = gathered_view(train_forward)
         if view is not None:
             model, head = view, view.get_output_embeddings()
