@@ -25,6 +25,7 @@ from typing import Any
 from common import REPO_ROOT
 
 GIB = 2**30
+LOG_KEPT = 12_000  # characters of a failed launch's output kept: the worker's traceback comes before torchrun's banner
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
@@ -70,29 +71,35 @@ def run_launcher(cmd: list[str], env: dict[str, str], timeout: float, name: str)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise LaunchError(f"{name} hung: killed after {timeout:.0f}s", (stdout + stderr)[-4000:]) from None
+        raise LaunchError(f"{name} hung: killed after {timeout:.0f}s", (stdout + stderr)[-LOG_KEPT:]) from None
     if proc.returncode != 0:
         raise LaunchError(
-            f"{name} exited {proc.returncode} after {time.perf_counter() - start:.0f}s", (stdout + stderr)[-4000:]
+            f"{name} exited {proc.returncode} after {time.perf_counter() - start:.0f}s", (stdout + stderr)[-LOG_KEPT:]
         )
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def failed_launch(exc: LaunchError) -> dict[str, Any]:
     """A launch's result when it failed: status "OOM" if the log says the device ran out of memory, else
-    "failed" with the last line naming an Error (or the log's last line)."""
+    "failed" with the worker's error: the last line naming an Error other than torchrun's own ChildFailedError
+    (which only says that a worker failed), with torchrun's exit code or signal line when it has one."""
     if any(marker in exc.output for marker in OOM_MARKERS):
         return {"status": "OOM"}
-    errors = [line for line in exc.output.splitlines() if "Error" in line] or exc.output.splitlines()[-1:]
-    error = errors[-1][-300:] if errors else str(exc)[:300]
-    return {"status": "failed", "error": error, "log_tail": exc.output[-3000:]}
+    lines = exc.output.splitlines()
+    errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line]
+    exits = [line.strip() for line in lines if line.strip().startswith(("exitcode", "error_file")) or "Signal " in line]
+    error = "; ".join(([errors[-1][-300:]] if errors else []) + exits[-2:]) or (lines[-1:] or [str(exc)])[0][:300]
+    return {"status": "failed", "error": error, "log_tail": exc.output[-LOG_KEPT:]}
 
 
 def report_failures(results: dict[str, dict[str, Any]]) -> int:
-    """Print the error of every configuration whose status is "failed"; the exit code: 1 if any failed, else 0."""
+    """Print the error and the log's last lines of every configuration whose status is "failed"; the exit code: 1
+    if any failed, else 0."""
     failed = [key for key, r in results.items() if r["status"] == "failed"]
     for key in failed:
         print(f"{key} failed: {results[key]['error']}")
+        tail = results[key].get("log_tail", "").splitlines()[-40:]
+        print("\n".join(f"  | {line}" for line in tail))
     return 1 if failed else 0
 
 

@@ -21,7 +21,7 @@ def run_quick(repo_root: Path, script: str, results_dir: Path) -> dict:
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
     written = list(results_dir.glob("*.json"))
     assert len(written) == 1, written
     return json.loads(written[0].read_text())
@@ -285,7 +285,7 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo"]
