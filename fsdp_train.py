@@ -249,7 +249,8 @@ def run(cfg: TrainConfig) -> int:
     steps = range(state.step + 1, total_steps(cfg, data.train) + 1)
     flops = bundle.flops_per_token
     if objective is not None:
-        flops += reference_flops_per_token(bundle, objective.reference, cfg.seq_length)
+        extra = objective.forwards_without_gradient
+        flops += reference_flops_per_token(bundle, objective.reference, cfg.seq_length, extra)
     window_figures = objective.window_figures if objective is not None else None
     metrics = Metrics(cfg, d, data.train, flops, precision, steps, window_figures)
     if d.is_main:
@@ -324,9 +325,9 @@ def train_loop(
             step_in_epoch = state.samples_in_epoch // plan.global_batch
             micro_batches, trained = prefetch.get(state.epoch, step_in_epoch)
             sources = prefetch.sources(state.epoch, step_in_epoch)
-        if objective is not None and objective.online:  # GRPO: the batches are the prompts' sampled completions
-            with metrics.timer.phase("generate"):
-                micro_batches, trained = objective.rollout(micro_batches, state.epoch)
+        if objective is not None and objective.phase:  # GRPO samples the completions, KTO measures its z
+            with metrics.timer.phase(objective.phase):
+                micro_batches, trained = objective.begin_step(micro_batches, trained, state.epoch)
         loss_sum, aux_loss = forward_backward(
             step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
         )

@@ -13,7 +13,9 @@ import torch
 
 from fsdp_lib.config import (
     GRPO_FLAGS,
+    KTO_FLAGS,
     LORA_FLAGS,
+    PREFERENCE_OBJECTIVES,
     REFERENCE_FREE_LOSSES,
     TrainConfig,
     changed_dpo_flags,
@@ -242,10 +244,10 @@ def _context_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             f"--context-parallel {n} runs attention through the varlen kernel (each process attends over whole "
             f"sequences for its heads); --attn-implementation {cfg.attn_implementation} cannot: use auto or varlen"
         )
-    if cfg.objective == "dpo":
+    if cfg.objective in PREFERENCE_OBJECTIVES:
         problems.append(
-            f"--context-parallel {n} is not supported with --objective dpo yet (a pair's sequences are summed per "
-            "sequence); use --context-parallel 1"
+            f"--context-parallel {n} is not supported with --objective {cfg.objective} yet (a pair's sequences are "
+            "summed per sequence); use --context-parallel 1"
         )
     return problems
 
@@ -297,9 +299,9 @@ def _peft_problems(cfg: TrainConfig) -> list[str]:
 def _dpo_problems(cfg: TrainConfig) -> list[str]:
     """The preference flags: only with --objective dpo (or auto, where the dataset decides), and in range."""
     if cfg.objective == "lm":
-        changed = changed_dpo_flags(cfg)
-        return [f"{', '.join(changed)} need --objective dpo (got --objective lm)"] if changed else []
-    problems = []
+        changed = changed_dpo_flags(cfg) + changed_flags(cfg, KTO_FLAGS)
+        return [f"{', '.join(changed)} need --objective dpo or kto (got --objective lm)"] if changed else []
+    problems = _kto_problems(cfg)
     if not cfg.dpo_beta > 0 or not math.isfinite(cfg.dpo_beta):
         problems.append(f"--dpo-beta must be a positive number (got {cfg.dpo_beta}); 0.1 is usual")
     if not 0.0 <= cfg.dpo_label_smoothing < 0.5:
@@ -317,9 +319,31 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
             f"--reference live with --peft {cfg.peft} means adapters off, which is the base without --adapter "
             f"{cfg.adapter}, not the starting model; use --reference precomputed (or auto)"
         )
-    if cfg.objective == "dpo" and cfg.document_masking == "off":
+    if cfg.objective in PREFERENCE_OBJECTIVES and cfg.document_masking == "off":
         problems.append(
-            "--objective dpo packs a pair's sequences as separate documents: it needs --document-masking on"
+            f"--objective {cfg.objective} packs a pair's sequences (KTO: an example and its KL sequence) as separate "
+            "documents: it needs --document-masking on"
+        )
+    return problems
+
+
+def _kto_problems(cfg: TrainConfig) -> list[str]:
+    """KTO's weights, and the DPO-only flags it has no use for (it reuses --dpo-beta and --reference)."""
+    if cfg.objective not in ("kto", "auto"):
+        changed = changed_flags(cfg, KTO_FLAGS)
+        return [f"{', '.join(changed)} need --objective kto (got --objective {cfg.objective})"] if changed else []
+    problems = []
+    for flag, weight in (("--kto-desirable-weight", cfg.kto_desirable_weight),
+                         ("--kto-undesirable-weight", cfg.kto_undesirable_weight)):  # fmt: skip
+        if not math.isfinite(weight) or weight < 0:
+            problems.append(f"{flag} must be a number >= 0 (got {weight}); 1 is usual")
+    if cfg.kto_desirable_weight == 0 and cfg.kto_undesirable_weight == 0:
+        problems.append("--kto-desirable-weight and --kto-undesirable-weight are both 0: nothing would be trained")
+    dpo_only = [flag for flag in changed_dpo_flags(cfg) if flag not in ("--dpo-beta", "--reference")]
+    if cfg.objective == "kto" and dpo_only:
+        problems.append(
+            f"{', '.join(dpo_only)} apply to --objective dpo; --objective kto takes --dpo-beta, --reference and "
+            "--kto-desirable-weight / --kto-undesirable-weight"
         )
     return problems
 
@@ -327,7 +351,7 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
 def _grpo_problems(cfg: TrainConfig) -> list[str]:
     """The GRPO flags: only with --objective grpo (or auto, where the dataset decides), and in range. The reward
     files are imported later, in fsdp_train.main (rewards.reward_problems)."""
-    if cfg.objective in ("lm", "dpo"):
+    if cfg.objective in ("lm", *PREFERENCE_OBJECTIVES):
         changed = changed_flags(cfg, GRPO_FLAGS)
         return [f"{', '.join(changed)} need --objective grpo (got --objective {cfg.objective})"] if changed else []
     if cfg.objective == "auto" and not changed_flags(cfg, GRPO_FLAGS):
@@ -428,8 +452,8 @@ def _mixture_problems(cfg: TrainConfig) -> list[str]:
             )
         elif not all(math.isfinite(w) and w > 0 for w in weights):
             problems.append(f"--data-weights {cfg.data_weights}: every weight must be a positive number")
-    if cfg.objective == "dpo":
-        problems.append("--objective dpo trains on one preference dataset; give -d once")
+    if cfg.objective in PREFERENCE_OBJECTIVES:
+        problems.append(f"--objective {cfg.objective} trains on one preference dataset; give -d once")
     if cfg.data_slice:
         problems.append(f"--data-slice {cfg.data_slice} selects rows of one dataset; give -d once")
     return problems

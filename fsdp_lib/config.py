@@ -156,13 +156,15 @@ class TrainConfig:
         "auto",
         "lm = next-token loss (text, or conversations' assistant turns); dpo = direct preference optimisation on "
         "pairs (prompt, chosen, rejected: data_hf.py --format preference); grpo = online RL: completions sampled "
-        "for each prompt (a 'prompt' column: data_hf.py --format prompts), scored by --reward; auto = dpo for a "
-        "dataset with chosen and rejected columns, grpo for one with a prompt column and no text or messages, else lm",
-        choices=("auto", "lm", "dpo", "grpo"),
+        "for each prompt (a 'prompt' column: data_hf.py --format prompts), scored by --reward; kto = KTO on "
+        "unpaired examples (prompt, completion, label) or on pairs, each unpaired into a desirable and an undesirable "
+        "example; auto = dpo for a dataset with chosen and rejected columns, kto for one with prompt, completion and "
+        "label, grpo for one with a prompt column and no text or messages, else lm",
+        choices=("auto", "lm", "dpo", "grpo", "kto"),
     )
     dpo_beta: float = _opt(
         0.1,
-        "--objective dpo: beta. sigmoid/ipo: the strength of the pull towards the reference model; simpo: the scale "
+        "--objective dpo, kto: beta. sigmoid/ipo: the strength of the pull towards the reference model; simpo: the scale "
         "of the length-normalised reward (its paper: 2.0-2.5); orpo: lambda, the weight of the odds-ratio term",
     )
     dpo_loss: str = _opt(
@@ -179,9 +181,13 @@ class TrainConfig:
     sft_weight: float = _opt(
         0.0, "--objective dpo: add this weight x the chosen response's per-token NLL to each pair's loss (RPO)"
     )
+    kto_desirable_weight: float = _opt(
+        1.0, "--objective kto: the weight of a desirable example's loss (KTO's lambda_D; raise it when they are rarer)"
+    )
+    kto_undesirable_weight: float = _opt(1.0, "--objective kto: the weight of an undesirable example's loss (lambda_U)")
     reference: str = _opt(
         "auto",
-        "--objective dpo: the reference model. precomputed = the starting model's log-probs of every pair, computed "
+        "--objective dpo, kto: the reference model. precomputed = the starting model's log-probs of every pair, computed "
         "once before step 1 and stored with the token cache (no second model in memory); live = a frozen copy "
         "(--peft: the same model with adapters off); auto = live with --peft and no --adapter, else precomputed",
         choices=("auto", "precomputed", "live"),
@@ -404,6 +410,8 @@ def load_config(argv: list[str] | None) -> TrainConfig:
 
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "export_merged")
 DPO_FLAGS = ("dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "reference")
+KTO_FLAGS = ("kto_desirable_weight", "kto_undesirable_weight")
+PREFERENCE_OBJECTIVES = ("dpo", "kto")  # trained on PairBlocks: DPO's pairs, KTO's examples with their KL sequences
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # --dpo-loss values that use no reference model
 GRPO_FLAGS = (
     "num_generations", "max_new_tokens", "temperature", "top_p", "reward", "reward_weights", "reward_pattern",

@@ -284,3 +284,17 @@ def save_pairs(path: Path, train: list[dict], validation: list[dict]) -> Path:
         splits["validation"] = datasets.Dataset.from_dict(columns(validation))
     datasets.DatasetDict(splits).save_to_disk(str(path))
     return path
+
+
+def assert_loss_and_grads_match(got: dict, loss, model) -> None:
+    """A worker's step (its loss and every parameter's full gradient, as tests/workers/dpo_grads.py saves them)
+    against `loss` computed in float64 on the unsharded `model`: the loss to 1e-5 and each gradient to 1e-5 in
+    relative norm."""
+    loss.backward()
+    assert abs(got["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), (got["loss"], loss.item())
+    params = dict(model.named_parameters())
+    for name, grad in got["grads"].items():
+        expected = params[name].grad
+        err = (grad.double() - expected).norm() / expected.norm().clamp_min(1e-12)
+        assert err < 1e-5, (name, err.item())
+    assert len(got["grads"]) == len(params)

@@ -23,6 +23,7 @@ from fsdp_lib.testing import llama_sizes
 from fsdp_lib.train.dpo import disable_dropout, pair_losses, reference_free_losses, sequence_sums
 from tests.fsdp_helpers import (
     REPO_ROOT,
+    assert_loss_and_grads_match,
     fact_pairs,
     killed_at_step,
     losses_by_step,
@@ -288,15 +289,7 @@ def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(dpo_inputs,
         assert got["reference"] is None and "reference log-probabilities" not in output_of(proc)
         assert "reference: none (reference-free: nothing is computed or built for a reference)" in output_of(proc)
     losses = expected_losses(flags, logps, lengths, got["reference"], beta=0.5)
-    loss = losses.mean()
-    loss.backward()
-    assert abs(got["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), (got["loss"], loss.item())
-    params = dict(model.named_parameters())
-    for name, grad in got["grads"].items():
-        expected = params[name].grad
-        err = (grad.double() - expected).norm() / expected.norm().clamp_min(1e-12)
-        assert err < 1e-5, (name, err.item())
-    assert len(got["grads"]) == len(params)
+    assert_loss_and_grads_match(got, losses.mean(), model)
 
 
 def expected_losses(flags: list[str], logps: torch.Tensor, lengths: torch.Tensor, reference, beta: float):
@@ -466,7 +459,7 @@ def test_bad_dpo_flags_and_data_are_refused(dpo_inputs, tmp_path, capsys):
     for extra, message in [
         (["--dpo-beta", "0"], "--dpo-beta must be a positive number"),
         (["--dpo-loss", "ipo", "--dpo-label-smoothing", "0.1"], "applies to --dpo-loss sigmoid"),
-        (["--objective", "lm", "--dpo-beta", "0.2"], "--dpo-beta need --objective dpo"),
+        (["--objective", "lm", "--dpo-beta", "0.2"], "--dpo-beta need --objective dpo or kto"),
         (["--objective", "dpo", "--document-masking", "off"], "needs --document-masking on"),
     ]:
         assert fsdp_train.main([*base, *extra]) == 2  # before any process group

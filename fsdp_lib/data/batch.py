@@ -23,6 +23,8 @@ class Batch:
     reference: torch.Tensor | None = None
     # --objective grpo (grpo.completion_batch): each sequence's advantage.
     advantages: torch.Tensor | None = None
+    # --objective kto (PairBlocks of unpaired.py's examples): whether each example (sequence 2k) is desirable.
+    desirable: torch.Tensor | None = None
     # Where the packed documents start, read from the position ids on the host (set by `to`).
     documents: Documents | None = None
 

@@ -18,6 +18,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.batch import Batch, stack_blocks
 from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, tokenize_pairs_to_file
+from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError
 from fsdp_lib.integrity import commit_files, recorded_problems, staged, staged_writes
 from fsdp_lib.markers import TOKEN_CACHE
@@ -167,7 +168,7 @@ def load_token_stream(
     cfg: TrainConfig,
     d: Dist,
     chat: ChatEncoder | None,
-    pairs: PairEncoder | None = None,
+    pairs: PairEncoder | ExampleEncoder | None = None,
 ) -> PackedBlocks | PairBlocks:
     """Tokenise once per node into a cache keyed by dataset fingerprint, tokenizer and chat settings, then
     memory-map it as packed blocks of --seq-length.
@@ -177,8 +178,8 @@ def load_token_stream(
     """
     fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
     version = f"docs-v2|chat-v{ChatEncoder.VERSION}" if chat is not None else "docs-v2"
-    if pairs is not None:  # prompts are cut to fit a block: the sequences depend on --seq-length
-        version = f"pairs-v{PairEncoder.VERSION}|chat-v{ChatEncoder.VERSION}|fit-{pairs.max_tokens}"
+    if pairs is not None:  # DPO's pairs, or KTO's examples with their KL sequences
+        version = pairs.version
     key = hashlib.sha256(f"{fingerprint}|{cache_key}|{version}".encode()).hexdigest()[:20]
     cache_dir = Path(cfg.save_dir) / TOKEN_CACHE / key
     paths = stream_paths(cache_dir / f"{split_name}.tokens")
@@ -199,7 +200,7 @@ def load_token_stream(
         except BaseException as exc:
             failed_path.write_text(repr(exc))
             raise
-        log(f"tokenised {count:,} {'pairs' if pairs else 'tokens'} in {time.perf_counter() - start:.1f}s")
+        log(f"tokenised {count:,} {pairs.unit if pairs else 'tokens'} in {time.perf_counter() - start:.1f}s")
     deadline = time.monotonic() + cfg.collective_timeout_s
     while not paths["tokens"].exists():
         if failed_path.exists():
@@ -214,7 +215,7 @@ def load_token_stream(
 
     tokens = mapped(paths["tokens"], token_dtype(len(tokenizer)))
     if pairs is not None:
-        report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction, "pairs")
+        report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction, pairs.unit)
         blocks = PairBlocks(
             tokens,
             mapped(paths["mask"], np.uint8),
@@ -222,6 +223,7 @@ def load_token_stream(
             cfg.seq_length,
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             cache_path=paths["tokens"],
+            kto=isinstance(pairs, ExampleEncoder),
         )
         return blocks
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None

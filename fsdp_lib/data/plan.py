@@ -14,6 +14,7 @@ import torch
 
 from fsdp_lib.config import (
     GRPO_FLAGS,
+    PREFERENCE_OBJECTIVES,
     TrainConfig,
     changed_dpo_flags,
     changed_flags,
@@ -26,6 +27,7 @@ from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, us
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.data.prompts import PromptSet, load_prompts
+from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import dataset_kind
@@ -254,19 +256,22 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     if cfg.data_slice:
         train_split = slice_rows(train_split, cfg.data_slice)
     objective = resolve_objective(cfg, train_split.column_names, name)
-    if objective in ("dpo", "grpo") and len(cfg.dataset_name) > 1:
-        what = "preference pairs" if objective == "dpo" else "prompts"
+    if objective in ("dpo", "kto", "grpo") and len(cfg.dataset_name) > 1:
+        what = "prompts" if objective == "grpo" else "preference data"
         raise TrainError(
             f"--dataset-name {name} holds {what}, which train alone (--objective {objective}); give -d once"
         )
     if objective == "grpo":
         return prompt_source(cfg, name, train_split, val_split, tokenizer)
-    columns = ["messages"] if objective == "dpo" else train_split.column_names  # pairs need the template too
-    tools = objective != "dpo" and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
+    preference = objective in PREFERENCE_OBJECTIVES
+    columns = ["messages"] if preference else train_split.column_names  # pairs need the template too
+    tools = not preference and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
     chat = chat_encoder(cfg, tokenizer, columns, tools, name)
-    pairs = None
-    if objective == "dpo":
+    pairs: PairEncoder | ExampleEncoder | None = None
+    if preference:
         pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None
+        if objective == "kto":
+            pairs = ExampleEncoder(pairs)
     data_format = f"chat:{chat_template_hash(tokenizer)}:loss-on-{cfg.loss_on}" if chat else "text"
     if pairs is not None:
         data_format = f"pairs:{chat_template_hash(tokenizer)}"
@@ -278,7 +283,9 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
         if len(validation) == 0:
             log(f"the validation split of {name} is shorter than one block; its validation is skipped")
             validation = None
-    if pairs is not None:
+    if isinstance(pairs, ExampleEncoder):
+        log_kto_examples(cfg, train_blocks, dataset_kind(train_split.column_names), tokenizer)
+    elif pairs is not None:
         used = float(np.sum(train_blocks.lengths)) / max(1, len(train_blocks) * cfg.seq_length)
         log(
             f"--objective dpo{' (auto: the dataset has chosen and rejected columns)' if cfg.objective == 'auto' else ''}"
@@ -295,6 +302,19 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
     tokens = len(train_blocks.tokens) if isinstance(train_blocks, PackedBlocks) else int(np.sum(train_blocks.lengths))
     return Source(name, train_blocks, validation, len(train_split), tokens, fingerprint, data_format, objective)
+
+
+def log_kto_examples(cfg: TrainConfig, blocks: PairBlocks, kind: str | None, tokenizer: Any) -> None:
+    used = float(np.sum(blocks.lengths)) / max(1, len(blocks) * cfg.seq_length)
+    desirable = int(np.sum(blocks.desirable))
+    auto = " (auto: the dataset has prompt, completion and label columns)" if cfg.objective == "auto" else ""
+    unpaired = ", unpaired from the dataset's pairs" if kind == "preference" else ""
+    log(
+        f"--objective kto{auto}: {blocks.num_pairs:,} train examples ({desirable:,} desirable, "
+        f"{blocks.num_pairs - desirable:,} undesirable{unpaired}), each with its KL sequence, packed into "
+        f"{len(blocks):,} blocks ({used:.1%} of their tokens used); chat template {chat_template_hash(tokenizer)}, "
+        "loss on the completions' assistant turns"
+    )
 
 
 def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any, tokenizer: Any) -> Source:
@@ -354,9 +374,12 @@ def describe_datasets(cfg: TrainConfig) -> None:
             train_split, val_split = load_text_dataset(name, cfg.text_column or None)
         except ValueError as exc:
             raise TrainError(f"--dataset-name: {exc}") from exc
-        kind = {"preference": "preference pairs", "messages": "conversations", "prompts": "prompts"}.get(
-            dataset_kind(train_split.column_names), "text"
-        )
+        kind = {
+            "preference": "preference pairs",
+            "unpaired": "unpaired preference examples",
+            "messages": "conversations",
+            "prompts": "prompts",
+        }.get(dataset_kind(train_split.column_names), "text")
         held_out = f", {len(val_split):,} validation rows" if val_split is not None else ""
         share = f", weight {weights[i] / sum(weights):.3f}" if weights else ""
         lines.append(f"  {name}: {kind}, {len(train_split):,} train rows{held_out}{share}")
@@ -365,9 +388,16 @@ def describe_datasets(cfg: TrainConfig) -> None:
 
 
 def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> str:
-    """--objective as lm, dpo or grpo: auto follows the dataset; an explicit choice must fit it."""
+    """--objective as lm, dpo, kto or grpo: auto follows the dataset; an explicit choice must fit it."""
     name = name or cfg.datasets_label
     kind = dataset_kind(columns)
+    if cfg.objective == "kto" or (cfg.objective == "auto" and kind == "unpaired"):
+        return resolve_kto(cfg, columns, kind, name)
+    if kind == "unpaired":
+        raise TrainError(
+            f"--objective {cfg.objective}: --dataset-name {name} holds unpaired preference examples (prompt, "
+            "completion, label); train them with --objective kto (or auto)"
+        )
     preference = kind == "preference"
     if cfg.objective == "grpo" or (cfg.objective == "auto" and kind == "prompts"):
         if "prompt" not in columns or preference:
@@ -414,6 +444,22 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
             f"are those of the responses' assistant turns; leave --loss-on at its default"
         )
     return "dpo"
+
+
+def resolve_kto(cfg: TrainConfig, columns: list[str], kind: str | None, name: str) -> str:
+    """--objective kto: the dataset holds unpaired examples (prompt, completion, label) or pairs (unpaired)."""
+    if kind not in ("unpaired", "preference"):
+        raise TrainError(
+            f"--objective kto: --dataset-name {name} has the columns {columns}; it needs prompt, completion and "
+            "label (unpaired examples, TRL's shape) or prompt, chosen and rejected (pairs: data_hf.py --format "
+            "preference), which KTO unpairs"
+        )
+    if cfg.loss_on != "assistant":
+        raise TrainError(
+            f"--loss-on {cfg.loss_on}: --objective kto scores the completions' assistant turns; leave --loss-on at "
+            "its default"
+        )
+    return "kto"
 
 
 def evaluation_shares(count: int, batch_size: int, d: Dist) -> list[list[int]]:

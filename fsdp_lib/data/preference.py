@@ -23,6 +23,9 @@ from fsdp_lib.data.chat import ChatEncoder, ChatFormatError
 from fsdp_lib.integrity import commit_files, staged, staged_writes
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
+# --objective kto (unpaired.py): the trained mask's value on a desirable and on an undesirable example's completion
+DESIRABLE, UNDESIRABLE = 1, 2
+
 
 @dataclass
 class PairEncoder:
@@ -37,6 +40,13 @@ class PairEncoder:
     max_tokens: int
 
     VERSION = 1  # of the sequences this class writes: part of the token cache key
+    unit = "pairs"
+
+    @property
+    def version(self) -> str:
+        """What the token cache key takes from the encoder: prompts are cut to fit a block, so the sequences
+        depend on --seq-length."""
+        return f"pairs-v{self.VERSION}|chat-v{self.chat.VERSION}|fit-{self.max_tokens}"
 
     def sequence(self, prompt: list[dict], response: list[dict], renders: dict) -> tuple[str, list[tuple[int, int]]]:
         """(text, trained character spans) of prompt + response."""
@@ -113,10 +123,11 @@ class PairEncoder:
         return c_ids[cut:], c_mask[cut:], r_ids[cut:], r_mask[cut:]
 
 
-def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, Path], dtype: np.dtype) -> int:
+def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], dtype: np.dtype) -> int:
     """The split's pairs as one token stream, chosen then rejected for each pair (documents 2p and 2p + 1), with
     document ends, the trained mask and the skip counts; written under temporary names, their checksums recorded, and
-    renamed, token file last (as data.tokenize_to_file). Returns the number of pairs kept."""
+    renamed, token file last (as data.tokenize_to_file). Returns the number of pairs kept. `encoder`: a
+    PairEncoder, or unpaired.ExampleEncoder, whose "pairs" are an example and its KL sequence."""
     names = ("docs", "mask", "tokens")
     total, pairs, rows = 0, 0, 0
     skipped: dict[str, int] = {}
@@ -136,7 +147,7 @@ def tokenize_pairs_to_file(dataset: Any, encoder: PairEncoder, paths: dict[str, 
                 (total + np.cumsum([len(ids) for ids, _ in sequences], dtype=np.int64)).tofile(handles["docs"])
                 total += sum(len(ids) for ids, _ in sequences)
                 pairs += len(encoded)
-    skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": "pairs"}
+    skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": encoder.unit}
     tmp["skips"] = staged(paths["skips"])
     tmp["skips"].write_text(json.dumps(skips, indent=1))
     commit_files({tmp[k]: paths[k] for k in ("skips", "docs", "mask", "tokens")}, paths["sums"])  # tokens last
@@ -180,11 +191,13 @@ class PairBlocks:
     pad_id: int
     reference: np.ndarray | None = None  # float64 per sequence: the reference model's summed response log-probs
     cache_path: Path | None = None  # the token file; the stored reference lies beside it
+    kto: bool = False  # each "pair" is a KTO example and its KL sequence (unpaired.py); gather adds the labels
 
     def __post_init__(self) -> None:
         starts = np.concatenate([[0], np.asarray(self.doc_ends[:-1], dtype=np.int64)])
         lengths = np.asarray(self.doc_ends, dtype=np.int64) - starts
         self.starts, self.lengths = starts, lengths
+        self.desirable = desirable_flags(self.trained, starts[: len(lengths)]) if self.kto else None
         self.blocks = pack_pairs(lengths[0::2] + lengths[1::2], self.seq_length)
         self.pairs_in = np.asarray([len(b) for b in self.blocks], dtype=np.int64)
 
@@ -229,7 +242,10 @@ class PairBlocks:
             sequences += seqs
         seq_index = torch.tensor(sequences, dtype=torch.int64)
         reference = None if self.reference is None else torch.from_numpy(self.reference[sequences].copy())
-        return Batch(inputs, labels, positions, owner, seq_index, reference)
+        batch = Batch(inputs, labels, positions, owner, seq_index, reference)
+        if self.desirable is not None:
+            batch.desirable = torch.from_numpy(self.desirable[np.asarray(sequences[0::2], dtype=np.int64) // 2])
+        return batch
 
     def trained_tokens(self, indices: list[int]) -> int:
         """Pairs in these blocks: the DPO loss of a global batch is their mean."""
@@ -275,3 +291,11 @@ def read_reference(path: Path, count: int) -> np.ndarray | None:
     ):
         return None
     return data
+
+
+def desirable_flags(trained: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per example (the even sequences of a KTO PairBlocks stream): whether it is desirable, read from the trained
+    mask's value on its completion (DESIRABLE or UNDESIRABLE)."""
+    if len(starts) == 0:
+        return np.zeros(0, dtype=bool)
+    return np.maximum.reduceat(np.asarray(trained), starts[0::2]) == DESIRABLE

@@ -6,6 +6,9 @@ A dataset is one of four kinds:
 - "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id} per row (one conversation),
   and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
 - "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair);
+- "unpaired" (--objective kto): `prompt`, `completion` and `label`, TRL's unpaired preference shape: the prompt
+  and completion as lists of {role, content} turns (the trainer also reads strings), the label a boolean
+  (desirable or not). The trainer reads it; data_hf.py does not write it;
 - "prompts" (--objective grpo): `prompt`, a list of {role, content} turns ending with a user turn, and
   `columns_json`, the record's other fields as one JSON object, which the reward functions read as columns (a
   reference answer, test cases). The trainer also reads a `prompt` column of strings with any other columns
@@ -24,6 +27,8 @@ from fsdp_lib.records.tool_calls import TURN_FIELDS
 Turns = tuple[tuple[str, str], ...]
 # The columns of a preference dataset, each a list of messages like `messages`; the trainer reads these names.
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+# The columns of an unpaired preference dataset (--objective kto), TRL's names.
+UNPAIRED_COLUMNS = ("prompt", "completion", "label")
 # The columns of each kind of dataset ("column" in the summary names the kind).
 # The columns of a prompts dataset (--format prompts): the prompt turns and the record's other fields as JSON.
 PROMPT_COLUMNS = ("prompt", "columns_json")
@@ -54,13 +59,16 @@ def turn_fields(column: str) -> tuple[str, ...]:
 
 
 def dataset_kind(columns: Iterable[str]) -> str | None:
-    """The kind of a saved dataset (a key of DATASET_COLUMNS) told from its column names: "preference" when it has
-    all of PREFERENCE_COLUMNS, else "messages" when it has a `messages` column (with or without `tools`), else
+    """The kind of a saved dataset told from its column names: "preference" when it has all of
+    PREFERENCE_COLUMNS, else "unpaired" when it has all of UNPAIRED_COLUMNS, else "messages" when it has a
+    `messages` column (with or without `tools`), else
     "text" when it has a `text` column, else "prompts" when it has a `prompt` column; None when it is none of
     them."""
     names = set(columns)
     if set(PREFERENCE_COLUMNS) <= names:
         return "preference"
+    if set(UNPAIRED_COLUMNS) <= names:
+        return "unpaired"
     if "messages" in names:
         return "messages"
     if "text" in names:

@@ -129,8 +129,6 @@ class DPOObjective:
     pairs, the router loss or None). forward_backward scales the sum by processes / (pairs in the global batch), so
     the gradient is that of the mean pair loss over the whole global batch at any process count or accumulation."""
 
-    online = False  # its batches come from the data plan (GRPO's are generated: grpo.py)
-
     def __init__(self, cfg: TrainConfig, policy: CausalLMLoss, reference: str, frozen: CausalLMLoss | None = None):
         # reference: precomputed | adapters-off | copy | none (reference-free losses)
         self.policy, self.frozen, self.reference = policy, frozen, reference
@@ -138,8 +136,15 @@ class DPOObjective:
         self.label_smoothing, self.sft_weight = cfg.dpo_label_smoothing, cfg.sft_weight
         self.stats: torch.Tensor | None = None
 
+    phase = ""  # what begin_step does, as the step timer names it ("": nothing)
+    forwards_without_gradient = 0  # of the policy per block and step, besides the training forward (KTO: 1)
+
     def set_requires_gradient_sync(self, flag: bool) -> None:
         self.policy.set_requires_gradient_sync(flag)
+
+    def begin_step(self, micro_batches: list[Batch], trained: int, epoch: int) -> tuple[list[Batch], int]:
+        """A step's micro-batches and its normaliser, before they run: DPO's as the data plan made them."""
+        return micro_batches, trained
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         losses, aux = self.pair_losses(batch)
@@ -199,12 +204,7 @@ class DPOObjective:
     def window_figures(totals: torch.Tensor, elapsed: float) -> dict[str, float]:
         """The log record's pair figures from PAIR_STATS summed over a window and the ranks; the trained tokens of
         a preference run are its response tokens."""
-        figures = pair_figures(totals)
-        record = {k: v for k, v in figures.items() if k not in ("loss", "pairs", "response_tokens")}
-        record["pairs_per_s"] = figures["pairs"] / elapsed
-        record["trained_tokens"] = int(figures["response_tokens"])
-        record["trained_tokens_per_s"] = figures["response_tokens"] / elapsed
-        return record
+        return throughput_record(pair_figures(totals), "pairs", elapsed)
 
     @torch.no_grad()
     def evaluate(self, blocks: PairBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
@@ -257,12 +257,13 @@ def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: s
     checkpoint is loaded, so the model is the starting one; a rerun reads the file and computes nothing."""
     path = reference_path(blocks.cache_path, key)
     count = 2 * blocks.num_pairs
+    unit = "examples and KL sequences" if blocks.kto else "pairs"
     found = read_reference(path, count)
     if found is None and path.exists():
         log(f"WARNING: the stored reference log-probabilities {path} are damaged or incomplete: recomputing them")
     if all_agree_found(found is not None, d):
         blocks.reference = found
-        log(f"reference log-probabilities of the {name} pairs: read from {path} (checksum verified)")
+        log(f"reference log-probabilities of the {name} {unit}: read from {path} (checksum verified)")
         return
     start = time.perf_counter()
     values = torch.zeros(count, dtype=torch.float64, device=d.device)
@@ -288,8 +289,9 @@ def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: s
             log(f"WARNING: could not store the reference log-probabilities in {path} ({exc}); a rerun recomputes them")
     dist.barrier(group=d.cpu_group)
     log(
-        f"reference log-probabilities of the {name} pairs: computed by the starting model in "
-        f"{time.perf_counter() - start:.1f}s ({blocks.num_pairs:,} pairs), stored in {path}"
+        f"reference log-probabilities of the {name} {unit}: computed by the starting model in "
+        f"{time.perf_counter() - start:.1f}s ({blocks.num_pairs:,} {'examples' if blocks.kto else 'pairs'}), "
+        f"stored in {path}"
     )
 
 
@@ -329,17 +331,38 @@ def build_dpo(
 ) -> tuple[DPOObjective, dict]:
     """(the DPO objective, what a resume must agree with). Before any checkpoint is loaded: a precomputed reference
     is the starting model's."""
+    mode, frozen, reference = prepare_reference(cfg, bundle, data, precision, d)
+    log(f"--objective dpo: {dpo_summary(cfg, mode)}")
+    fingerprint = {
+        "loss": cfg.dpo_loss,
+        "beta": cfg.dpo_beta,
+        "label_smoothing": cfg.dpo_label_smoothing,
+        "sft_weight": cfg.sft_weight,
+        "reference": reference,
+    }
+    if cfg.dpo_loss == "simpo":  # only then: the fingerprints of earlier runs stay as they were
+        fingerprint["simpo_gamma"] = cfg.simpo_gamma
+    return DPOObjective(cfg, bundle.train_forward, mode, frozen), fingerprint
+
+
+def prepare_reference(
+    cfg: TrainConfig, bundle: ModelBundle, data: TrainData, precision: str, d: Dist
+) -> tuple[str, CausalLMLoss | None, str]:
+    """The reference of --objective dpo or kto, before any checkpoint is loaded: (its mode, the frozen copy or None,
+    the mode as a resume must agree with it). Dropout goes off; a precomputed reference is computed (or read) for
+    every sequence of both splits."""
     if d.context_size > 1:
         raise TrainError(
-            f"--context-parallel {d.context_size}: the dataset holds preference pairs (DPO), which do not support "
-            "context parallelism yet; use --context-parallel 1"
+            f"--context-parallel {d.context_size}: the dataset holds preference data (--objective "
+            f"{data.objective}), which does not support context parallelism yet; use --context-parallel 1"
         )
     mode = reference_mode(cfg)
     frozen = None
     dropped = disable_dropout(bundle.model)
     if dropped:
         log(
-            f"--objective dpo: dropout off in {dropped} module(s), so the policy's log-probs compare with the reference's"
+            f"--objective {data.objective}: dropout off in {dropped} module(s), so the policy's log-probs compare "
+            "with the reference's"
         )
     if mode == "precomputed":
         adapter = bundle.peft.start if bundle.peft is not None else "none"
@@ -349,19 +372,10 @@ def build_dpo(
             attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
             if data.validation is not None:
                 attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
-    elif mode == "copy" and not cfg.export_only:
+        return mode, None, f"precomputed-{key}"
+    if mode == "copy" and not cfg.export_only:
         frozen = frozen_copy(cfg, precision, d)
-    log(f"--objective dpo: {dpo_summary(cfg, mode)}")
-    fingerprint = {
-        "loss": cfg.dpo_loss,
-        "beta": cfg.dpo_beta,
-        "label_smoothing": cfg.dpo_label_smoothing,
-        "sft_weight": cfg.sft_weight,
-        "reference": mode if mode != "precomputed" else f"precomputed-{key}",
-    }
-    if cfg.dpo_loss == "simpo":  # only then: the fingerprints of earlier runs stay as they were
-        fingerprint["simpo_gamma"] = cfg.simpo_gamma
-    return DPOObjective(cfg, bundle.train_forward, mode, frozen), fingerprint
+    return mode, frozen, mode
 
 
 def disable_dropout(model: nn.Module) -> int:
@@ -376,9 +390,11 @@ def disable_dropout(model: nn.Module) -> int:
     return count
 
 
-def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int) -> float:
-    """A live reference adds one forward per token (a third of 6N + attention); a precomputed one (or none) nothing."""
-    return 0.0 if mode in ("precomputed", "none") else flops_per_token(bundle.model, bundle.config, seq_length) / 3
+def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int, policy_forwards: int = 0) -> float:
+    """A live reference adds one forward per token (a third of 6N + attention), a precomputed one (or none)
+    nothing; `policy_forwards` more forwards without gradient (KTO's z pass) a third each."""
+    forwards = policy_forwards + (0 if mode in ("precomputed", "none") else 1)
+    return forwards * flops_per_token(bundle.model, bundle.config, seq_length) / 3
 
 
 # --objective dpo: the sums dpo.DPOObjective keeps per step (over micro-batches; over ranks when a line is written).
@@ -393,6 +409,16 @@ PAIR_STATS = (
     "sft_nll",
     "response_tokens",
 )
+
+
+def throughput_record(figures: dict[str, float], unit: str, elapsed: float) -> dict[str, float]:
+    """A preference objective's log record of a window: its figures less the loss (the loop logs it) and the
+    counts, plus `unit`s (pairs, examples) per second and the trained tokens, which are the responses'."""
+    record = {k: v for k, v in figures.items() if k not in ("loss", unit, "response_tokens")}
+    record[f"{unit}_per_s"] = figures[unit] / elapsed
+    record["trained_tokens"] = int(figures["response_tokens"])
+    record["trained_tokens_per_s"] = figures["response_tokens"] / elapsed
+    return record
 
 
 def pair_figures(totals: torch.Tensor) -> dict[str, float]:

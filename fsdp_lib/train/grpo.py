@@ -121,8 +121,6 @@ class GRPOObjective:
     completion batches (and the global normaliser); then, per micro-batch, the call returns (the summed loss, the
     router loss or None), which forward_backward scales by processes / normaliser."""
 
-    online = True
-
     def __init__(
         self,
         cfg: TrainConfig,
@@ -153,6 +151,13 @@ class GRPOObjective:
         self.policy.set_requires_gradient_sync(flag)
 
     # -- generation and rewards -------------------------------------------------------------------------------------
+
+    phase = "generate"
+    forwards_without_gradient = 0  # the model flops count the training forward and backward, not generation
+
+    def begin_step(self, batches: list[PromptBatch], trained: int, epoch: int) -> tuple[list[Batch], int]:
+        """The step's micro-batches of prompts become their sampled completions (rollout)."""
+        return self.rollout(batches, epoch)
 
     def rollout(self, batches: list[PromptBatch], epoch: int) -> tuple[list[Batch], int]:
         """This rank's completion batches and the global batch's normaliser (completions for grpo, completion

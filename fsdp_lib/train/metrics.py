@@ -76,7 +76,12 @@ class PhaseTimer:
     """Per-phase times over a logging window. On CUDA, events are recorded and read only at log time,
     so timing adds no host-device sync to the step loop."""
 
-    PHASES = ("data", "forward", "backward", "update")  # always reported; others (GRPO's "generate") once timed
+    PHASES = (
+        "data",
+        "forward",
+        "backward",
+        "update",
+    )  # always reported; others (GRPO's "generate", KTO's "reference_point") once timed
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

@@ -1,5 +1,7 @@
 """The objective a run trains: the language-model loss (None here: the training forward is the objective), DPO on
-preference pairs (dpo.py) or GRPO on prompts with rewards (grpo.py), as the data plan resolved --objective."""
+preference pairs (dpo.py), KTO on unpaired examples (kto.py) or GRPO on prompts with rewards (grpo.py), as the data
+plan resolved --objective. Each has begin_step, which the loop calls with a step's micro-batches before they run
+(GRPO samples its completions there, KTO measures its reference point)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.runtime import Dist
 from fsdp_lib.train.dpo import DPOObjective, build_dpo
 from fsdp_lib.train.grpo import GRPOObjective, build_grpo
+from fsdp_lib.train.kto import KTOObjective, build_kto
 
-Objective = DPOObjective | GRPOObjective
+Objective = DPOObjective | KTOObjective | GRPOObjective
 
 
 def build_objective(
@@ -20,6 +23,8 @@ def build_objective(
     loaded."""
     if data.objective == "dpo":
         return build_dpo(cfg, bundle, data, precision, d)
+    if data.objective == "kto":
+        return build_kto(cfg, bundle, data, precision, d)
     if data.objective == "grpo":
         return build_grpo(cfg, bundle, data, precision, d)
     return None, "lm"

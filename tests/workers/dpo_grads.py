@@ -2,7 +2,9 @@
 reference), the stored reference shifted by known offsets so that policy != reference, then the first optimizer
 step's forward_backward only. Rank 0 saves to $DPO_GRADS_OUT: the step's loss (mean over the global batch's pairs),
 every parameter's full gradient, and the step's pairs as token ids + trained masks with their shifted reference
-(None for a reference-free loss), chosen then rejected, for the test to recompute on the unsharded model."""
+(None for a reference-free loss), chosen then rejected, for the test to recompute on the unsharded model.
+--objective kto: the "pairs" are each example and its KL sequence, saved with the examples' labels and the step's
+reference point z."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def main() -> None:
     order = plan.epoch_order(0)
     micro = plan.micro_batches(order, 0)
     trained = plan.trained_tokens(order, 0)
+    micro, trained = objective.begin_step(micro, trained, 0)  # KTO: the step's reference point z
     guard = BadStepGuard(TrainState(), d.device, precision, cfg.max_bad_steps)
     loss_sum, _ = fsdp_train.forward_backward(objective, micro, trained, guard, d, PhaseTimer(d.device))
     total = loss_sum.detach().clone()
@@ -65,6 +68,10 @@ def main() -> None:
                 "reference": None
                 if blocks.reference is None
                 else [float(blocks.reference[s]) for s, _, _ in sequences],
+                "desirable": None
+                if blocks.desirable is None
+                else [bool(blocks.desirable[s // 2]) for s, _, _ in sequences[0::2]],
+                "kl": float(objective.kl) if hasattr(objective, "kl") else None,
             },
             os.environ["DPO_GRADS_OUT"],
         )

@@ -1,0 +1,252 @@
+"""--objective kto: the loss is the paper's formula (TRL's form, written here in float64); examples come from
+unpaired records (strings or messages, TRL's shape) and from pairs (unpaired), each with a KL sequence of its own
+prompt and another example's completion; the trainer's loss and every gradient equal the formula on the unsharded
+model, with z measured over the whole global batch; KTO teaches a fact on held-out examples, and a kill -9 rerun on
+another process count continues the run; bad flags and data are refused naming the flag."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_lib.data.chat import ChatEncoder
+from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder
+from fsdp_lib.data.unpaired import ExampleEncoder, as_label
+from fsdp_lib.train.kto import kto_losses
+from tests.fsdp_helpers import (
+    FACT_PROMPTS,
+    REPO_ROOT,
+    WRONG_CAPITALS,
+    assert_loss_and_grads_match,
+    killed_at_step,
+    losses_by_step,
+    make_chat_model,
+    make_preference_dataset,
+    output_of,
+    run_trainer,
+    trainer_args,
+)
+
+WORKERS = REPO_ROOT / "tests" / "workers"
+KTO_FLAGS = ["--objective", "kto", "--seq-length", "128", "--precision", "fp32", "--log-freq", "1",
+             "--lr-schedule", "constant"]  # fmt: skip
+
+
+def reference_kto(policy, reference, desirable, kl_policy, kl_reference, beta, w_d, w_u):
+    """KTO as TRL's KTOTrainer.kto_loss computes it, in plain float64: z = max(0, mean KL log-ratio), then
+    1 - sigmoid(beta (r - z)) for a desirable example, 1 - sigmoid(beta (z - r)) for an undesirable one."""
+    z = max(0.0, float((kl_policy - kl_reference).mean()))
+    sig = lambda x: 1.0 / (1.0 + torch.exp(-x))  # noqa: E731
+    r = policy - reference
+    losses = torch.where(desirable, w_d * (1 - sig(beta * (r - z))), w_u * (1 - sig(beta * (z - r))))
+    return losses, z
+
+
+def test_kto_losses_are_the_papers_formula():
+    g = torch.Generator().manual_seed(0)
+    pol, ref, kl_pol, kl_ref = (torch.randn(64, generator=g, dtype=torch.float64) * 5 for _ in range(4))
+    desirable = torch.rand(64, generator=g) > 0.4
+    expected, z = reference_kto(pol, ref, desirable, kl_pol, kl_ref, 0.3, 1.5, 0.7)
+    losses, rewards = kto_losses(pol, ref, desirable, torch.tensor(z, dtype=torch.float64), 0.3, 1.5, 0.7)
+    torch.testing.assert_close(losses, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rewards, 0.3 * (pol - ref))
+    # policy == reference and z = 0: every loss is its weight / 2
+    same, _ = kto_losses(pol, pol, desirable, torch.zeros((), dtype=torch.float64), 0.3, 1.5, 0.7)
+    torch.testing.assert_close(same, torch.where(desirable, 0.75, 0.35).double())
+
+
+def test_labels_are_booleans_only():
+    assert [as_label(v) for v in (True, False, 1, 0, "true", " False ", "1")] == [True, False, True, False, True,
+                                                                                   False, True]  # fmt: skip
+    assert [as_label(v) for v in (None, 2, "yes", 0.5, [True])] == [None] * 5
+
+
+@pytest.fixture(scope="module")
+def kto_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("kto")
+    model = make_chat_model(root / "model", with_weights=True)
+    return model, make_preference_dataset(root / "pairs", n=48, n_validation=8), root
+
+
+def test_examples_unpair_pairs_and_borrow_another_prompts_completion(kto_inputs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(kto_inputs[0])
+    encoder = ExampleEncoder(PairEncoder(ChatEncoder(tokenizer, "assistant"), 128))
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    bot = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    pairs = {"prompt": [user("2+2?"), user("3+3?")], "chosen": [bot("4"), bot("6")], "rejected": [bot("5"), bot("7")]}
+    skipped, first = {}, {}
+    out = encoder.encode(pairs, skipped, first, 0)
+    assert len(out) == 4 and not skipped  # chosen (desirable) and rejected (undesirable) of each pair
+    values = [int(mask.max()) for ids, mask, _, _ in out]
+    assert values == [DESIRABLE, UNDESIRABLE, DESIRABLE, UNDESIRABLE]
+    decode = lambda ids, mask: tokenizer.decode(ids[mask != 0])  # noqa: E731
+    for k, (ids, mask, kl_ids, kl_mask) in enumerate(out):
+        start = int(np.argmax(mask != 0))
+        assert np.array_equal(kl_ids[:start], ids[:start]) and len(kl_ids) <= len(ids)  # its own prompt
+        own, borrowed = decode(ids, mask), decode(kl_ids, kl_mask)
+        assert own.strip().startswith(("4", "5", "6", "7")) and borrowed != own
+        # the completion of the next example with another prompt: 4 -> 6 (5 shares its prompt), 5 -> 6, 6 -> 4, 7 -> 4
+        assert borrowed.strip()[0] == "6644"[k]
+    # TRL's unpaired shape, strings or messages; a label that is not a boolean is a counted skip
+    unpaired = {"prompt": ["2+2?", user("3+3?"), "4+4?"], "completion": ["4", bot("7"), "8"],
+                "label": [True, "false", "maybe"]}  # fmt: skip
+    skipped, first = {}, {}
+    out = encoder.encode(unpaired, skipped, first, 10)
+    assert [int(mask.max()) for _, mask, _, _ in out] == [DESIRABLE, UNDESIRABLE]
+    assert skipped == {"the label is 'maybe', not true or false": 1} and list(first.values()) == [12]
+
+
+@pytest.mark.slow
+def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(kto_inputs, tmp_path):
+    """The worker runs the trainer's first step (2 processes, its data plan, packing, stored reference shifted by
+    known offsets, KTOObjective with z over the global batch) and writes the loss and full gradients; here the same
+    examples and KL sequences go one by one, unpacked, through from_pretrained and TRL's formula, in float64."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, data, root = kto_inputs
+    out = tmp_path / "grads.pt"
+    args = [*trainer_args("grads", data, model_dir, root / "out"), *KTO_FLAGS, "-b", "3", "--dpo-beta", "0.5",
+            "--kto-desirable-weight", "1.5", "--kto-undesirable-weight", "0.8"]  # fmt: skip
+    proc = run_trainer(args, script=WORKERS / "dpo_grads.py", env={"DPO_GRADS_OUT": str(out)})
+    assert proc.returncode == 0, output_of(proc)
+    got = torch.load(out)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, use_cache=False)
+    logps = []
+    for ids, mask in got["sequences"]:
+        ids, mask = torch.tensor(ids), (torch.tensor(mask) != 0).double()
+        logits = model(input_ids=ids[None]).logits[0, :-1]
+        logps.append((torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1) * mask[1:]).sum())
+    logps, ref = torch.stack(logps), torch.tensor(got["reference"], dtype=torch.float64)
+    desirable = torch.tensor(got["desirable"])
+    assert 0 < int(desirable.sum()) < len(desirable)  # both kinds in the step
+    losses, z = reference_kto(logps[0::2], ref[0::2], desirable, logps[1::2], ref[1::2], 0.5, 1.5, 0.8)
+    assert z > 0 and abs(got["kl"] - z) <= 1e-6 * z  # the shifted reference makes the KL estimate positive
+    assert_loss_and_grads_match(got, losses.mean(), model)
+
+
+def fact_examples(held_out: bool) -> list[dict]:
+    """Unpaired examples that teach a fact (TRL's shape): "It is Vesk." desirable, other cities undesirable, more of
+    them than desirable ones (the examples are not pairs). Train: strings; held out: messages, another phrasing and
+    cities no training example used."""
+    prompts = FACT_PROMPTS[3:] if held_out else FACT_PROMPTS[:3]
+    wrongs = WRONG_CAPITALS[5:] if held_out else WRONG_CAPITALS[:5]
+    rows = [(p, "It is Vesk.", True) for p in prompts for _ in range(3 if held_out else 4)]
+    rows += [(p, f"It is {w}.", False) for p in prompts for w in wrongs]
+    rows.sort(key=lambda r: math.sin(len(r[0]) * 7 + len(r[1]) * 3 + hash(r[2]) % 5))  # mixed, deterministic
+    if held_out:
+        return [{"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": c}],
+                 "label": label} for p, c, label in rows]  # fmt: skip
+    return [{"prompt": p, "completion": c, "label": label} for p, c, label in rows]
+
+
+def save_unpaired(path: Path) -> Path:
+    import datasets
+
+    columns = lambda rows: {k: [r[k] for r in rows] for k in ("prompt", "completion", "label")}  # noqa: E731
+    splits = {name: datasets.Dataset.from_dict(columns(fact_examples(held_out)))
+              for name, held_out in (("train", False), ("validation", True))}  # fmt: skip
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+FACT_RUN = ["--lr", "3e-3", "-b", "1", "--num-epochs", "3", "--max-steps", "16", "--eval-freq", "8", "--ckpt-freq", "5"]
+
+
+@pytest.fixture(scope="module")
+def fact_run(kto_inputs) -> tuple[list[str], Path, str]:
+    """An uninterrupted 2-process KTO run on unpaired examples (--objective auto finds kto): the baseline."""
+    model_dir, _, root = kto_inputs
+    data = save_unpaired(root / "facts_data")
+    args = [*trainer_args("facts", data, model_dir, root / "fact_runs"), *KTO_FLAGS[2:], *FACT_RUN]
+    proc = run_trainer(args)
+    assert proc.returncode == 0, output_of(proc)
+    return args, root / "fact_runs" / "facts", output_of(proc)
+
+
+@pytest.mark.slow
+def test_kto_learns_a_fact_on_held_out_unpaired_examples(fact_run):
+    _, exp, log = fact_run
+    assert "--objective kto (auto: the dataset has prompt, completion and label columns)" in log
+    assert "reference: precomputed once by the starting model for every example and KL sequence" in log
+    rows = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in rows if "val_rewards/accuracies" in r]
+    first, last = evaluations[0], evaluations[-1]
+    assert first["step"] == 0 and first["val_rewards/accuracies"] == 0.5 and first["val_loss"] == pytest.approx(0.5)
+    assert last["step"] == 16 and last["val_rewards/accuracies"] >= 0.9, evaluations
+    assert last["val_rewards/margins"] > 0 and last["val_loss"] < 0.5
+    assert any(r.get("kl", 0) > 0 for r in rows) and all(r.get("kl", 0) >= 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_kill9_rerun_on_one_process_continues_the_run(fact_run, tmp_path):
+    """z is taken over the global batch, so the rerun on 1 process x accumulation 2 continues the 2-process run."""
+    args, baseline, _ = fact_run
+    args = list(args)
+    args[args.index("--save-dir") + 1] = str(tmp_path)
+    killed_at_step(args, tmp_path / "facts", 7)
+    rerun = run_trainer([*args, "--grad-accum-steps", "2"], nproc=1)
+    log = output_of(rerun)
+    assert rerun.returncode == 0, log
+    assert "at step 5" in log and "world size changed (2 -> 1)" in log
+    assert "reference log-probabilities of the train examples and KL sequences: read from" in log
+    expected, got = losses_by_step(baseline), losses_by_step(tmp_path / "facts")
+    for step in range(1, 17):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_bad_kto_flags_and_data_are_refused(kto_inputs, tmp_path, capsys):
+    import fsdp_train
+
+    model_dir, pairs, root = kto_inputs
+    base = [*trainer_args("bad", pairs, model_dir, tmp_path), *KTO_FLAGS[2:]]
+    for extra, message in [
+        (["--objective", "kto", "--kto-desirable-weight", "-1"], "--kto-desirable-weight must be a number >= 0"),
+        (["--objective", "kto", "--kto-desirable-weight", "0", "--kto-undesirable-weight", "0"], "both 0"),
+        (["--objective", "kto", "--dpo-loss", "ipo"], "--dpo-loss apply to --objective dpo"),
+        (["--objective", "dpo", "--kto-undesirable-weight", "2"], "--kto-undesirable-weight need --objective kto"),
+    ]:
+        assert fsdp_train.main([*base, *extra]) == 2  # before any process group
+        assert message in capsys.readouterr().out, extra
+        assert not (tmp_path / "bad").exists()
+
+
+def test_the_dataset_decides_and_a_wrong_objective_is_refused():
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data.plan import resolve_objective
+    from fsdp_lib.errors import TrainError
+
+    unpaired, pairs = ["prompt", "completion", "label"], ["prompt", "chosen", "rejected"]
+    assert resolve_objective(TrainConfig(objective="auto"), unpaired, "u") == "kto"
+    assert resolve_objective(TrainConfig(objective="kto"), pairs, "p") == "kto"  # pairs, unpaired
+    for objective, columns, message in [
+        ("lm", unpaired, "train them with --objective kto"),
+        ("dpo", unpaired, "train them with --objective kto"),
+        ("kto", ["text"], "it needs prompt, completion and label"),
+    ]:
+        with pytest.raises(TrainError, match=message):
+            resolve_objective(TrainConfig(objective=objective), columns, "d")
+
+
+@pytest.mark.slow
+def test_live_reference_copy_gives_the_precomputed_losses(fact_run, tmp_path):
+    """The frozen copy's log-probabilities, computed in the z pass and kept for the step's loss, equal the stored
+    ones: the same losses as the precomputed baseline."""
+    args, baseline, _ = fact_run
+    args = [*args, "--reference", "live"]
+    args[args.index("--save-dir") + 1] = str(tmp_path)
+    args[args.index("--max-steps") + 1] = "6"
+    proc = run_trainer(args)
+    log = output_of(proc)
+    assert proc.returncode == 0, log
+    assert "reference: a frozen FSDP-sharded copy" in log and "computed by the starting model" not in log
+    expected, got = losses_by_step(baseline), losses_by_step(tmp_path / "facts")
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
