@@ -66,7 +66,7 @@ from fsdp_lib.convert.publish import (
 from fsdp_lib.convert.reading import piece_bytes_for
 from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
-from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers
+from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers, unpair_into
 from fsdp_lib.errors import file_above, unreadable
 from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
@@ -272,6 +272,8 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     tasks = plan_tasks(files, piece_bytes_for(args.max_chars))
     splits = ["train", "validation"] if args.val_fraction > 0 else ["train"]
     columns = list(DATASET_COLUMNS) if args.data_format == "auto" else [RECORD_FORMATS.get(args.data_format, "text")]
+    if args.data_format == "preference":  # pairs, or unpaired examples: the run learns at the end which it keeps
+        columns.append("unpaired")
     # Shards go to a folder per kind: an auto run learns only at the end which of the three it keeps.
     writers = {(c, split): SplitWriter(tmp / f"parts-{c}" / split, c) for c in columns for split in splits}
     with tqdm(total=len(files), unit="file", desc="data_hf", disable=None, file=sys.stderr) as progress:
@@ -291,8 +293,11 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     tally.plain_text_rows = rows["text"] - tally.rows_from_conversations
     column = choose_column(
         args.data_format, tally.plain_text_rows, rows["messages"], rows["preference"],
-        tally.conversation_shaped_as_text, tally.preference_shaped_as_text,
+        tally.conversation_shaped_as_text, tally.preference_shaped_as_text, rows["unpaired"],
     )  # fmt: skip
+    if column == "unpaired":  # a dataset holds one kind: the run's pairs become unpaired examples too
+        for split in splits:
+            unpair_into(writers["preference", split], writers["unpaired", split])
     shaped = tally.conversation_shaped_as_text + tally.preference_shaped_as_text
     # Records shaped like conversations or pairs and no plain text beside them: none usable, or two kinds mixed.
     # Either way --format auto would write their strings as text: refused (counted here, said by _refusals).

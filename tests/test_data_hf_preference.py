@@ -353,3 +353,56 @@ def test_pairs_longer_than_max_chars_and_repeated_yaml_aliases_are_skipped(tmp_p
     assert convert(data, tmp_path / "out", "--format", "preference", "--max-chars", "100") == 0
     assert load_from_disk(str(tmp_path / "out"))[:] == {k: [v, v] for k, v in row_of(SIMPLE).items()}
     assert summary_of(tmp_path / "out")["counts_by_reason"] == {"pair_too_long": 1, "repeated_yaml_alias": 1}
+
+
+def test_unpaired_examples_are_written_with_a_boolean_label_and_a_mixed_run_unpairs_its_pairs(
+    tmp_path: Path, capsys
+) -> None:
+    """TRL's unpaired shape (prompt, completion, label; strings or turns; the label a boolean, 1/0 or their strings)
+    becomes prompt/completion message lists and a bool label; a bad label or a missing prompt is a counted skip; a
+    run that also reads pairs unpairs them (chosen true, rejected false), in --format preference and in auto; the
+    trainer's KTO encoder reads the result."""
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.data.chat import ChatEncoder
+    from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder
+    from fsdp_lib.data.unpaired import ExampleEncoder
+    from tests.fsdp_helpers import make_chat_model
+
+    examples = [
+        {"prompt": Q, "completion": GOOD, "label": True},
+        {"Prompt": [msg("user", Q)], "Completion": [msg("assistant", BAD)], "Label": "false"},
+        {"prompt": Q, "system": "Be brief.", "completion": GOOD, "label": 1},
+        {"prompt": Q, "completion": BAD, "label": "maybe"},
+        {"completion": GOOD, "label": True},
+    ]
+    data = write_files(tmp_path / "data", {"kto.jsonl": jsonl(examples)})
+    assert convert(data, tmp_path / "out", "--format", "preference") == 0
+    dataset = load_from_disk(str(tmp_path / "out"))
+    assert dataset.features == Features({"prompt": [{"role": Value("string"), "content": Value("string")}],
+                                         "completion": [{"role": Value("string"), "content": Value("string")}],
+                                         "label": Value("bool")})  # fmt: skip
+    assert dataset["label"][:] == [True, False, True]
+    assert dataset["prompt"][2] == [msg("system", "Be brief."), msg("user", Q)]
+    assert dataset["completion"][1] == [msg("assistant", BAD)]
+    summary = summary_of(tmp_path / "out")
+    assert summary["column"] == "unpaired" and summary["unpaired_found"] == 3
+    assert summary["counts_by_reason"] == {"bad_label": 1, "missing_prompt": 1}
+    assert "-> 3 unpaired examples" in capsys.readouterr().out
+    # with a pair beside them: the pair becomes two examples, in --format preference and in auto alike
+    write_files(data, {"pairs.jsonl": jsonl([{"prompt": Q, "chosen": GOOD, "rejected": BAD}])})
+    assert convert(data, tmp_path / "mixed", "--format", "preference") == 0
+    assert convert(data, tmp_path / "auto") == 0
+    mixed = load_from_disk(str(tmp_path / "mixed"))
+    assert mixed[:] == load_from_disk(str(tmp_path / "auto"))[:]
+    assert mixed["label"][:] == [True, False, True, True, False]
+    assert mixed["completion"][3:] == [[msg("assistant", GOOD)], [msg("assistant", BAD)]]
+    printed = capsys.readouterr().out
+    assert "each pair became two unpaired examples" in printed and "every record read is preference data" in printed
+    # the trainer reads it: --objective auto finds kto, and the examples keep their labels
+    train, _ = load_text_dataset(str(tmp_path / "mixed"))
+    tokenizer = AutoTokenizer.from_pretrained(make_chat_model(tmp_path / "model"))
+    encoder = ExampleEncoder(PairEncoder(ChatEncoder(tokenizer, "assistant"), 512))
+    encoded = encoder.encode(train[:], {}, {}, 0)
+    assert [int(mask.max()) for _, mask, _, _ in encoded] == [DESIRABLE, UNDESIRABLE, DESIRABLE, DESIRABLE,
+                                                               UNDESIRABLE]  # fmt: skip

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from fsdp_lib.records.conversation import Conversation, ToolTurn
-from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.preference import PreferencePair, UnpairedExample
 from fsdp_lib.records.prompts import PromptRecord
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS, Turns
 from fsdp_lib.records.tool_calls import TURN_FIELDS
@@ -159,11 +159,23 @@ def encode_conversations(conversations: list[Conversation]) -> tuple[list[Encode
 def encode_pairs(pairs: list[PreferencePair]) -> tuple[list[EncodedRows], int]:
     """(Arrow-layout chunks of the prompt, chosen and rejected columns, number of messages whose lone surrogates
     were replaced). The three columns of a chunk hold the same rows, so a chunk is one record batch."""
-    columns = [[getattr(pair, name) for pair in pairs] for name in PREFERENCE_COLUMNS]
+    return _turn_columns([[getattr(pair, name) for pair in pairs] for name in PREFERENCE_COLUMNS], "preference")
+
+
+def encode_unpaired(examples: list[UnpairedExample]) -> tuple[list[EncodedRows], int]:
+    """(Arrow-layout chunks of an unpaired dataset: the prompt and completion columns and the boolean label, number
+    of messages whose lone surrogates were replaced)."""
+    columns = [[example.prompt for example in examples], [example.completion for example in examples]]
+    return _turn_columns(columns, "unpaired", [example.label for example in examples])
+
+
+def _turn_columns(
+    columns: list[list[Turns]], column: str, labels: list[bool] | None = None
+) -> tuple[list[EncodedRows], int]:
+    """Chunks of `column` (a dataset kind) whose fields are the `columns` of turns, then the labels if any."""
     encoded = [_encoded_contents(conversations) for conversations in columns]
-    sizes = [
-        sum(sum(map(len, contents[ends[i] : ends[i + 1]])) for contents, ends, _ in encoded) for i in range(len(pairs))
-    ]
+    count = len(columns[0])
+    sizes = [sum(sum(map(len, contents[ends[i] : ends[i + 1]])) for contents, ends, _ in encoded) for i in range(count)]
     bounds = _chunk_bounds(sizes)
     chunks = []
     for first, last in zip(bounds, bounds[1:], strict=False):
@@ -171,9 +183,21 @@ def encode_pairs(pairs: list[PreferencePair]) -> tuple[list[EncodedRows], int]:
             _messages_chunk(conversations[first:last], contents[ends[first] : ends[last]], with_tools=False)
             for conversations, (contents, ends, _) in zip(columns, encoded, strict=True)
         )
+        if labels is not None:
+            fields += (_bool_chunk(labels[first:last]),)
         digest = hashlib.blake2b(b"".join(part.digest for part in fields), digest_size=16).digest()
-        chunks.append(EncodedRows(last - first, b"", b"", digest, "preference", fields=fields))
+        chunks.append(EncodedRows(last - first, b"", b"", digest, column, fields=fields))
     return chunks, sum(replaced for _, _, replaced in encoded)
+
+
+def _bool_chunk(values: list[bool]) -> EncodedRows:
+    """A boolean array chunk: Arrow's bitmap (bit i set = row i is true) in `values`."""
+    bitmap = bytearray((len(values) + 7) // 8)
+    for index, value in enumerate(values):
+        if value:
+            bitmap[index >> 3] |= 1 << (index & 7)
+    digest = hashlib.blake2b(bytes(bitmap) + len(values).to_bytes(8, "little"), digest_size=16).digest()
+    return EncodedRows(len(values), b"", bytes(bitmap), digest, "bool")
 
 
 def encode_prompts(records: list[PromptRecord]) -> tuple[list[EncodedRows], int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fsdp_lib.convert.results import FileResult, Problem, Row
 from fsdp_lib.records.conversation import Conversation, calls_json, parse_conversation
-from fsdp_lib.records.preference import PreferencePair, parse_preference, record_kind
+from fsdp_lib.records.preference import PreferencePair, UnpairedExample, parse_preference, record_kind
 from fsdp_lib.records.prompts import PromptRecord, parse_prompt_record
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.text import extract_strings
@@ -88,7 +88,7 @@ class Extraction:
 
     def _row(
         self, record: object, kind: str, result: FileResult, records_seen: set[int] | None, line: int | None
-    ) -> Conversation | PreferencePair | PromptRecord | None:
+    ) -> Conversation | PreferencePair | UnpairedExample | PromptRecord | None:
         """The conversation ("chat"), preference pair ("preference") or prompt ("prompts") of a record; None, with
         the bad record counted, if it cannot be one."""
         try:
@@ -115,7 +115,7 @@ def row_chars(row: Row) -> int:
     """Characters of a row: of a text, of a conversation's contents, or of a pair's three columns."""
     if isinstance(row, str):
         return len(row)
-    if isinstance(row, (PreferencePair, PromptRecord)):
+    if isinstance(row, (PreferencePair, UnpairedExample, PromptRecord)):
         return row.chars
     chars = sum(len(turn[1]) for turn in row)
     if not getattr(row, "uses_tools", False):

@@ -18,7 +18,7 @@ import yaml
 from fsdp_lib.convert.extraction import DEFAULT_MAX_CHARS, RECORD_FORMATS, ConversationText, Extraction
 from fsdp_lib.convert.results import REASONS, FileResult, Problem, Row
 from fsdp_lib.convert.streaming import JsonStreamError, YamlDepthBound, iter_json_values, yaml_loader
-from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.preference import PreferencePair, UnpairedExample
 from fsdp_lib.records.prompts import PromptRecord
 from fsdp_lib.records.text import split_long_text
 
@@ -348,6 +348,10 @@ def iter_rows(
                 result.pairs_found += 1
                 yield item
                 continue
+            if isinstance(item, UnpairedExample):
+                result.unpaired_found += 1
+                yield item
+                continue
             if isinstance(item, PromptRecord):
                 result.prompts_found += 1
                 yield item
@@ -393,6 +397,7 @@ def read_file(
 
 def note_no_text(result: FileResult) -> None:
     """A whole file that parsed fine but held no string at all gets a problem, so it does not vanish silently."""
-    found = result.strings_found or result.conversations_found or result.pairs_found or result.prompts_found
+    found = (result.strings_found or result.conversations_found or result.pairs_found or result.prompts_found
+             or result.unpaired_found)  # fmt: skip
     if not (found or result.problems):
         result.problems.append(Problem(result.path, "no_text", REASONS["no_text"]))

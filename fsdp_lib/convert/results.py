@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fsdp_lib.records.conversation import Conversation
-from fsdp_lib.records.preference import PreferencePair
+from fsdp_lib.records.preference import PreferencePair, UnpairedExample
 from fsdp_lib.records.prompts import PromptRecord
 from fsdp_lib.records.reasons import RECORD_REASONS
 
@@ -35,7 +35,7 @@ MAX_LISTED = 1000  # per list in the summary; the counts are always complete
 RECORD_PROBLEMS_LISTED = MAX_LISTED
 # What a task yields: a text row, a conversation (--format chat), a preference pair (--format preference) or a
 # prompt (--format prompts).
-Row = str | Conversation | PreferencePair | PromptRecord
+Row = str | Conversation | PreferencePair | UnpairedExample | PromptRecord
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class FileResult:
     strings_found: int = 0  # extracted strings (--json-mode records: records) before splitting and filtering
     conversations_found: int = 0  # conversation rows (--format chat or auto)
     pairs_found: int = 0  # preference pairs (--format preference or auto)
+    unpaired_found: int = 0  # unpaired examples: completion + label (--format preference or auto)
     prompts_found: int = 0  # prompt records (--format prompts)
     records_seen: int = 0  # JSON/YAML records looked at, to number the bad ones
     conversation_shaped_as_text: int = 0  # records that look like conversations, extracted as text
@@ -88,6 +89,7 @@ class FileResult:
             self.strings_found
             or self.conversations_found
             or self.pairs_found
+            or self.unpaired_found
             or self.prompts_found
             or not self.problems
         ):

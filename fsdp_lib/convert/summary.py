@@ -13,13 +13,13 @@ from fsdp_lib.convert.publish import SUMMARY_NAME
 from fsdp_lib.convert.reading import note_no_text
 from fsdp_lib.convert.results import MAX_LISTED, REASONS, FileResult, Problem
 from fsdp_lib.convert.writer import SplitWriter
-from fsdp_lib.records.schema import DATASET_COLUMNS, PREFERENCE_COLUMNS
+from fsdp_lib.records.schema import DATASET_COLUMNS, PREFERENCE_COLUMNS, UNPAIRED_COLUMNS
 
 # The counts of a FileResult that add up piece by piece into its file, then file by file into the run (a file is
 # judged whole: whether it held text, conversations or pairs), and those that add up from each piece into the run.
 FILE_COUNTS = (
-    "strings_found", "conversations_found", "pairs_found", "prompts_found", "conversation_shaped_as_text",
-    "preference_shaped_as_text",
+    "strings_found", "conversations_found", "pairs_found", "unpaired_found", "prompts_found",
+    "conversation_shaped_as_text", "preference_shaped_as_text",
 )  # fmt: skip
 PIECE_COUNTS = ("bytes_read", "dropped_empty", "dropped_short", "extra_rows_from_splitting", "rows_from_conversations")
 
@@ -33,10 +33,12 @@ class Tally:
     files_with_text: int = 0
     files_with_conversations: int = 0
     files_with_pairs: int = 0
+    files_with_preference: int = 0  # files with pairs or unpaired examples
     files_with_prompts: int = 0
     files_skipped: int = 0
     conversations_found: int = 0
     pairs_found: int = 0
+    unpaired_found: int = 0
     prompts_found: int = 0
     conversation_shaped_as_text: int = 0
     preference_shaped_as_text: int = 0
@@ -109,9 +111,11 @@ class Tally:
 
     def _finish_file(self, file: FileResult) -> None:
         _add_counts(self, file, FILE_COUNTS)
-        self.files_with_text += self._rows_in_file > file.conversations_found + file.pairs_found + file.prompts_found
+        records = file.conversations_found + file.pairs_found + file.unpaired_found + file.prompts_found
+        self.files_with_text += self._rows_in_file > records
         self.files_with_conversations += file.conversations_found > 0
         self.files_with_pairs += file.pairs_found > 0
+        self.files_with_preference += file.pairs_found + file.unpaired_found > 0
         self.files_with_prompts += file.prompts_found > 0
         if file.conversation_shaped_as_text and len(self.conversation_text_files) < MAX_LISTED:
             self.conversation_text_files[file.path] = file.conversation_shaped_as_text
@@ -143,12 +147,12 @@ def build_summary(
     text = column == "text"  # the text counters describe rows that a conversation dataset does not hold
     files_with_rows = {
         "messages": tally.files_with_conversations, "preference": tally.files_with_pairs,
-        "prompts": tally.files_with_prompts,
+        "unpaired": tally.files_with_preference, "prompts": tally.files_with_prompts,
     }  # fmt: skip
     return {
         "data_folder": str(args.data_folder),
         "save_dir": str(args.save_dir),
-        "column": column,  # the kind of dataset: text, messages, preference or prompts
+        "column": column,  # the kind of dataset: text, messages, preference, unpaired or prompts
         "columns": list(DATASET_COLUMNS[column]),
         "notes": _format_notes(tally, args.data_format, column),
         "options": {
@@ -171,6 +175,7 @@ def build_summary(
         "strings_found": tally.strings_found if text else 0,
         "conversations_found": tally.conversations_found,
         "pairs_found": tally.pairs_found,
+        "unpaired_found": tally.unpaired_found,
         "prompts_found": tally.prompts_found,
         "conversation_records_as_text": tally.conversation_shaped_as_text if text else 0,
         "conversation_text_files": tally.conversation_text_files if text else {},
@@ -206,6 +211,21 @@ def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:
             f"columns {', '.join(PREFERENCE_COLUMNS)} ({tally.pairs_found} pairs), as --format preference writes; pass "
             "--format text to extract their strings as text instead"
         ]
+    if column == "unpaired":
+        notes = []
+        if data_format == "auto":
+            notes.append(
+                f"--format auto: every record read is preference data, so the dataset has the columns "
+                f"{', '.join(UNPAIRED_COLUMNS)}, as --format preference writes; pass --format text to extract their "
+                "strings as text instead"
+            )
+        if tally.pairs_found:
+            notes.append(
+                f"the run read {tally.unpaired_found} unpaired example(s) (completion + label) and {tally.pairs_found} "
+                f"pair(s): a dataset holds one kind, so each pair became two unpaired examples (chosen: label true, "
+                "rejected: label false), which --objective kto trains on; convert the pairs on their own for DPO"
+            )
+        return notes
     if column != "text":
         return []
     why = " because the folder also holds other text" if data_format == "auto" and tally.plain_text_rows else ""
@@ -254,7 +274,12 @@ def one_line(summary: dict[str, Any]) -> str:
     split_text = f" (train {rows['train']}, validation {rows['validation']})" if "validation" in rows else ""
     counts = summary["counts_by_reason"]
     reasons = f" ({', '.join(f'{reason} {count}' for reason, count in counts.items())})" if counts else ""
-    unit = {"messages": "conversations", "preference": "preference pairs", "prompts": "prompts"}.get(
+    unit = {
+        "messages": "conversations",
+        "preference": "preference pairs",
+        "unpaired": "unpaired examples",
+        "prompts": "prompts",
+    }.get(  # fmt: skip
         summary["column"], "rows"
     )
     return (

@@ -16,13 +16,20 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from fsdp_lib.convert import reading
-from fsdp_lib.convert.chunks import EncodedRows, encode_conversations, encode_pairs, encode_prompts, encode_rows
+from fsdp_lib.convert.chunks import (
+    EncodedRows,
+    encode_conversations,
+    encode_pairs,
+    encode_prompts,
+    encode_rows,
+    encode_unpaired,
+)
 from fsdp_lib.convert.extraction import row_chars
 from fsdp_lib.convert.planning import Options, Task
 from fsdp_lib.convert.reading import iter_rows, note_no_text, read_file
 from fsdp_lib.convert.results import FileResult, Row
 from fsdp_lib.records.conversation import conversation_json
-from fsdp_lib.records.preference import PreferencePair, preference_json
+from fsdp_lib.records.preference import PreferencePair, UnpairedExample, preference_json
 from fsdp_lib.records.prompts import PromptRecord, prompt_json
 
 # Below this much input, worker processes (about a second each to start) would cost more than they save.
@@ -53,7 +60,7 @@ def row_split(row: Row, val_fraction: float) -> str:
     """The split of a text row, or of a conversation or preference pair by the hash of its canonical JSON."""
     if isinstance(row, str):
         return assign_split(row, val_fraction)
-    if isinstance(row, PreferencePair):
+    if isinstance(row, PreferencePair | UnpairedExample):
         return assign_split(preference_json(row), val_fraction)
     if isinstance(row, PromptRecord):
         return assign_split(prompt_json(row), val_fraction)
@@ -72,8 +79,11 @@ def _rows_to_output(rows: list[Row], files: list[FileResult], val_fraction: floa
         conversations = [row for row in split_rows if isinstance(row, tuple)]
         pairs = [row for row in split_rows if isinstance(row, PreferencePair)]
         prompts = [row for row in split_rows if isinstance(row, PromptRecord)]
+        unpaired = [row for row in split_rows if isinstance(row, UnpairedExample)]
         output.splits[split], replaced = encode_rows(texts)
-        for encode, kept in ((encode_conversations, conversations), (encode_pairs, pairs), (encode_prompts, prompts)):
+        encoders = ((encode_conversations, conversations), (encode_pairs, pairs), (encode_prompts, prompts),
+                    (encode_unpaired, unpaired))  # fmt: skip
+        for encode, kept in encoders:
             if kept:
                 chunks, replaced_in_messages = encode(kept)
                 output.splits[split] += chunks

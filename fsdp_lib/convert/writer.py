@@ -53,20 +53,22 @@ class SplitWriter:
             return
         if chunk.column != self.column:
             raise ValueError(f"a {chunk.column!r} chunk cannot go into a {self.column!r} column")
-        pa = self._pa
-        if self._writer is None:
-            part = self.folder / f"data-{len(self._parts):05d}.arrow.part"
-            self._parts.append(part)
-            self._sink = pa.OSFile(str(part), "wb")
-            self._writer = pa.ipc.new_stream(self._sink, self.schema)
-            self._shard_size = 0
-        self._writer.write_batch(pa.record_batch(self._arrays(chunk), schema=self.schema))
+        self._open_shard()
+        self._writer.write_batch(self._pa.record_batch(self._arrays(chunk), schema=self.schema))
         self.rows += chunk.count
         self.text_bytes += chunk.text_bytes
         self.digest.update(chunk.digest)
         self._shard_size += chunk.text_bytes + len(chunk.offsets)
         if self._shard_size >= self.shard_bytes:
             self._close_shard()
+
+    def _open_shard(self) -> None:
+        if self._writer is None:
+            part = self.folder / f"data-{len(self._parts):05d}.arrow.part"
+            self._parts.append(part)
+            self._sink = self._pa.OSFile(str(part), "wb")
+            self._writer = self._pa.ipc.new_stream(self._sink, self.schema)
+            self._shard_size = 0
 
     def _arrays(self, chunk: EncodedRows) -> list[pa.Array]:
         """The chunk's columns, in schema order: one array, a chat chunk's messages and tools, or a preference
@@ -82,12 +84,37 @@ class SplitWriter:
     def _array(self, chunk: EncodedRows, list_type: pa.DataType) -> pa.Array:
         """The chunk's buffers wrapped as an Arrow array, without a copy."""
         pa = self._pa
+        if chunk.column == "bool":
+            return pa.Array.from_buffers(pa.bool_(), chunk.count, [None, pa.py_buffer(chunk.values)])
         if chunk.roles is None or chunk.contents is None:
             return self._strings(chunk)
         turns = [self._strings(part) for part in (chunk.roles, chunk.contents, *chunk.turn_fields)]
         messages = pa.StructArray.from_arrays(turns, fields=list(list_type.value_type))
         offsets = pa.Array.from_buffers(pa.int32(), chunk.count + 1, [None, pa.py_buffer(chunk.offsets)])
         return pa.ListArray.from_arrays(offsets, messages, type=list_type)
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        """An Arrow record batch of this writer's schema (unpair_into's), its buffers' hash in the digest."""
+        if batch.num_rows == 0:
+            return
+        self._open_shard()
+        self._writer.write_batch(batch)
+        self.rows += batch.num_rows
+        self.text_bytes += batch.nbytes
+        for column in batch.columns:
+            for buffer in column.buffers():
+                if buffer is not None:
+                    self.digest.update(buffer)
+        self._shard_size += batch.nbytes
+        if self._shard_size >= self.shard_bytes:
+            self._close_shard()
+
+    @property
+    def parts(self) -> list[Path]:
+        return list(self._parts)
+
+    def close_shard(self) -> None:
+        self._close_shard()
 
     def discard(self) -> None:
         """Drop what was written (the column --format auto did not choose)."""
@@ -131,6 +158,8 @@ def arrow_type(column: str) -> pa.DataType:
 
     if column in ("text", "tools", "columns_json"):
         return pa.string()
+    if column == "label":
+        return pa.bool_()
     return pa.list_(pa.struct([pa.field(name, pa.string()) for name in turn_fields(column)]))
 
 
@@ -143,6 +172,8 @@ def column_features(column: str) -> datasets.Features:
     for name in DATASET_COLUMNS[column]:
         if name in ("text", "tools", "columns_json"):
             features[name] = datasets.Value("string")
+        elif name == "label":
+            features[name] = datasets.Value("bool")
         else:
             features[name] = datasets.List({field: datasets.Value("string") for field in turn_fields(name)})
     return datasets.Features(features)
@@ -174,20 +205,41 @@ def _metadata_templates(scratch: Path, splits: list[str], column: str = "text") 
 
 def choose_column(
     data_format: str, plain_text_rows: int, conversations: int, pairs: int = 0, conversation_records: int = 0,
-    preference_records: int = 0,
+    preference_records: int = 0, unpaired: int = 0,
 ) -> str:  # fmt: skip
     """The kind of dataset a run writes (a key of DATASET_COLUMNS): "text" for --format text, "messages" for
-    --format chat, "preference" for --format preference. --format auto writes "messages" when it found conversations
-    and nothing else, "preference" when it found preference pairs and nothing else, else "text", exactly as --format
-    text would. Nothing else: no other text (rows from text files or from other records) and no record of the other
-    kind (`conversation_records`, `preference_records`: records of each kind read, usable or not)."""
+    --format chat, "preference" for --format preference, or "unpaired" when that run read unpaired examples (its
+    pairs are then unpaired: unpair_into). --format auto writes "messages" when it found conversations and nothing
+    else, "preference" (or "unpaired") when it found preference data and nothing else, else "text", exactly as
+    --format text would. Nothing else: no other text (rows from text files or from other records) and no record of
+    the other kind (`conversation_records`, `preference_records`: records of each kind read, usable or not)."""
+    preference = "unpaired" if unpaired else "preference"
     if data_format != "auto":
-        return RECORD_FORMATS.get(data_format, "text")
+        return preference if data_format == "preference" else RECORD_FORMATS.get(data_format, "text")
     if plain_text_rows:
         return "text"
-    if pairs and not conversation_records:
-        return "preference"
+    if (pairs or unpaired) and not conversation_records:
+        return preference
     return "messages" if conversations and not preference_records else "text"
+
+
+def unpair_into(pairs: SplitWriter, examples: SplitWriter) -> None:
+    """Append the rows `pairs` wrote (prompt, chosen, rejected) to `examples` as unpaired examples: for each pair,
+    (prompt, chosen, true) then (prompt, rejected, false), in order. Read back from its closed shards, batch by
+    batch, so memory does not grow with the data."""
+    import pyarrow as pa
+
+    pairs.close_shard()
+    for part in pairs.parts:
+        with pa.memory_map(str(part)) as source:
+            for batch in pa.ipc.open_stream(source):
+                n = batch.num_rows
+                twice = pa.array([i // 2 for i in range(2 * n)], type=pa.int64())
+                alternate = pa.array([i // 2 + (i % 2) * n for i in range(2 * n)], type=pa.int64())
+                responses = pa.concat_arrays([batch.column("chosen"), batch.column("rejected")])
+                labels = pa.array([i % 2 == 0 for i in range(2 * n)], type=pa.bool_())
+                columns = [batch.column("prompt").take(twice), responses.take(alternate), labels]
+                examples.write_batch(pa.record_batch(columns, schema=examples.schema))
 
 
 def finish_writers(

@@ -13,7 +13,7 @@ from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.presets import SizePreset
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
-from fsdp_lib.records.schema import PREFERENCE_COLUMNS, dataset_kind
+from fsdp_lib.records.schema import PREFERENCE_COLUMNS, UNPAIRED_COLUMNS, dataset_kind
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 TEXT_BATCH_SIZE = 1000
@@ -44,14 +44,28 @@ def iter_text_batches(dataset: Any, batch_size: int = TEXT_BATCH_SIZE) -> Iterat
     """Batches of the dataset's texts read from the memory-mapped Arrow files (the columns are never materialised):
     the text column, or the content of every turn of a chat or preference dataset."""
     kind = dataset_kind(dataset.column_names)
-    columns = ["text"] if kind == "text" else ["messages"] if kind == "messages" else list(PREFERENCE_COLUMNS)
+    columns = TEXT_COLUMNS.get(kind or "text", ["text"])
     for batch in dataset.select_columns(columns).iter(batch_size=batch_size):
         if kind == "text":
             yield [text for text in batch["text"] if text]
-        else:
+        else:  # turns, or a string (TRL's standard prompt and completion columns)
             yield [
-                turn["content"] for column in columns for turns in batch[column] for turn in turns if turn["content"]
+                text
+                for column in columns
+                for turns in batch[column]
+                for text in ([turns] if isinstance(turns, str) else [turn["content"] for turn in turns or []])
+                if text
             ]
+
+
+# The columns whose text a tokenizer is trained on, by dataset kind (fsdp_lib/records/schema.py).
+TEXT_COLUMNS = {
+    "text": ["text"],
+    "messages": ["messages"],
+    "preference": list(PREFERENCE_COLUMNS),
+    "unpaired": list(UNPAIRED_COLUMNS[:2]),
+    "prompts": ["prompt"],
+}
 
 
 def train_bpe_tokenizer(

@@ -21,7 +21,7 @@ from fsdp_lib.records.conversation import (
     with_system,
 )
 from fsdp_lib.records.reasons import BadRecord
-from fsdp_lib.records.schema import PREFERENCE_COLUMNS, Turns
+from fsdp_lib.records.schema import PREFERENCE_COLUMNS, UNPAIRED_COLUMNS, Turns
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,20 @@ class PreferencePair:
         return sum(len(content) for turns in (self.prompt, self.chosen, self.rejected) for _, content in turns)
 
 
+@dataclass(frozen=True)
+class UnpairedExample:
+    """One row of an unpaired preference dataset (TRL's unpaired shape, for --objective kto): the prompt turns,
+    ending with a user turn, one completion starting with an assistant turn, and whether it is desirable."""
+
+    prompt: Turns
+    completion: Turns
+    label: bool
+
+    @property
+    def chars(self) -> int:
+        return sum(len(content) for turns in (self.prompt, self.completion) for _, content in turns)
+
+
 # Anthropic HH dialogues: "\n\nHuman: ...\n\nAssistant: ..."; a turn marker starts the text or follows a blank line,
 # so "Human:" inside a line of a turn is text.
 _HH_TURN = re.compile(r"(?:\A\s*|\n\n)(Human|Assistant):")
@@ -46,18 +60,23 @@ HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 
 def is_preference_record(record: object) -> bool:
-    """Whether `record` is a preference record: an object with `chosen` and `rejected` keys, in any case. Checked
-    before the conversation shapes, which a ShareGPT preference record (conversations) also has."""
-    return _pair_keys(record) == {"chosen", "rejected"}
+    """Whether `record` is a preference record: an object with `chosen` and `rejected` keys, or with `completion`
+    and `label` keys (an unpaired example), in any case. Checked before the conversation shapes, which a ShareGPT
+    preference record (conversations) also has."""
+    keys = _pair_keys(record)
+    return keys == {"chosen", "rejected"} or UNPAIRED_KEYS <= keys
+
+
+UNPAIRED_KEYS = {"completion", "label"}
 
 
 def _pair_keys(record: object) -> set[str]:
-    """Which of `chosen` and `rejected` (in any case) the object `record` has."""
+    """Which of `chosen`, `rejected`, `completion` and `label` (in any case) the object `record` has."""
     if not isinstance(record, dict):
         return set()
-    # len first: this runs on every record of an auto or text run, most of which have neither key
-    names = {key.lower() for key in record if isinstance(key, str) and len(key) in (6, 8)}
-    return names & {"chosen", "rejected"}
+    # len first: this runs on every record of an auto or text run, most of which have none of these keys
+    names = {key.lower() for key in record if isinstance(key, str) and len(key) in (5, 6, 8, 10)}
+    return names & {"chosen", "rejected", "completion", "label"}
 
 
 def _lower_keys(value: dict, where: str) -> dict:
@@ -125,17 +144,25 @@ def _strip_prompt(response: list[tuple[str, str]], prompts: list[list[tuple[str,
 
 
 def _check_pair(prompt: list[tuple[str, str]], chosen: list[tuple[str, str]], rejected: list[tuple[str, str]]) -> None:
-    """The rules a pair must meet to be trained on: one leading system turn at most, a prompt that ends with a user
-    turn, responses that start and end with an assistant turn and have assistant text, and responses that differ."""
+    """The rules a pair must meet to be trained on: those of _check_prompt_and_responses, and responses that
+    differ."""
+    _check_prompt_and_responses(prompt, [("chosen", chosen), ("rejected", rejected)])
+    if [(role, content.strip()) for role, content in chosen] == [(role, content.strip()) for role, content in rejected]:
+        raise BadRecord("identical_responses", f"chosen and rejected are the same {len(chosen)} turn(s)")
+
+
+def _check_prompt_and_responses(prompt: list[tuple[str, str]], responses: list[tuple[str, list]]) -> None:
+    """One leading system turn at most, a prompt that ends with a user turn, and responses that start and end with
+    an assistant turn and have assistant text."""
     check_system_turns(prompt, " of the prompt")
-    for key, response in (("chosen", chosen), ("rejected", rejected)):
+    for key, response in responses:
         for number, (role, _) in enumerate(response, 1):
             if role == "system":
                 raise BadRecord("misplaced_system_turn", f"turn {number} of the {key} response is a system turn")
     if not prompt or prompt[-1][0] != "user":
         ends = f"ends with a {prompt[-1][0]} turn" if prompt else "has no turns"
         raise BadRecord("prompt_not_ending_with_user", f"the prompt {ends}; it must end with a user turn")
-    for key, response in (("chosen", chosen), ("rejected", rejected)):
+    for key, response in responses:
         if not response:
             problem = "has no turns"
         elif response[0][0] != "assistant":
@@ -147,21 +174,22 @@ def _check_pair(prompt: list[tuple[str, str]], chosen: list[tuple[str, str]], re
         else:
             continue
         raise BadRecord("no_assistant_response", f"the {key} response {problem}")
-    if [(role, content.strip()) for role, content in chosen] == [(role, content.strip()) for role, content in rejected]:
-        raise BadRecord("identical_responses", f"chosen and rejected are the same {len(chosen)} turn(s)")
 
 
-def parse_preference(record: object) -> PreferencePair:
+def parse_preference(record: object) -> PreferencePair | UnpairedExample:
     """The prompt and responses of one preference record, keys in any case. Shapes, by the keys beside chosen and
     rejected: `prompt` (TRL standard: strings; conversational: lists of turns, where chosen/rejected may repeat the
     prompt turns first), `conversations` (ShareGPT: the prompt turns; each response one turn object or a string),
     `instruction` (+ `input`: Alpaca), or none: chosen and rejected are whole conversations, lists of turns or
     Anthropic HH strings, whose shared leading turns are the prompt. A top-level `system` string becomes the first
-    prompt turn. Raises BadRecord with the reason when the pair cannot be trained on."""
+    prompt turn. A record with `completion` and `label` (and no chosen or rejected) is an unpaired example
+    (parse_unpaired). Raises BadRecord with the reason when the pair cannot be trained on."""
     if not is_preference_record(record) or not isinstance(record, dict):
         keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
-        raise BadRecord("not_a_preference_pair", f"{keys}; expected chosen and rejected")
+        raise BadRecord("not_a_preference_pair", f"{keys}; expected chosen and rejected (or completion and label)")
     fields = _lower_keys(record, "the record")
+    if "chosen" not in fields and "rejected" not in fields:
+        return parse_unpaired(fields)
     if "prompt" in fields or "conversations" in fields or "instruction" in fields:
         if "prompt" in fields:
             given = _preference_turns(fields["prompt"], "prompt", "user")
@@ -190,11 +218,35 @@ def parse_preference(record: object) -> PreferencePair:
     return PreferencePair(tuple(prompt), tuple(chosen), tuple(rejected))
 
 
-def preference_json(pair: PreferencePair) -> str:
+LABELS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def parse_unpaired(fields: dict) -> UnpairedExample:
+    """An unpaired example (TRL's shape): `prompt` (a string or turns, optionally with a top-level `system`), a
+    `completion` (a string or turns) and a `label` (true/false, 1/0, or those as strings) saying whether the
+    completion is desirable. The prompt and completion follow a pair's rules (parse_preference)."""
+    label = fields["label"]
+    if isinstance(label, str):
+        label = LABELS.get(label.strip().lower(), label)
+    if not isinstance(label, bool) and not (isinstance(label, int) and label in (0, 1)):
+        raise BadRecord("bad_label", f"'label' is {str(fields['label'])[:40]!r}; expected true or false")
+    if "prompt" not in fields:
+        raise BadRecord("missing_prompt", "an unpaired example (completion, label) without a 'prompt'")
+    given = _preference_turns(fields["prompt"], "prompt", "user")
+    prompt = with_system(fields, given)
+    completion = _strip_prompt(_preference_turns(fields["completion"], "completion", "assistant"), [prompt, given])
+    _check_prompt_and_responses(prompt, [("completion", completion)])
+    return UnpairedExample(tuple(prompt), tuple(completion), bool(label))
+
+
+def preference_json(pair: PreferencePair | UnpairedExample) -> str:
     """The canonical JSON of a pair, its three columns as HF writes messages: what --val-fraction hashes, so a pair
     (and every copy of it) lands in one split, whatever the file order."""
-    columns = {name: [{"role": role, "content": content} for role, content in getattr(pair, name)]
-               for name in PREFERENCE_COLUMNS}  # fmt: skip
+    names = PREFERENCE_COLUMNS if isinstance(pair, PreferencePair) else UNPAIRED_COLUMNS[:2]
+    columns: dict[str, object] = {name: [{"role": role, "content": content} for role, content in getattr(pair, name)]
+                                  for name in names}  # fmt: skip
+    if isinstance(pair, UnpairedExample):
+        columns["label"] = pair.label
     return json.dumps(columns, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -202,7 +254,9 @@ def record_kind(record: object) -> str | None:
     """What an auto run may write a record as: "preference" (chosen and rejected keys, tried first: a ShareGPT
     preference record has a conversation shape too; one of them alone is half a pair, which --format auto reports
     as not_a_preference_pair instead of keeping its strings as text), "chat" (a conversation shape), or None (text
-    only)."""
-    if _pair_keys(record):
+    only). An unpaired example (completion and label keys) is "preference" too; a `label` alone is not (datasets
+    for classification have one)."""
+    keys = _pair_keys(record)
+    if keys & {"chosen", "rejected"} or UNPAIRED_KEYS <= keys:
         return "preference"
     return "chat" if conversation_shape(record) is not None else None

@@ -22,7 +22,8 @@ RECORD_REASONS = {
     "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
     "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
     # Preference records (--format preference, or auto): the conversation reasons above apply to their turns too.
-    "not_a_preference_pair": "a record without both chosen and rejected keys (--format preference)",
+    "not_a_preference_pair": "a record without both chosen and rejected keys, or completion and label keys (an "
+    "unpaired example), in --format preference",
     "ambiguous_keys": "a preference or prompt record with two keys that differ only in case (e.g. chosen and Chosen)",
     "bad_preference_value": "prompt, chosen or rejected that is not a string or a list of turns (or one turn "
     "object), or, without a prompt, chosen and rejected that are not both lists of turns or both HH strings",
@@ -37,6 +38,9 @@ RECORD_REASONS = {
     "identical_responses": "chosen and rejected responses that are the same (ignoring surrounding whitespace): "
     "nothing to prefer",
     "pair_too_long": "a pair (prompt + chosen + rejected) longer than --max-chars characters (a pair is never split)",
+    "bad_label": "an unpaired example (completion + label) whose label is not true or false (1/0 and the strings "
+    "'true'/'false' are read too)",
+    "missing_prompt": "an unpaired example (completion + label) without a prompt",
     # Prompt records (--format prompts): the conversation reasons above apply to a prompt's turns too.
     "not_a_prompt_record": "a record without a prompt, question, problem or instruction key (--format prompts)",
     "empty_prompt": "a prompt whose last user turn is empty or whitespace",

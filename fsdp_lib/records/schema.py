@@ -1,14 +1,15 @@
 """The dataset schema: the kinds of dataset data_hf.py writes and the trainer reads, their columns, the fields of a
 turn, the roles a turn may have, and the rule that tells a saved dataset's kind from its column names.
 
-A dataset is one of four kinds:
+A dataset is one of five kinds:
 - "text": one column `text`, a string per row;
 - "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id} per row (one conversation),
   and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
 - "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair);
 - "unpaired" (--objective kto): `prompt`, `completion` and `label`, TRL's unpaired preference shape: the prompt
   and completion as lists of {role, content} turns (the trainer also reads strings), the label a boolean
-  (desirable or not). The trainer reads it; data_hf.py does not write it;
+  (desirable or not). data_hf.py --format preference writes it when it reads unpaired records (and unpairs the
+  pairs of such a run);
 - "prompts" (--objective grpo): `prompt`, a list of {role, content} turns ending with a user turn, and
   `columns_json`, the record's other fields as one JSON object, which the reward functions read as columns (a
   reference answer, test cases). The trainer also reads a `prompt` column of strings with any other columns
@@ -33,7 +34,8 @@ UNPAIRED_COLUMNS = ("prompt", "completion", "label")
 # The columns of a prompts dataset (--format prompts): the prompt turns and the record's other fields as JSON.
 PROMPT_COLUMNS = ("prompt", "columns_json")
 DATASET_COLUMNS = {
-    "text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS, "prompts": PROMPT_COLUMNS,
+    "text": ("text",), "messages": ("messages", "tools"), "preference": PREFERENCE_COLUMNS,
+    "unpaired": UNPAIRED_COLUMNS, "prompts": PROMPT_COLUMNS,
 }  # fmt: skip
 # Role names as written in the data -> the standard HF chat roles. "human"/"gpt" are ShareGPT's, "model" is
 # Gemma's and Gemini's, "bot" is common in older dumps: all unambiguous. Tool turns: TOOL_RESULT_ROLES and
