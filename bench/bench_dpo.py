@@ -131,6 +131,7 @@ CPU_QUICK = {
     "lora_rank": 8,
     "lr": 1e-4,
     "reps": 1,
+    "modes": ("full", "baseline"),  # the smoke test proves both sides run (the DPO tests train LoRA)
 }
 CPU_QUICK["overrides"] += ["--intermediate-size", "512"]
 GPU_FULL = {
@@ -504,7 +505,8 @@ def table_rows(label: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any
     for mode in MODES:
         f = s["figures"][mode]
         if "pairs_per_s" not in f:
-            rows.append([label, NAMES[mode], ", ".join(r["status"] for r in runs[mode]), *["-"] * 9])
+            status = ", ".join(r["status"] for r in runs[mode]) or "not run (--quick)"
+            rows.append([label, NAMES[mode], status, *["-"] * 9])
             continue
         above = f.get("peak_above_runtime_gib")
         tokens = f"{f['model_tokens']:,.0f}" + (f" ({f['real_tokens']:,} real)" if "real_tokens" in f else "")
@@ -571,7 +573,8 @@ def measure(inputs: dict[str, Any], p: dict[str, Any], reps: int, on_cpu: bool) 
         "baseline": lambda: run_baseline(inputs, p, next(counters["baseline"]), on_cpu),
     }
     with gpus_hidden(on_cpu):
-        runs = interleaved(reps, sides, summary=summary)
+        runs = interleaved(reps, {mode: sides[mode] for mode in p.get("modes", MODES)}, summary=summary)
+    runs = {mode: runs.get(mode, []) for mode in MODES}  # a mode not run (--quick: lora) has no runs
     return runs, summarise(runs)
 
 

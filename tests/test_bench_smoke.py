@@ -224,13 +224,14 @@ def test_dpo_bench_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "bench_dpo.py", tmp_path)
     assert result["gpu"] == "not measured (--quick)"
     runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
-    for mode in ("full", "lora", "baseline"):
+    assert runs["lora"] == [], "--quick runs ours (full weights) and the baseline"
+    for mode in ("full", "baseline"):
         (run,) = runs[mode]
         assert run["status"] == "ok", (mode, run)
         assert run["pairs_per_s"] > 0 and 0 < run["idle_rss_gib"] < run["peak_gib"] <= run["run_peak_rss_gib"]
         assert 0 < run["last_loss"] < 5, "every side trains the same small model from ln 2"
     figures = summary["figures"]
-    assert figures["full"]["precompute_s"] > 0 and figures["lora"]["precompute_s"] == 0, "only full precomputes"
+    assert figures["full"]["precompute_s"] > 0, "full weights precompute the reference"
     check = figures["full"]["token_check"]
     # both sides train the same response tokens, and our precomputed reference is the baseline's live one
     assert check["response_tokens_equal"] == check["sequences"] == check["baseline_sequences"] > 0, check
@@ -247,7 +248,8 @@ def test_grpo_bench_quick(repo_root, tmp_path):
     runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
     p = result["params"]["cpu"]
     completions = p["nproc"] * p["prompts_per_rank"] * p["num_generations"]
-    for mode in ("ours", "ours_off", "baseline"):
+    assert runs["ours_off"] == [], "--quick runs ours and the baseline (the GRPO tests compare on and off)"
+    for mode in ("ours", "baseline"):
         (run,) = runs[mode]
         assert run["status"] == "ok", (mode, run)
         assert run["steps"] == p["steps"], "one window per optimizer step"
@@ -258,10 +260,8 @@ def test_grpo_bench_quick(repo_root, tmp_path):
         assert completions <= run["generated_tokens_per_step"] <= completions * p["max_new_tokens"]
         assert all(0 <= r <= 1 for r in run["rewards"]), "the accuracy reward is 0 or 1 per completion"
         assert all(abs(x) < 1 for x in run["losses"]), "ratio 1: the loss is advantages x length terms, near 0"
-    # the same sampling keys and weights: the same completions whether the layers stay gathered or not
-    assert runs["ours"][0]["rewards"] == runs["ours_off"][0]["rewards"]
     figures = summary["figures"]
-    assert figures["ours"]["layers_kept_gathered"] == "yes" and figures["ours_off"]["layers_kept_gathered"] == "no"
+    assert figures["ours"]["layers_kept_gathered"] == "yes"
     assert figures["baseline"]["refresh_s"] > 0, "the baseline gathers its copy's weights every step"
     check = summary["prompts"]
     assert check["equal"] == check["steps"] == p["steps"], "both sides train the same prompts at every step"

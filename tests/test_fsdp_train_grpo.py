@@ -342,11 +342,14 @@ def test_kill9_rerun_and_a_one_process_resume_give_the_same_completions(learned,
         for key in ("loss", "reward", "grad_norm", "completion_length"):
             assert got[step][key] == expected[step][key], (step, key)
     assert samples_by_step(tmp_path / "a" / "learn") == samples_by_step(learned)
-    # the same global batch on one process (2 micro-batches of 1 prompt): the same prompts and sampling keys
+    # the same global batch on one process (2 micro-batches of 1 prompt): the same prompts and sampling keys; and
+    # generating one layer at a time (--rollout-unshard off) samples the same completions as with the layers kept
+    # gathered (auto: on)
     alone = learn_args(grpo_inputs, tmp_path / "b")
-    resumed = run_trainer([*alone, "--grad-accum-steps", "2"], nproc=1)
+    resumed = run_trainer([*alone, "--grad-accum-steps", "2", "--rollout-unshard", "off"], nproc=1)
     assert resumed.returncode == 0, output_of(resumed)
     assert "world size changed (2 -> 1)" in output_of(resumed)
+    assert "generation keeps the layers gathered: no, one layer at a time" in output_of(resumed)
     got = {r["step"]: r for r in read_metrics(tmp_path / "b" / "learn") if "reward" in r}
     first = min(got)
     assert first <= 3 and samples_by_step(tmp_path / "b" / "learn") == samples_by_step(learned)
