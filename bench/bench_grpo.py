@@ -56,7 +56,7 @@ Measures (per run; a window is one optimizer step, --log-freq 1; the first step 
 Goals (issue 34): ours / baseline step time <= 1.0 on CPU; peak memory per rank <= 0.7x the baseline's; generation
 tokens/s >= 1.0x the baseline's. The --rollout-unshard off variant's ratios are reported, not goals. The default run
 takes ~3 minutes on a quiet 2-core machine (6 launches, each ~12 s of start-up and 8 steps of 2-3.5 s); --quick
-~30 s (one launch per side). GPU rows: not measured (this benchmark has CPU rows only).
+~20 s (one launch of ours and one of the baseline; the off variant is not run). GPU rows: not measured (this benchmark has CPU rows only).
 """
 
 from __future__ import annotations
