@@ -162,6 +162,8 @@ def _range_problems(cfg: TrainConfig) -> list[str]:
         "--sample-max-new-tokens": cfg.sample_max_new_tokens,
     }
     problems = [f"{flag} must be at least 1 (got {value})" for flag, value in positive.items() if value < 1]
+    if cfg.tiled_mlp < 0 or cfg.tiled_mlp == 1:
+        problems.append(f"--tiled-mlp {cfg.tiled_mlp}: give the number of tiles, 2 or more (0 = off)")
     non_negative = {
         "--max-steps": cfg.max_steps,
         "--warmup-steps": cfg.warmup_steps,

@@ -112,6 +112,16 @@ class TrainConfig:
     )
     activation_checkpointing: str = _opt("on", "recompute decoder-layer activations in backward", choices=ON_OFF)
     ac_every_n_layers: int = _opt(1, "with activation checkpointing: checkpoint every Nth decoder layer (1 = all)")
+    activation_offload: str = _opt(
+        "off",
+        "keep the activations saved for backward (with checkpointing: each layer's input) in host memory between the "
+        "forward and the backward (pinned, copied without blocking the host; exact)",
+        choices=ON_OFF,
+    )
+    tiled_mlp: int = _opt(
+        0, "compute each decoder layer's MLP over N tiles of the tokens, recomputed tile by tile in backward, so its "
+        "[tokens x intermediate] activations exist for one tile at a time (exact; 0 = off; dense MLPs only)"
+    )  # fmt: skip
     compile: str = _opt("off", "torch.compile each decoder layer", choices=ON_OFF)
     accum_grad_sync: str = _opt(
         "per-micro-batch",

@@ -67,15 +67,17 @@ def test_context_parallel_2_trains_like_one_process_and_resumes_at_1(tmp_path):
 
 
 def test_context_parallel_chat_with_another_family(tmp_path):
-    """Qwen2 (GQA), chat SFT with the loss on assistant turns, packed: the split run's losses equal the unsplit
-    run's."""
+    """Qwen2 (GQA), chat SFT with the loss on assistant turns, packed: the split run's losses and gradient norms
+    equal the unsplit run's; the split run also offloads its saved activations and tiles its MLPs (both exact)."""
     dataset = make_chat_dataset(tmp_path / "chat")
     model = make_chat_model(tmp_path / "model", with_weights=True, arch="qwen2")
     args = [*SAME_STEPS, "--max-steps", "2"]
     whole = run_trainer(trainer_args("whole", dataset, model, tmp_path) + args, nproc=1)
-    split = run_trainer(trainer_args("split", dataset, model, tmp_path) + [*args, "--context-parallel", "2"])
+    extra = ["--context-parallel", "2", "--activation-offload", "on", "--tiled-mlp", "3"]
+    split = run_trainer(trainer_args("split", dataset, model, tmp_path) + [*args, *extra])
     assert whole.returncode == 0 and split.returncode == 0, output_of(whole) + output_of(split)
     assert "each sequence split over 2 processes" in output_of(split)
+    assert "MLP in 3 tiles, saved activations offloaded to host memory" in output_of(split)
     _assert_same(_figures(tmp_path / "split"), _figures(tmp_path / "whole"), [1, 2])
 
 

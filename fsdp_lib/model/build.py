@@ -20,6 +20,7 @@ import yaml
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model import varlen
+from fsdp_lib.model.activations import ActivationOffload, tile_mlps
 from fsdp_lib.model.adapters import (
     PeftSetup,
     adapter_problems,
@@ -286,8 +287,12 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         if cfg.activation_checkpointing == "on"
         else 0
     )
+    if cfg.tiled_mlp and (problem := tile_mlps(layers, cfg.tiled_mlp)):
+        raise TrainError(f"--tiled-mlp {cfg.tiled_mlp}: cannot tile {arch}'s MLP: {problem}; leave --tiled-mlp out")
     vocab_size = model.get_input_embeddings().num_embeddings
     train_forward = CausalLMLoss(model, loss_chunk_tokens(cfg.loss_chunk_tokens, vocab_size))
+    if cfg.activation_offload == "on":
+        train_forward.offload = ActivationOffload()
     if train_forward.chunk and (problem := chunked_loss_problem(model)):
         log(f"--loss-chunk-tokens: full logits instead of the chunked loss for {arch}: {problem}")
         train_forward.chunk = 0
@@ -320,6 +325,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         + (" (auto)" if cfg.loss_chunk_tokens == "auto" and train_forward.chunk else "")
         + (f", packed documents kept apart by {train_forward.document_masking}" if cfg.document_masking == "on" else "")
         + (f", each sequence split over {d.context_size} processes (Ulysses)" if d.context_size > 1 else "")
+        + (f", MLP in {cfg.tiled_mlp} tiles" if cfg.tiled_mlp else "")
+        + (", saved activations offloaded to host memory" if cfg.activation_offload == "on" else "")
     )
     return ModelBundle(
         model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir), peft

@@ -4,6 +4,7 @@ MoE router load-balancing loss."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from fsdp_lib.data.batch import Batch, Documents
 from fsdp_lib.model import varlen
+from fsdp_lib.model.activations import ActivationOffload
 
 # --loss-chunk-tokens auto: one chunk's fp32 logits (softmax and gradient are computed in place in them) stay within
 # this. At a 128k vocabulary that is 512 tokens: at 2,048 tokens per micro-batch the loss path's extra memory is
@@ -278,6 +280,7 @@ class CausalLMLoss(nn.Module):
         self.document_masking = "position_ids"
         self.mask_dtype = torch.float32  # of an additive block mask (eager attention): the compute dtype
         self.context: varlen.Context | None = None  # --context-parallel: this rank's part of each sequence
+        self.offload: ActivationOffload | None = None  # --activation-offload on
 
     def forward(
         self, batch: Batch, probe: bool = False, per_token: bool = False, temperature: float = 1.0
@@ -285,7 +288,13 @@ class CausalLMLoss(nn.Module):
         """(summed token loss, the MoE router loss weighted by router_aux_loss_coef or None). probe (start-up
         checks, no grad): (the model's own logits, the chunked path's logits or None) instead. per_token (DPO, GRPO):
         (each target's log-probability [batch x T flattened], 0 where the label is -100, of the logits divided by
-        `temperature`; the router loss or None)."""
+        `temperature`; the router loss or None). With --activation-offload, what autograd saves goes to host memory."""
+        with self.offload() if self.offload is not None else contextlib.nullcontext():
+            return self.compute(batch, probe, per_token, temperature)
+
+    def compute(
+        self, batch: Batch, probe: bool, per_token: bool, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.context is not None:
             batch = local_part(batch, self.context)
         inputs = self.model_inputs(batch)
