@@ -328,15 +328,22 @@ def train_loop(
         if objective is not None and objective.phase:  # GRPO samples the completions, KTO measures its z
             with metrics.timer.phase(objective.phase):
                 micro_batches, trained = objective.begin_step(micro_batches, trained, state.epoch)
-        loss_sum, aux_loss = forward_backward(
-            step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
-        )
         lr = lr_at(state.step, cfg, last_step)
-        with metrics.timer.phase("update"):
-            grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
+        updates = objective.updates if objective is not None else 1  # GRPO's --num-iterations: several
+        step_loss = torch.zeros((), device=d.device)
+        for update in range(updates):
+            if update:
+                objective.next_update()
+            loss_sum, aux_loss = forward_backward(
+                step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
+            )
+            with metrics.timer.phase("update"):
+                grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
+            step_loss += loss_sum
         state.advance(plan.global_batch, plan.steps_per_epoch)
 
-        metrics.record(loss_sum, trained, aux_loss, objective.take_stats() if objective else None, sources)
+        stats = objective.take_stats() if objective else None
+        metrics.record(step_loss, trained * updates, aux_loss, stats, sources)  # the loss: its updates' mean
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard.sync(state))
             if objective is not None:  # GRPO: one prompt's completions and their rewards

@@ -370,6 +370,8 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
             f"--num-generations must be at least 2 (got {cfg.num_generations}): advantages compare the completions "
             "of one prompt; 8-16 is usual"
         )
+    if cfg.num_iterations < 1:
+        problems.append(f"--num-iterations must be at least 1 (got {cfg.num_iterations}); 1 samples every step")
     if cfg.max_new_tokens < 1:
         problems.append(f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     elif cfg.max_new_tokens >= cfg.seq_length:

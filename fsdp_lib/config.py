@@ -233,6 +233,12 @@ class TrainConfig:
     )
     epsilon: float = _opt(0.2, "--objective grpo: the policy ratio is clipped to [1 - epsilon, 1 + --epsilon-high]")
     epsilon_high: float = _opt(0.0, "--objective grpo: the upper clip (DAPO's clip-higher: 0.28); 0 = --epsilon")
+    num_iterations: int = _opt(
+        1,
+        "--objective grpo: optimizer updates per generation batch (TRL's num_iterations, the paper's mu): a step "
+        "samples once, then updates this many times on the same completions, the policy ratio taken to the policy "
+        "that sampled them (so --epsilon clips from the second update on)",
+    )
     grpo_beta: float = _opt(
         0.0,
         "--objective grpo: weight of the KL term to the reference (the model with adapters off with --peft, else a "
@@ -425,7 +431,7 @@ PREFERENCE_OBJECTIVES = ("dpo", "kto")  # trained on PairBlocks: DPO's pairs, KT
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # --dpo-loss values that use no reference model
 GRPO_FLAGS = (
     "num_generations", "max_new_tokens", "temperature", "top_p", "reward", "reward_weights", "reward_pattern",
-    "grpo_loss", "epsilon", "epsilon_high", "grpo_beta", "rollout_unshard",
+    "grpo_loss", "epsilon", "epsilon_high", "grpo_beta", "rollout_unshard", "num_iterations",
 )  # fmt: skip
 
 

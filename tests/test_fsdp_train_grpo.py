@@ -37,6 +37,7 @@ from tests.fsdp_helpers import (
     read_metrics,
     run_trainer,
 )
+from tests.workers.grpo_grads import perturbation
 
 WORKERS = Path(__file__).parent / "workers"
 PROMPT = "3 plus 4 is "
@@ -243,6 +244,7 @@ def test_one_step_loss_and_gradients_equal_a_float64_grpo(grpo_inputs, tmp_path)
     results = torch.load(out)
     # decoding over the gathered view (no FSDP hooks) and through FSDP, a layer at a time, sample the same tokens
     assert results.pop("view") == {"used": True, "same_tokens_hooked": True}
+    second = results.pop("second_update")
     rollouts = {loss: [row for rank_rows, _ in got["parts"] for row in rank_rows] for loss, got in results.items()}
     assert rollouts["grpo"] == rollouts["dapo"] == rollouts["dr_grpo"]  # the same sampling keys: the same tokens
     model = AutoModelForCausalLM.from_pretrained(grpo_inputs["diverse"], dtype=torch.float64, use_cache=False)
@@ -278,6 +280,37 @@ def test_one_step_loss_and_gradients_equal_a_float64_grpo(grpo_inputs, tmp_path)
             expected = params[name].grad
             err = (grad.double() - expected).norm() / expected.norm().clamp_min(1e-12)
             assert err < 1e-5, (loss_type, name, err.item())
+    # --num-iterations 2: the second update's ratio is to the sampling policy, here the parameters before a known move
+    model.zero_grad()
+    rows = [row for rank_rows, _ in results["dapo"]["parts"] for row in rank_rows]
+    rewards = torch.tensor(
+        [r for _, rank_rewards in results["dapo"]["parts"] for r in rank_rewards], dtype=torch.float64
+    )
+    grouped = rewards.view(-1, 4)
+    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+
+    def completion_logps(prompt: list[int], completion: list[int]) -> torch.Tensor:
+        ids = torch.tensor(prompt + completion)
+        logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1] / 0.7
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+    with torch.no_grad():
+        old = [completion_logps(p, c) for p, c in rows]
+        for name, param in model.named_parameters():
+            param.add_(perturbation(name, tuple(param.shape)))
+    per_row, outside = [], 0
+    for (prompt, completion), advantage, before in zip(rows, advantages, old):
+        ratio = torch.exp(completion_logps(prompt, completion) - before)
+        outside += int(((ratio < 0.8) | (ratio > 1.2)).sum())
+        per_row.append(-torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage))
+    loss = torch.cat(per_row).sum() / sum(len(r) for r in per_row)
+    loss.backward()
+    assert outside > 0 and second["clipped"] > 0, "the move takes some ratios out of the clip range"
+    assert abs(second["loss"] - loss.item()) < 1e-6, (second["loss"], loss.item())
+    params = dict(model.named_parameters())
+    for name, grad in second["grads"].items():
+        err = (grad.double() - params[name].grad).norm() / params[name].grad.norm().clamp_min(1e-12)
+        assert err < 1e-5, ("second update", name, err.item())
 
 
 def learn_args(grpo_inputs: dict[str, Path], save: Path, experiment: str = "learn") -> list[str]:
@@ -371,9 +404,9 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_i
 
 @pytest.mark.slow
 def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_prompts(grpo_inputs, tmp_path):
-    """--peft lora, --grpo-beta (the reference: the same model with its adapters off), conversational prompts
-    rendered with the Llama 3 template (completions reach the reward function as messages) and a validation split
-    evaluated at step 0 and at the end."""
+    """--peft lora, --grpo-beta (the reference: the same model with its adapters off), two updates per rollout
+    (--num-iterations 2), conversational prompts rendered with the Llama 3 template (completions reach the reward
+    function as messages) and a validation split evaluated at step 0 and at the end."""
     import datasets
 
     def rows(n: int, start: int) -> list[dict]:
@@ -387,7 +420,7 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
     args = [
         *io_args("lora", tmp_path / "chat", model, tmp_path), *BASE_FLAGS, "--seq-length", "64",
         "--reward", f"{grpo_inputs['rewards']}:chat", "--num-generations", "4", "--max-new-tokens", "6", "-b", "1",
-        "--max-steps", "2", "--peft", "lora", "--grpo-beta", "0.04", "--lr", "1e-3",
+        "--max-steps", "2", "--peft", "lora", "--grpo-beta", "0.04", "--lr", "1e-3", "--num-iterations", "2",
     ]  # fmt: skip
     proc = run_trainer(args)
     log = output_of(proc)
@@ -399,6 +432,8 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
     steps = [r for r in records if "reward" in r]
     assert "val_rewards/chat" in evaluations[2] and "rewards/chat" in steps[-1]
     assert len(steps) == 2 and all(r["kl"] >= 0 for r in steps)
+    # each step trained its completions twice (the second time with the ratio to the sampling policy)
+    assert all(r["trained_tokens"] == pytest.approx(2 * 8 * r["completion_length"]) for r in steps)  # 2 x 4 completions
     assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
 
 

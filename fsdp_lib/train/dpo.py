@@ -137,6 +137,7 @@ class DPOObjective:
         self.stats: torch.Tensor | None = None
 
     phase = ""  # what begin_step does, as the step timer names it ("": nothing)
+    updates = 1  # optimizer updates per step (GRPO's --num-iterations)
     forwards_without_gradient = 0  # of the policy per block and step, besides the training forward (KTO: 1)
 
     def set_requires_gradient_sync(self, flag: bool) -> None:
@@ -145,6 +146,9 @@ class DPOObjective:
     def begin_step(self, micro_batches: list[Batch], trained: int, epoch: int) -> tuple[list[Batch], int]:
         """A step's micro-batches and its normaliser, before they run: DPO's as the data plan made them."""
         return micro_batches, trained
+
+    def next_update(self) -> None:
+        """Never called: one update per step."""
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         losses, aux = self.pair_losses(batch)

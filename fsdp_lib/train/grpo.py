@@ -146,6 +146,10 @@ class GRPOObjective:
         self.device_stats: torch.Tensor | None = None
         self.samples: list[dict] = []
         self.last_rewards: list[float] = []  # the last rollout's combined rewards on this rank, in row order
+        self.updates = cfg.num_iterations  # optimizer updates per rollout
+        self.update = 0  # which of them the step's micro-batches are running (next_update)
+        self.calls = 0  # micro-batches of this update so far
+        self.old_log_probs: list[torch.Tensor] = []  # per micro-batch: of the policy that sampled (update 0's)
 
     def set_requires_gradient_sync(self, flag: bool) -> None:
         self.policy.set_requires_gradient_sync(flag)
@@ -166,6 +170,7 @@ class GRPOObjective:
         out, error = [], None
         tokens = sequences = 0
         self.last_rewards = []
+        self.update, self.calls, self.old_log_probs = 0, 0, []
         with eagerly():
             for k, prompts in enumerate(batches):
                 batch, problem = self.rollout_one(prompts, epoch, first=k == 0)
@@ -297,8 +302,9 @@ class GRPOObjective:
             reference = reference_token_log_probs(self.policy, self.frozen, batch, self.cfg.temperature)
         logps, aux = self.policy(batch, per_token=True, temperature=self.cfg.temperature)  # the sampled distribution
         advantages = batch.advantages[ids.clamp(min=0)]
+        old = self.sampling_log_probs(logps)
         losses, clipped, kl = token_losses(
-            logps, logps.detach(), advantages, self.cfg.epsilon, self.epsilon_high, self.cfg.grpo_beta, reference
+            logps, old, advantages, self.cfg.epsilon, self.epsilon_high, self.cfg.grpo_beta, reference
         )
         losses = losses * mask
         if self.cfg.grpo_loss == "grpo":
@@ -311,13 +317,29 @@ class GRPOObjective:
         self.device_stats = figures if self.device_stats is None else self.device_stats + figures
         return loss_sum, aux
 
+    def sampling_log_probs(self, logps: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities of the policy that sampled this micro-batch's completions: at the first update it
+        is the current policy (kept for the next updates with --num-iterations); later, what the first computed."""
+        if self.update == 0:
+            old = logps.detach()
+            if self.updates > 1:
+                self.old_log_probs.append(old)
+        else:
+            old = self.old_log_probs[self.calls]
+        self.calls += 1
+        return old
+
+    def next_update(self) -> None:
+        """The step's micro-batches run again (--num-iterations), their ratio taken to the sampling policy."""
+        self.update, self.calls = self.update + 1, 0
+
     # -- metrics and samples ----------------------------------------------------------------------------------------
 
     def take_stats(self) -> torch.Tensor:
         stats = torch.from_numpy(self.host_stats.copy()).to(self.d.device)
-        if self.device_stats is not None:
+        if self.device_stats is not None:  # clipped tokens and KL: means over the step's updates
             at = GRPO_STATS.index("clipped_tokens")
-            stats[at : at + 2] += self.device_stats.to(stats.device)
+            stats[at : at + 2] += self.device_stats.to(stats.device) / (self.update + 1)
         self.host_stats[:] = 0
         self.device_stats = None
         return stats
@@ -342,9 +364,10 @@ class GRPOObjective:
             "entropy": base["entropy"] / tokens,  # one sampling distribution per completion token
             "clip_ratio": base["clipped_tokens"] / tokens,
             "generation_tokens_per_s": base["completion_tokens"] / max(1e-9, base["generation_s"] / self.d.world_size),
-            "trained_tokens": int(base["completion_tokens"]),
-            "trained_tokens_per_s": base["completion_tokens"] / elapsed,
-            "tokens_per_s": (base["prompt_tokens"] + base["completion_tokens"]) / elapsed,
+            # trained once per update (--num-iterations)
+            "trained_tokens": int(base["completion_tokens"]) * self.updates,
+            "trained_tokens_per_s": base["completion_tokens"] * self.updates / elapsed,
+            "tokens_per_s": (base["prompt_tokens"] + base["completion_tokens"]) * self.updates / elapsed,
         }
         if self.cfg.grpo_beta:
             record["kl"] = base["kl"] / tokens
@@ -407,6 +430,8 @@ def build_grpo(
         "rewards": [[r.identity, r.weight] for r in rewards],
         "reference": reference,
     }
+    if cfg.num_iterations > 1:  # only then: the fingerprints of earlier runs stay as they were
+        fingerprint["num_iterations"] = cfg.num_iterations
     prompts = data.train.blocks
     assert isinstance(prompts, PromptSet)
     objective = GRPOObjective(cfg, bundle.train_forward, rewards, data.tokenizer, prompts, d, reference, frozen, keep)
