@@ -33,7 +33,7 @@ from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, eagerly, log
 from fsdp_lib.train.dpo import disable_dropout, frozen_copy, reference_token_log_probs, sequence_sums
 from fsdp_lib.train.rewards import RewardError, RewardFunction, combine, completion_text, load_rewards, score
-from fsdp_lib.train.rollout import Completions, generate, sampling_uniforms
+from fsdp_lib.train.rollout import Completions, generate, keep_layers_gathered, sampling_uniforms
 from fsdp_lib.train.samples import stop_ids
 
 # The figures a step sums per rank (then over the window and the ranks), then one triple per reward function.
@@ -380,17 +380,6 @@ class GRPOObjective:
         return record
 
 
-def keep_layers_gathered(cfg: TrainConfig, bundle: ModelBundle, d: Dist) -> bool:
-    """--rollout-unshard: on = the decoder layers stay gathered for a whole generation; auto = on where the whole
-    model's parameters take under a quarter of the accelerator's memory (always on a CPU)."""
-    if cfg.rollout_unshard != "auto":
-        return cfg.rollout_unshard == "on"
-    if d.device.type != "cuda":
-        return True
-    itemsize = {"bf16": 2, "fp16": 2}.get(cfg.precision, 4)
-    return bundle.num_params * itemsize < 0.25 * torch.cuda.get_device_properties(d.device).total_memory
-
-
 def build_grpo(
     cfg: TrainConfig, bundle: ModelBundle, data: TrainData, precision: str, d: Dist
 ) -> tuple[GRPOObjective, dict]:
@@ -408,7 +397,7 @@ def build_grpo(
         reference = "adapters-off" if bundle.peft is not None else "copy"
         if reference == "copy" and not cfg.export_only:
             frozen = frozen_copy(cfg, precision, d)
-    keep = keep_layers_gathered(cfg, bundle, d)
+    keep = keep_layers_gathered(cfg.rollout_unshard, bundle.num_params, cfg.precision, d.device)
     weights = ", ".join(f"{r.name} x {r.weight:g}" for r in rewards)
     log(
         f"--objective grpo: {cfg.num_generations} completions per prompt (<= {cfg.max_new_tokens} tokens, temperature "

@@ -54,7 +54,9 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sampled token per row, entropy of each row's temperature-scaled distribution) by inverse CDF: the token
     whose cumulative probability first exceeds u. top_p < 1 keeps the most probable tokens whose mass reaches
-    top_p (at least one)."""
+    top_p (at least one). Temperature 0: the most probable token (greedy; entropy 0, the uniforms unused)."""
+    if temperature == 0:
+        return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     probs = logp.exp()
     entropy = -(probs * logp).sum(-1)
@@ -70,6 +72,18 @@ def sample_tokens(
     if order is not None:
         picked = order.gather(-1, picked)
     return picked.squeeze(-1), entropy
+
+
+def keep_layers_gathered(setting: str, num_params: int, precision: str, device: torch.device) -> bool:
+    """Whether a generation keeps the decoder layers gathered from its first token to its last (--rollout-unshard
+    `setting`): on, off, or auto = on where the whole model's parameters take under a quarter of the
+    accelerator's memory (always on a CPU)."""
+    if setting != "auto":
+        return setting == "on"
+    if device.type != "cuda":
+        return True
+    itemsize = {"bf16": 2, "fp16": 2}.get(precision, 4)
+    return num_params * itemsize < 0.25 * torch.cuda.get_device_properties(device).total_memory
 
 
 def cache_argument(model: nn.Module) -> str:
