@@ -319,6 +319,12 @@ def train_loop(
         log(f"training already reached step {last_step}; nothing to train (raise --max-steps or --num-epochs to go on)")
     else:
         log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
+        if cfg.max_steps > last_step:  # the data runs out first: said, so a run does not stop short unexplained
+            log(
+                f"WARNING: --max-steps {cfg.max_steps} is more than --num-epochs {cfg.num_epochs} x "
+                f"{plan.steps_per_epoch} steps per epoch: training stops at step {last_step}; raise --num-epochs to "
+                f"reach step {cfg.max_steps}"
+            )
     if state.step == 0 and cfg.eval_at_start == "on":  # step 0: the base model, to compare the fine-tuned one with
         if data.validation is not None:
             metrics.write({"step": 0, "epoch": 0.0, **validate(bundle, objective, data.validation, cfg, d)})

@@ -52,12 +52,14 @@ def test_same_command_resumes_on_one_process_with_global_batch_size(inputs, tmp_
 
 
 def test_data_slice_and_export_dtype(inputs, tmp_path):
-    args = trainer_args("sl", *inputs, tmp_path) + ["--data-slice", "0:40", "--max-steps", "2"]
+    args = trainer_args("sl", *inputs, tmp_path) + ["--data-slice", "0:40", "--max-steps", "1000"]
     args += ["--export-dtype", "fp32", "--eval-at-start", "off"]
     result = run_trainer(args)
     out = output_of(result)
     assert result.returncode == 0, out
     assert "--data-slice 0:40: training on rows 0..39 of 144" in out
+    # the slice runs out long before --max-steps: said at the start, with the fix
+    assert "WARNING: --max-steps 1000 is more than --num-epochs 1 x" in out and "raise --num-epochs" in out
     assert not [r for r in _records(tmp_path / "sl") if r["step"] == 0]
     config = json.loads((tmp_path / "sl" / "final" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "float32"  # the model itself ships in bf16
