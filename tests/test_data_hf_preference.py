@@ -387,6 +387,11 @@ def test_unpaired_examples_are_written_with_a_boolean_label_and_a_mixed_run_unpa
     assert dataset["completion"][1] == [msg("assistant", BAD)]
     summary = summary_of(tmp_path / "out")
     assert summary["column"] == "unpaired" and summary["unpaired_found"] == 3
+    # a pair with an extra label stays a pair; chosen beside completion + label is no pair and no example
+    assert isinstance(parse_preference({"prompt": Q, "chosen": GOOD, "rejected": BAD, "label": 1}), PreferencePair)
+    with pytest.raises(BadRecord) as refused:
+        parse_preference({"prompt": Q, "chosen": GOOD, "completion": BAD, "label": True})
+    assert refused.value.reason == "not_a_preference_pair"
     assert summary["counts_by_reason"] == {"bad_label": 1, "missing_prompt": 1}
     assert "-> 3 unpaired examples" in capsys.readouterr().out
     # with a pair beside them: the pair becomes two examples, in --format preference and in auto alike

@@ -100,7 +100,7 @@ def test_examples_unpair_pairs_and_borrow_another_prompts_completion(kto_inputs)
     skipped, first = {}, {}
     out = encoder.encode(unpaired, skipped, first, 10)
     assert [int(mask.max()) for _, mask, _, _ in out] == [DESIRABLE, UNDESIRABLE]
-    assert skipped == {"the label is 'maybe', not true or false": 1} and list(first.values()) == [12]
+    assert skipped == {"the label is not true or false (nor 1/0)": 1} and list(first.values()) == [12]
 
 
 @pytest.mark.slow
@@ -226,13 +226,18 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     unpaired, pairs = ["prompt", "completion", "label"], ["prompt", "chosen", "rejected"]
     assert resolve_objective(TrainConfig(objective="auto"), unpaired, "u") == "kto"
     assert resolve_objective(TrainConfig(objective="kto"), pairs, "p") == "kto"  # pairs, unpaired
-    for objective, columns, message in [
-        ("lm", unpaired, "train them with --objective kto"),
-        ("dpo", unpaired, "train them with --objective kto"),
-        ("kto", ["text"], "it needs prompt, completion and label"),
+    for objective, columns, message, extra in [
+        ("lm", unpaired, "train them with --objective kto", {}),
+        ("dpo", unpaired, "train them with --objective kto", {}),
+        ("kto", ["text"], "it needs prompt, completion and label", {}),
+        # auto choosing kto: another objective's flags are refused, not ignored (simpo would have no reference)
+        ("auto", unpaired, "--dpo-loss do not apply to --objective kto", {"dpo_loss": "simpo"}),
+        ("auto", unpaired, "--num-iterations do not apply to --objective kto", {"num_iterations": 2}),
+        ("auto", unpaired, "needs --document-masking on", {"document_masking": "off"}),
+        ("auto", pairs, "--kto-desirable-weight apply to --objective kto", {"kto_desirable_weight": 2.0}),
     ]:
         with pytest.raises(TrainError, match=message):
-            resolve_objective(TrainConfig(objective=objective), columns, "d")
+            resolve_objective(TrainConfig(objective=objective, **extra), columns, "d")
 
 
 @pytest.mark.slow

@@ -103,6 +103,8 @@ class Extraction:
                 too_long = {"preference": "pair_too_long", "prompts": "prompt_too_long"}.get(
                     kind, "conversation_too_long"
                 )
+                if isinstance(row, UnpairedExample):
+                    too_long = "example_too_long"
                 raise BadRecord(too_long, f"{chars} characters > --max-chars {self.max_chars}")
         except BadRecord as err:
             where = "" if line is not None else f"record {result.records_seen}: "

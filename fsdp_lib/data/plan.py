@@ -14,6 +14,7 @@ import torch
 
 from fsdp_lib.config import (
     GRPO_FLAGS,
+    KTO_FLAGS,
     PREFERENCE_OBJECTIVES,
     TrainConfig,
     changed_dpo_flags,
@@ -398,6 +399,11 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
             f"--objective {cfg.objective}: --dataset-name {name} holds unpaired preference examples (prompt, "
             "completion, label); train them with --objective kto (or auto)"
         )
+    if changed_flags(cfg, KTO_FLAGS):
+        raise TrainError(
+            f"{', '.join(changed_flags(cfg, KTO_FLAGS))} apply to --objective kto; --dataset-name {name} has the "
+            f"columns {columns} (--objective {cfg.objective})"
+        )
     preference = kind == "preference"
     if cfg.objective == "grpo" or (cfg.objective == "auto" and kind == "prompts"):
         if "prompt" not in columns or preference:
@@ -458,6 +464,19 @@ def resolve_kto(cfg: TrainConfig, columns: list[str], kind: str | None, name: st
         raise TrainError(
             f"--loss-on {cfg.loss_on}: --objective kto scores the completions' assistant turns; leave --loss-on at "
             "its default"
+        )
+    others = changed_flags(cfg, GRPO_FLAGS) + [
+        f for f in changed_dpo_flags(cfg) if f not in ("--dpo-beta", "--reference")
+    ]
+    if others:  # also when --objective auto chose kto: flags of another objective would be ignored silently
+        raise TrainError(
+            f"{', '.join(others)} do not apply to --objective kto (--dataset-name {name}); it takes --dpo-beta, "
+            "--reference and --kto-desirable-weight / --kto-undesirable-weight"
+        )
+    if cfg.document_masking == "off":
+        raise TrainError(
+            f"--dataset-name {name}: --objective kto packs each example and its KL sequence as separate documents "
+            "and needs --document-masking on"
         )
     return "kto"
 

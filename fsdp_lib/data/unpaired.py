@@ -53,7 +53,7 @@ def row_examples(rows: dict[str, list], row: int) -> list[Example] | str:
                 (prompt, as_turns(rows["rejected"][row], "assistant"), False)]  # fmt: skip
     label = as_label(rows["label"][row])
     if label is None:
-        return f"the label is {str(rows['label'][row])[:40]!r}, not true or false"
+        return "the label is not true or false (nor 1/0)"
     return [(as_turns(rows["prompt"][row], "user"), as_turns(rows["completion"][row], "assistant"), label)]
 
 

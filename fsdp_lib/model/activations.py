@@ -13,9 +13,11 @@ does that), so a step pays the copies' time. On CPU the tensors are already in h
 which exercises the path and saves nothing.
 
 Tiled MLP: an autograd function (ArcticTraining's TiledMLP idea, written here) that runs the MLP on each tile
-without keeping its graph, saves only its input, and in backward recomputes one tile at a time and back-propagates it
-into the parameters' gradients (under FSDP the layer's gathered parameters, reduced by its post-backward hook as
-usual) and the input's gradient.
+without keeping its graph, saves only its input (and each tile's random-number state, so a dropout draws the same
+mask again), and in backward recomputes one tile at a time and back-propagates it into the parameters' gradients
+(under FSDP the layer's gathered parameters, reduced by its post-backward hook as usual) and the input's gradient.
+An MLP whose input needs no gradient (LoRA on the MLP alone, the layers below frozen) runs whole: autograd would
+not call the function's backward.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ActivationOffload:
     def wanted(self, tensor: torch.Tensor) -> bool:
         return (
             type(tensor) is torch.Tensor  # not a Parameter (FSDP's gathered weights), a DTensor or an NF4 tensor
+            and not isinstance(tensor._base, nn.Parameter)  # nor a view of one (a Linear saves weight.t())
             and tensor.numel() * tensor.element_size() >= self.min_bytes
         )
 
@@ -74,11 +77,15 @@ class TiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.mlp, ctx.tiles = mlp, tiles
+        ctx.mlp, ctx.tiles, ctx.rng = mlp, tiles, []
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
+        outs = []
         with torch.no_grad():
-            out = torch.cat([mlp(part) for part in flat.tensor_split(tiles)])
+            for part in flat.tensor_split(tiles):
+                ctx.rng.append(rng_state(x.device))  # a dropout in the MLP draws the same mask again in backward
+                outs.append(mlp(part))
+        out = torch.cat(outs)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -87,14 +94,26 @@ class TiledMLPFunction(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         grads = grad_out.reshape(-1, grad_out.shape[-1])
         parts = []
-        for part, grad in zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles), strict=True):
+        devices = [x.device] if x.device.type == "cuda" else []
+        for part, grad, state in zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles), ctx.rng, strict=True):
             part = part.detach().requires_grad_(x.requires_grad)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+                set_rng_state(state, x.device)
                 out = ctx.mlp(part)
             # the parameters' gradients accumulate here, tile after tile; the input's is collected
             torch.autograd.backward(out, grad)
             parts.append(part.grad if part.grad is not None else torch.zeros_like(part))
         return None, torch.cat(parts).reshape(x.shape), None
+
+
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def tiled_forward(
@@ -103,7 +122,9 @@ def tiled_forward(
     """An MLP's forward computed in `tiles` tiles of its tokens (TiledMLPFunction) when gradients are wanted."""
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or x.shape[:-1].numel() < tiles:
+        # x without a gradient (e.g. LoRA on the MLP alone): autograd would never call the function's backward, so
+        # the MLP's own parameters would get no gradient; computed whole instead
+        if not torch.is_grad_enabled() or not x.requires_grad or x.shape[:-1].numel() < tiles:
             return forward(x)
         return TiledMLPFunction.apply(forward, x, tiles)
 

@@ -64,7 +64,7 @@ def is_preference_record(record: object) -> bool:
     and `label` keys (an unpaired example), in any case. Checked before the conversation shapes, which a ShareGPT
     preference record (conversations) also has."""
     keys = _pair_keys(record)
-    return keys == {"chosen", "rejected"} or UNPAIRED_KEYS <= keys
+    return {"chosen", "rejected"} <= keys or (UNPAIRED_KEYS <= keys and not keys & {"chosen", "rejected"})
 
 
 UNPAIRED_KEYS = {"completion", "label"}
@@ -228,7 +228,7 @@ def parse_unpaired(fields: dict) -> UnpairedExample:
     label = fields["label"]
     if isinstance(label, str):
         label = LABELS.get(label.strip().lower(), label)
-    if not isinstance(label, bool) and not (isinstance(label, int) and label in (0, 1)):
+    if not isinstance(label, bool) and not (isinstance(label, int | float) and label in (0, 1)):
         raise BadRecord("bad_label", f"'label' is {str(fields['label'])[:40]!r}; expected true or false")
     if "prompt" not in fields:
         raise BadRecord("missing_prompt", "an unpaired example (completion, label) without a 'prompt'")

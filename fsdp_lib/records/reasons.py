@@ -41,6 +41,7 @@ RECORD_REASONS = {
     "bad_label": "an unpaired example (completion + label) whose label is not true or false (1/0 and the strings "
     "'true'/'false' are read too)",
     "missing_prompt": "an unpaired example (completion + label) without a prompt",
+    "example_too_long": "an unpaired example (prompt + completion) longer than --max-chars characters",
     # Prompt records (--format prompts): the conversation reasons above apply to a prompt's turns too.
     "not_a_prompt_record": "a record without a prompt, question, problem or instruction key (--format prompts)",
     "empty_prompt": "a prompt whose last user turn is empty or whitespace",
