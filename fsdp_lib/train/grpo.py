@@ -150,6 +150,7 @@ class GRPOObjective:
         self.update = 0  # which of them the step's micro-batches are running (next_update)
         self.calls = 0  # micro-batches of this update so far
         self.old_log_probs: list[torch.Tensor] = []  # per micro-batch: of the policy that sampled (update 0's)
+        self.references: list[torch.Tensor] = []  # per micro-batch: the reference's, with --grpo-beta
 
     def set_requires_gradient_sync(self, flag: bool) -> None:
         self.policy.set_requires_gradient_sync(flag)
@@ -170,7 +171,7 @@ class GRPOObjective:
         out, error = [], None
         tokens = sequences = 0
         self.last_rewards = []
-        self.update, self.calls, self.old_log_probs = 0, 0, []
+        self.update, self.calls, self.old_log_probs, self.references = 0, 0, [], []
         with eagerly():
             for k, prompts in enumerate(batches):
                 batch, problem = self.rollout_one(prompts, epoch, first=k == 0)
@@ -299,7 +300,7 @@ class GRPOObjective:
         mask = ids >= 0
         reference = None
         if self.cfg.grpo_beta:  # the reference first: its activations are gone before the policy's exist
-            reference = reference_token_log_probs(self.policy, self.frozen, batch, self.cfg.temperature)
+            reference = self.reference_log_probs(batch)
         logps, aux = self.policy(batch, per_token=True, temperature=self.cfg.temperature)  # the sampled distribution
         advantages = batch.advantages[ids.clamp(min=0)]
         old = self.sampling_log_probs(logps)
@@ -316,6 +317,16 @@ class GRPOObjective:
         figures = torch.stack([(clipped & mask).sum().double(), (kl.detach() * mask).sum().double()])
         self.device_stats = figures if self.device_stats is None else self.device_stats + figures
         return loss_sum, aux
+
+    def reference_log_probs(self, batch: Batch) -> torch.Tensor:
+        """The reference's log-probabilities of this micro-batch: computed at the first update, kept for the next
+        (--num-iterations; the reference does not change)."""
+        if self.update == 0:
+            reference = reference_token_log_probs(self.policy, self.frozen, batch, self.cfg.temperature)
+            if self.updates > 1:
+                self.references.append(reference)
+            return reference
+        return self.references[self.calls]
 
     def sampling_log_probs(self, logps: torch.Tensor) -> torch.Tensor:
         """The log-probabilities of the policy that sampled this micro-batch's completions: at the first update it
