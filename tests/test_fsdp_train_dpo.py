@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -428,8 +429,8 @@ def test_dpo_learns_a_fact_on_held_out_pairs(dpo_inputs, flags, tmp_path):
 
 @pytest.mark.slow
 def test_qlora_dpo_resumes_bit_identically(tmp_path):
-    """QLoRA (NF4 base, reference = adapters off): step 1 is ln 2, and a run stopped at step 2 and rerun to step 4
-    trains steps 3-4 to the losses of an uninterrupted run, bit for bit."""
+    """QLoRA (NF4 base, reference = adapters off): step 1 is ln 2, and the run resumed from its step-2 checkpoint
+    trains steps 3-4 to the losses of the uninterrupted run, bit for bit."""
     model = make_chat_model(tmp_path / "model", with_weights=True, sizes=llama_sizes(256, 2))
     data = make_preference_dataset(tmp_path / "pairs", n=16, n_validation=4)
 
@@ -441,7 +442,10 @@ def test_qlora_dpo_resumes_bit_identically(tmp_path):
 
     log = run(tmp_path / "whole", 4)
     assert "reference: the same model with its adapters off" in log and "nf4" in log
-    run(tmp_path / "part", 2)
+    # as if stopped after its step-2 checkpoint: the run's folder without the step-4 checkpoint and the export
+    shutil.copytree(tmp_path / "whole" / "q", tmp_path / "part" / "q")
+    for later in ("checkpoint/step_00000004", "final"):
+        shutil.rmtree(tmp_path / "part" / "q" / later)
     assert "resumed from" in run(tmp_path / "part", 4)
     whole, part = losses_by_step(tmp_path / "whole" / "q"), losses_by_step(tmp_path / "part" / "q")
     assert abs(whole[1] - LN2) < 1e-6, whole
