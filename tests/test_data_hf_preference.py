@@ -394,6 +394,10 @@ def test_unpaired_examples_are_written_with_a_boolean_label_and_a_mixed_run_unpa
     assert refused.value.reason == "not_a_preference_pair"
     assert summary["counts_by_reason"] == {"bad_label": 1, "missing_prompt": 1}
     assert "-> 3 unpaired examples" in capsys.readouterr().out
+    # --format chat does not train them as conversations (a thumbs-down completion would be learnt): counted skips
+    assert convert(data, tmp_path / "as_chat", "--format", "chat") == 1  # nothing usable: refused, with the reason
+    said = capsys.readouterr()
+    assert "unpaired_preference_record" in said.out + said.err and not (tmp_path / "as_chat").exists()
     # with a pair beside them: the pair becomes two examples, in --format preference and in auto alike
     write_files(data, {"pairs.jsonl": jsonl([{"prompt": Q, "chosen": GOOD, "rejected": BAD}])})
     assert convert(data, tmp_path / "mixed", "--format", "preference") == 0

@@ -221,6 +221,9 @@ def parse_conversation(record: object) -> Conversation:
     prepended as a system turn, and its top-level `tools` (tool use: fsdp_lib/records/tool_calls.py has the schema).
     Raises BadRecord with the reason when it cannot be used as a chat row."""
     shape = conversation_shape(record)
+    if isinstance(record, dict) and {"completion", "label"} <= {str(k).lower() for k in record}:
+        raise BadRecord("unpaired_preference_record", "a completion with a label (an unpaired example, TRL's KTO "
+                        "shape): its completion may be an undesirable one; convert it with --format preference")  # fmt: skip
     if shape is None or not isinstance(record, dict):
         keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
         raise BadRecord("not_a_conversation", f"{keys}; expected messages, conversations, instruction + output, "

@@ -18,6 +18,9 @@ RECORD_REASONS = {
     "bad_tools": "a `tools` value that is not a list of tool schemas with names (or a JSON string of one)",
     "non_text_content": "a turn whose content parts include one that is not text (an image, audio, a file)",
     "misplaced_system_turn": "a system turn that is not the first turn",
+    "unpaired_preference_record": "a prompt + completion record with a label (TRL's unpaired KTO shape) in --format "
+    "chat: its completion may be an undesirable one, so it is not trained as a conversation; use --format "
+    "preference",
     "no_assistant_turn": "a conversation without an assistant turn that has text: nothing to learn from",
     "conversation_too_long": "a conversation longer than --max-chars characters (a conversation is never split)",
     "repeated_yaml_alias": "a YAML alias repeating a conversation already read; read once",
