@@ -16,6 +16,7 @@ gradient acts; the clip matters once several steps reuse a batch, which this ver
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,10 +301,15 @@ class GRPOObjective:
         mask = ids >= 0
         reference = None
         if self.cfg.grpo_beta:  # the reference first: its activations are gone before the policy's exist
-            reference = self.reference_log_probs(batch)
+            # the reference does not change: its log-probabilities are kept across the step's updates
+            reference = self.kept(
+                self.references,
+                lambda: reference_token_log_probs(self.policy, self.frozen, batch, self.cfg.temperature),
+            )
         logps, aux = self.policy(batch, per_token=True, temperature=self.cfg.temperature)  # the sampled distribution
         advantages = batch.advantages[ids.clamp(min=0)]
-        old = self.sampling_log_probs(logps)
+        old = self.kept(self.old_log_probs, logps.detach)  # of the policy that sampled: update 0's
+        self.calls += 1
         losses, clipped, kl = token_losses(
             logps, old, advantages, self.cfg.epsilon, self.epsilon_high, self.cfg.grpo_beta, reference
         )
@@ -318,27 +324,15 @@ class GRPOObjective:
         self.device_stats = figures if self.device_stats is None else self.device_stats + figures
         return loss_sum, aux
 
-    def reference_log_probs(self, batch: Batch) -> torch.Tensor:
-        """The reference's log-probabilities of this micro-batch: computed at the first update, kept for the next
-        (--num-iterations; the reference does not change)."""
+    def kept(self, store: list[torch.Tensor], value: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """At the step's first update: value(), kept in `store` for the next updates (--num-iterations); at a later
+        one: what the first computed for this micro-batch."""
         if self.update == 0:
-            reference = reference_token_log_probs(self.policy, self.frozen, batch, self.cfg.temperature)
+            computed = value()
             if self.updates > 1:
-                self.references.append(reference)
-            return reference
-        return self.references[self.calls]
-
-    def sampling_log_probs(self, logps: torch.Tensor) -> torch.Tensor:
-        """The log-probabilities of the policy that sampled this micro-batch's completions: at the first update it
-        is the current policy (kept for the next updates with --num-iterations); later, what the first computed."""
-        if self.update == 0:
-            old = logps.detach()
-            if self.updates > 1:
-                self.old_log_probs.append(old)
-        else:
-            old = self.old_log_probs[self.calls]
-        self.calls += 1
-        return old
+                store.append(computed)
+            return computed
+        return store[self.calls]
 
     def next_update(self) -> None:
         """The step's micro-batches run again (--num-iterations), their ratio taken to the sampling policy."""
