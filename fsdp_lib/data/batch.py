@@ -25,19 +25,30 @@ class Batch:
     advantages: torch.Tensor | None = None
     # --objective kto (PairBlocks of unpaired.py's examples): whether each example (sequence 2k) is desirable.
     desirable: torch.Tensor | None = None
+    # Batches with sequence ids (DPO, KTO, GRPO): the flat positions that have a target, found on the host (set by
+    # `to`), so that picking them out on a GPU does not wait for it.
+    targets: torch.Tensor | None = None
     # Where the packed documents start, read from the position ids on the host (set by `to`).
     documents: Documents | None = None
 
     def to(self, device: torch.device) -> Batch:
+        """On `device`, with what the host knows computed first (the documents, the targets' positions): the
+        copies are non-blocking, from pinned memory where they go to a GPU, so none waits for the work queued
+        before it."""
+        to_gpu = torch.device(device).type == "cuda"
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        documents = self.documents
+        pinned = lambda t: t.pin_memory() if to_gpu and not t.is_pinned() else t  # noqa: E731
+        documents, targets = self.documents, self.targets
+        on_host = self.labels.device.type == "cpu"
         if documents is None and self.position_ids is not None and self.position_ids.device.type == "cpu":
             documents = Documents.of(self.position_ids.numpy())
-        if documents is not None:  # pinned, so the copy to a GPU does not wait for the work queued before it
-            cu = documents.cu_seqlens
-            cu = cu.pin_memory() if torch.device(device).type == "cuda" and not cu.is_pinned() else cu
-            documents = dataclasses.replace(documents, cu_seqlens=move(cu))
-        return Batch(*(move(t) for t in self.tensors()), documents=documents)
+        if documents is not None:
+            documents = dataclasses.replace(documents, cu_seqlens=move(pinned(documents.cu_seqlens)))
+        if targets is None and self.sequence_ids is not None and on_host:
+            targets = pinned((self.labels.reshape(-1) != -100).nonzero().squeeze(1))
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "documents"}
+        fields["targets"] = targets
+        return Batch(**{name: move(t) for name, t in fields.items()}, documents=documents)
 
     def tensors(self) -> list[torch.Tensor | None]:
         """The tensor fields in order (dataclasses.astuple would deep-copy every tensor)."""

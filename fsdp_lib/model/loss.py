@@ -333,8 +333,9 @@ class CausalLMLoss(nn.Module):
         head = self.model.get_output_embeddings()
         hidden = outputs.last_hidden_state.flatten(0, 1)
         labels = batch.labels.flatten()
-        # only the positions that have a target go through the head (a prompt's and padding's do not)
-        rows = (labels != -100).nonzero().squeeze(1)
+        # only the positions that have a target go through the head (a prompt's and padding's do not); found on
+        # the host where the batch came from there (Batch.to), else here, which waits for the device
+        rows = batch.targets if batch.targets is not None else (labels != -100).nonzero().squeeze(1)
         args = (
             hidden.index_select(0, rows),
             head.weight,
@@ -387,6 +388,7 @@ def local_part(batch: Batch, context: varlen.Context) -> Batch:
         labels=batch.labels[:, cut],
         position_ids=positions[:, cut],
         documents=documents,
+        targets=None,  # positions in the whole rows
     )
 
 

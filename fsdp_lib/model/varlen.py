@@ -135,14 +135,21 @@ def buckets_of(documents: Documents, device: torch.device) -> tuple[list[Bucket]
         rows = starts[members, None] + steps
         for i, m in enumerate(members):
             inverse[starts[m] : starts[m] + lengths[m]] = offset + i * length + np.arange(lengths[m])
-        buckets.append(Bucket(length, torch.from_numpy(rows.reshape(-1)).to(device)))
+        buckets.append(Bucket(length, _to_device(rows.reshape(-1), device)))
         offset += len(members) * length
-    found = buckets, torch.from_numpy(inverse).to(device)
+    found = buckets, _to_device(inverse, device)
     _BUCKETS[:] = [(documents, device, *found)]
     return found
 
 
 _BUCKETS: list[tuple[Documents, torch.device, list[Bucket], torch.Tensor]] = []
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host indices on `device`; to a GPU through pinned memory without waiting (a plain copy from pageable memory
+    waits for the GPU's queue)."""
+    t = torch.from_numpy(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _bucketed(

@@ -74,11 +74,17 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_sums(token_values: torch.Tensor, sequence_ids: torch.Tensor, count: int) -> torch.Tensor:
-    """Per-sequence sums of per-token values (tokens with sequence id -1 belong to none)."""
-    ids = sequence_ids.flatten()
-    keep = ids >= 0
-    out = torch.zeros(count, dtype=token_values.dtype, device=token_values.device)
-    return out.index_add(0, ids[keep], token_values[keep])
+    """Per-sequence sums of per-token values (tokens with sequence id -1 belong to none: they are summed into a
+    slot that is dropped, so nothing here waits for the device, as selecting them would)."""
+    out = torch.zeros(count + 1, dtype=token_values.dtype, device=token_values.device)
+    return out.index_add(0, sequence_ids.flatten() + 1, token_values.flatten())[1:]
+
+
+def sequence_lengths(sequence_ids: torch.Tensor, count: int) -> torch.Tensor:
+    """Tokens per sequence (int64), without a host sync (torch.bincount has one)."""
+    return sequence_sums(
+        torch.ones(sequence_ids.numel(), dtype=torch.int64, device=sequence_ids.device), sequence_ids, count
+    )
 
 
 @contextlib.contextmanager
@@ -167,7 +173,7 @@ class DPOObjective:
         reference = None if self.reference == "none" else self.reference_log_probs(batch)
         token_logps, aux = self.policy(batch, per_token=True)
         logps = sequence_sums(token_logps, batch.sequence_ids, count)
-        tokens = torch.bincount(batch.sequence_ids.flatten()[batch.sequence_ids.flatten() >= 0], minlength=count)
+        tokens = sequence_lengths(batch.sequence_ids, count)
         if reference is None:
             means = logps / tokens.clamp_min(1)
             losses, reward_c, reward_r = reference_free_losses(
@@ -183,7 +189,7 @@ class DPOObjective:
         margin = (reward_c - reward_r).detach()
         figures = torch.stack(
             [
-                torch.tensor(float(len(losses)), device=losses.device),
+                torch.full((), float(len(losses)), device=losses.device),  # a fill: no copy from the host
                 losses.detach().sum(),
                 reward_c.sum(),
                 reward_r.sum(),

@@ -32,7 +32,13 @@ from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, eagerly, log
-from fsdp_lib.train.dpo import disable_dropout, frozen_copy, reference_token_log_probs, sequence_sums
+from fsdp_lib.train.dpo import (
+    disable_dropout,
+    frozen_copy,
+    reference_token_log_probs,
+    sequence_lengths,
+    sequence_sums,
+)
 from fsdp_lib.train.rewards import RewardError, RewardFunction, combine, completion_text, load_rewards, score
 from fsdp_lib.train.rollout import Completions, generate, keep_layers_gathered, sampling_uniforms
 from fsdp_lib.train.samples import stop_ids
@@ -316,7 +322,7 @@ class GRPOObjective:
         losses = losses * mask
         if self.cfg.grpo_loss == "grpo":
             count = len(batch.sequences)
-            lengths = torch.bincount(ids[mask], minlength=count).clamp_min(1)
+            lengths = sequence_lengths(batch.sequence_ids, count).clamp_min(1)
             loss_sum = (sequence_sums(losses, batch.sequence_ids, count) / lengths).sum()
         else:
             loss_sum = losses.sum()

@@ -26,7 +26,14 @@ from fsdp_lib.data.preference import PairBlocks
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, log
-from fsdp_lib.train.dpo import DPOObjective, empty_batch, prepare_reference, sequence_sums, throughput_record
+from fsdp_lib.train.dpo import (
+    DPOObjective,
+    empty_batch,
+    prepare_reference,
+    sequence_lengths,
+    sequence_sums,
+    throughput_record,
+)
 
 
 def kto_losses(
@@ -130,7 +137,7 @@ class KTOObjective(DPOObjective):
         reference = self.reference_log_probs(batch)
         token_logps, aux = self.policy(batch, per_token=True)
         logps = sequence_sums(token_logps, batch.sequence_ids, count)
-        tokens = torch.bincount(batch.sequence_ids.flatten()[batch.sequence_ids.flatten() >= 0], minlength=count)
+        tokens = sequence_lengths(batch.sequence_ids, count)
         desirable = batch.desirable.to(logps.device)
         kl = self.kl.to(logps.dtype)
         losses, rewards = kto_losses(
@@ -142,7 +149,7 @@ class KTOObjective(DPOObjective):
         good, example_logps = desirable.float(), logps[0::2].detach()
         figures = torch.stack(
             [
-                torch.tensor(float(len(losses)), device=losses.device),
+                torch.full((), float(len(losses)), device=losses.device),
                 losses.detach().sum(),
                 good.sum(),
                 (rewards * good).sum(),
