@@ -370,13 +370,13 @@ def train_loop(
             guard.sync(state)
             checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
         if interrupted:
-            checkpointer.finish_pending()
+            checkpointer.finish_pending(last=True)
             metrics.stop_if_failed()
             log(f"stopped at step {state.step} on request; rerun the same command to resume")
             return False
     guard.sync(state)
     checkpointer.save(bundle.model, optimizer, state, "final")
-    checkpointer.finish_pending()
+    checkpointer.finish_pending(last=True)
     return True
 
 

@@ -41,12 +41,18 @@ def flags(inputs, save_dir: Path, exp: str = "run", *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(inputs, tmp_path_factory) -> dict[int, float]:
-    """The uninterrupted run every resumed run must reproduce."""
+def reference_run(inputs, tmp_path_factory) -> Path:
+    """The uninterrupted run every resumed run must reproduce (its --save-dir)."""
     save = tmp_path_factory.mktemp("reference")
     proc = run_trainer(flags(inputs, save))
     assert proc.returncode == 0, output_of(proc)
-    losses = losses_by_step(save / "run")
+    return save
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[int, float]:
+    """Its losses by step."""
+    losses = losses_by_step(reference_run / "run")
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
 
@@ -218,11 +224,18 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, four_steps, tmp_pa
     assert "resumed from" not in output_of(rerun) and "training steps 1.." not in output_of(rerun)
 
 
-def test_async_checkpoints_give_the_same_run(inputs, reference, tmp_path):
+def test_async_checkpoints_give_the_same_run(inputs, reference, reference_run, tmp_path):
+    """And the same checkpoints, byte for byte: the later saves reuse the first one's staging copy (host_staging),
+    which must hold each save's own state, not an earlier one's."""
     proc = run_trainer(flags(inputs, tmp_path, "run", "--async-ckpt", "on"))
     assert proc.returncode == 0, output_of(proc)
     assert checkpoints(tmp_path) == ["step_00000004", "step_00000008", "step_00000010"]
     assert losses_by_step(tmp_path / "run") == reference
+    for step in checkpoints(tmp_path):
+        shards = sorted((reference_run / "run" / "checkpoint" / step).glob("*.distcp"))
+        assert shards, step
+        for shard in shards:
+            assert (tmp_path / "run" / "checkpoint" / step / shard.name).read_bytes() == shard.read_bytes(), shard
 
 
 def test_export_round_trip_reproduces_the_trained_model(inputs, tmp_path):
