@@ -350,7 +350,7 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
 def test_long_context_planner_arithmetic():
     """The rule against the one GPU measurement it was checked with (the 1B preset, seq 8192, -b 1, activation
     checkpointing: 18.07 GB peak on an H200, BENCHMARKS.md row 11), and what --context-parallel changes."""
-    from fsdp_lib.model.memory_plan import activation_bytes_per_token, longest_sequence
+    from fsdp_lib.model.memory_plan import activation_bytes_per_token, longest_sequence, offloaded_bytes_per_token
 
     per_token = activation_bytes_per_token(2048, 8192, 16, 512)  # Llama-3.2-1B shapes: 8 kv heads of 64
     state = 1_038_682_112 * 16 + 0.26e9  # fp32 weights, grads, AdamW moments + the unsharded root unit
@@ -362,6 +362,12 @@ def test_long_context_planner_arithmetic():
     assert one % 1024 == 0 and eight % 8192 == 0 and 7.5 * one < eight <= 8 * one + 8192
     assert activation_bytes_per_token(2048, 8192, 16, 512, checkpointing=False) > 5 * per_token
     assert longest_sequence(16e9, state, per_token, 0, 1, 1) == 0  # the state alone does not fit
+    # --tiled-mlp bounds the recomputed layer's MLP; --activation-offload moves the 16 layer inputs to the host
+    tiled = activation_bytes_per_token(2048, 8192, 16, 512, mlp_tiles=8)
+    offloaded = activation_bytes_per_token(2048, 8192, 16, 512, offload=True, mlp_tiles=8)
+    assert tiled == per_token - (4 * 8192 - 2048 - 4 * 8192 // 8) * 2
+    assert offloaded == tiled - 15 * 2048 * 2 and offloaded_bytes_per_token(2048, 8192, 16, 512) == 16 * 2048 * 2
+    assert longest_sequence(80e9, state, offloaded, 0, 1, 1) > 2 * longest_sequence(80e9, state, per_token, 0, 1, 1)
 
 
 def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_model):

@@ -41,6 +41,7 @@ from fsdp_lib.model.memory_plan import (
     format_long_context_plan,
     format_memory_plan,
     format_peft_memory_plan,
+    offloaded_bytes_per_token,
     peft_memory_plan,
     training_memory_plan,
 )
@@ -378,13 +379,18 @@ def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float) ->
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    checkpointing, offload = cfg.activation_checkpointing == "on", cfg.activation_offload == "on"
+    shapes = (hidden, intermediate, layers, kv_dim)
     per_token = activation_bytes_per_token(
-        hidden, intermediate, layers, kv_dim, cfg.activation_checkpointing == "on", cfg.context_parallel
+        *shapes, checkpointing, cfg.context_parallel, offload=offload, mlp_tiles=cfg.tiled_mlp
     )
+    host = offloaded_bytes_per_token(*shapes, checkpointing, mlp_tiles=cfg.tiled_mlp) if offload else 0
     vocab = model.get_input_embeddings().num_embeddings
     chunk = loss_chunk_tokens(cfg.loss_chunk_tokens, vocab) or cfg.seq_length * cfg.batch_size
     fixed = min(chunk, cfg.seq_length * cfg.batch_size) * vocab * 4
-    return format_long_context_plan(per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel)
+    return format_long_context_plan(
+        per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel, host, cfg.tiled_mlp
+    )
 
 
 def dry_run(cfg: TrainConfig, world_size: int) -> int:

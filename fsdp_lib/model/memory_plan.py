@@ -158,6 +158,8 @@ def activation_bytes_per_token(
     checkpointing: bool = True,
     context_parallel: int = 1,
     compute_bytes: int = 2,
+    offload: bool = False,
+    mlp_tiles: int = 1,
 ) -> int:
     """Activation bytes per token a GPU holds at the peak of a step, with varlen attention (nothing grows with
     the sequence squared; the dense document mask would add T x T bytes per row).
@@ -169,11 +171,34 @@ def activation_bytes_per_token(
     decoder output's fp32 gradient and its bf16 copy (6 B x hidden). Under --context-parallel the all-to-alls copy
     q, k, v and the output twice (2 x (2 x hidden + 2 x kv_dim) x 2 B). Checked against one measurement: the
     1B preset at seq 8192 on an H200 (BENCHMARKS.md row 11) peaked at 18.07 GB; this rule with the model state's
-    says 18.3 GB."""
-    one_layer = (6 * hidden + 2 * kv_dim + 4 * intermediate) * compute_bytes
-    kept = layers * hidden * compute_bytes + one_layer if checkpointing else layers * one_layer
+    says 18.3 GB.
+
+    --tiled-mlp N: a layer saves its MLP's input (hidden) instead of the 4 x intermediate, and one tile's
+    4 x intermediate / N exists at a time. --activation-offload: what the layers save goes to host memory
+    (offloaded_bytes_per_token), and the GPU holds one layer's worth at a time, while it runs or is recomputed
+    (with checkpointing, that layer's input brought back too). Not yet checked against a GPU measurement."""
+    attention = 6 * hidden + 2 * kv_dim
+    mlp_saved = hidden if mlp_tiles > 1 else 4 * intermediate
+    transient = 4 * intermediate // mlp_tiles if mlp_tiles > 1 else 0
+    one_layer = (attention + mlp_saved) * compute_bytes
+    if offload:
+        kept = one_layer + (hidden * compute_bytes if checkpointing else 0)
+    else:
+        kept = layers * hidden * compute_bytes + one_layer if checkpointing else layers * one_layer
     ulysses = 2 * (2 * hidden + 2 * kv_dim) * compute_bytes if context_parallel > 1 else 0
-    return kept + 6 * hidden + ulysses
+    return kept + transient * compute_bytes + 6 * hidden + ulysses
+
+
+def offloaded_bytes_per_token(
+    hidden: int, intermediate: int, layers: int, kv_dim: int, checkpointing: bool = True, compute_bytes: int = 2,
+    mlp_tiles: int = 1,
+) -> int:  # fmt: skip
+    """Host memory per token that --activation-offload fills: every layer's saved tensors (with checkpointing,
+    every layer's input)."""
+    if checkpointing:
+        return layers * hidden * compute_bytes
+    mlp_saved = hidden if mlp_tiles > 1 else 4 * intermediate
+    return layers * (6 * hidden + 2 * kv_dim + mlp_saved) * compute_bytes
 
 
 def longest_sequence(
@@ -188,22 +213,43 @@ def longest_sequence(
 
 
 def format_long_context_plan(
-    per_token: int, state_bytes: float, fixed_bytes: float, seq_length: int, micro_batch: int, context_parallel: int
+    per_token: int,
+    state_bytes: float,
+    fixed_bytes: float,
+    seq_length: int,
+    micro_batch: int,
+    context_parallel: int,
+    offloaded_per_token: int = 0,
+    mlp_tiles: int = 1,
 ) -> str:
     """The activation line of --dry-run and the longest sequence per GPU size, with the rule."""
     tokens = micro_batch * seq_length // context_parallel
+    extras = [f"--tiled-mlp {mlp_tiles}"] if mlp_tiles > 1 else []
+    extras += ["--activation-offload on"] if offloaded_per_token else []
     lines = [
         f"activations per GPU: {format_bytes(per_token)}/token x {tokens:,} tokens (--seq-length {seq_length:,} x "
         f"-b {micro_batch} / --context-parallel {context_parallel}) = {format_bytes(per_token * tokens)}, plus "
         f"{format_bytes(fixed_bytes)} for one loss chunk's fp32 logits; "
         f"with the model state ({format_bytes(state_bytes)}): {format_bytes(state_bytes + fixed_bytes + per_token * tokens)}",
         "  rule (activation_bytes_per_token): checkpointed layer inputs + one layer's saved tensors at a time + the "
-        "loss's hidden-state gradient (+ the all-to-all copies with --context-parallel); no T x T term (varlen)",
+        "loss's hidden-state gradient (+ the all-to-all copies with --context-parallel"
+        + (", one MLP tile's intermediate with --tiled-mlp" if mlp_tiles > 1 else "")
+        + (", the layers' saved tensors in host memory with --activation-offload" if offloaded_per_token else "")
+        + "); no T x T term (varlen)",
+    ]
+    if offloaded_per_token:
+        lines.append(
+            f"  host memory per GPU for --activation-offload: {format_bytes(offloaded_per_token)}/token x {tokens:,} "
+            f"tokens = {format_bytes(offloaded_per_token * tokens)} (pinned on a GPU machine)"
+        )
+    lines.append(
         f"  longest --seq-length that fits one GPU beside this state ({format_bytes(HEADROOM_BYTES)} left free), "
-        f"-b {micro_batch}, --context-parallel {context_parallel}: "
+        f"-b {micro_batch}, --context-parallel {context_parallel}"
+        + "".join(f", {extra}" for extra in extras)
+        + ": "
         + ", ".join(
             f"{gb} GB: {longest_sequence(gb * 1e9, state_bytes, per_token, fixed_bytes, micro_batch, context_parallel):,}"
             for gb in GPU_SIZES_GB
-        ),
-    ]
+        )
+    )
     return "\n".join(lines)
