@@ -246,11 +246,6 @@ def _context_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             f"--context-parallel {n} runs attention through the varlen kernel (each process attends over whole "
             f"sequences for its heads); --attn-implementation {cfg.attn_implementation} cannot: use auto or varlen"
         )
-    if cfg.objective in PREFERENCE_OBJECTIVES:
-        problems.append(
-            f"--context-parallel {n} is not supported with --objective {cfg.objective} yet (a pair's sequences are "
-            "summed per sequence); use --context-parallel 1"
-        )
     return problems
 
 
@@ -392,11 +387,6 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
         )
     if not cfg.grpo_beta >= 0 or not math.isfinite(cfg.grpo_beta):
         problems.append(f"--grpo-beta must not be negative (got {cfg.grpo_beta}); 0 = no KL term")
-    if cfg.objective == "grpo" and cfg.context_parallel > 1:
-        problems.append(
-            f"--context-parallel {cfg.context_parallel} is not supported with --objective grpo yet (generation runs "
-            "whole sequences on each process); use --context-parallel 1"
-        )
     return problems
 
 

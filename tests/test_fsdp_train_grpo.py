@@ -392,6 +392,26 @@ def test_kill9_rerun_and_a_one_process_resume_give_the_same_completions(learned,
 
 
 @pytest.mark.slow
+def test_context_parallel_2_samples_and_trains_like_the_data_parallel_run(learned, grpo_inputs, tmp_path):
+    """--context-parallel 2: both processes sample the same completions of one prompt per micro-batch (accumulation
+    2: the global batch of the 2-process run), each trains its half of every row. Step 1 samples the completions of
+    the data-parallel run (counted once, not once per process) and its loss and gradient norm equal that run's;
+    later steps sample from weights that differ in the last bits, so a completion may differ."""
+    args = [*learn_args(grpo_inputs, tmp_path), "--context-parallel", "2", "--grad-accum-steps", "2"]
+    args[args.index("--max-steps") + 1] = "2"
+    proc = run_trainer(args)
+    assert proc.returncode == 0, output_of(proc)
+    assert "each sequence split over 2 processes" in output_of(proc)
+    expected = next(r for r in read_metrics(learned) if r["step"] == 1 and "reward" in r)
+    got = {r["step"]: r for r in read_metrics(tmp_path / "learn") if "reward" in r}
+    assert sorted(got) == [1, 2] and samples_by_step(tmp_path / "learn")[1] == samples_by_step(learned)[1]
+    for key in ("reward", "trained_tokens", "completion_length"):
+        assert got[1][key] == expected[key], key
+    for key in ("loss", "grad_norm", "clip_ratio"):
+        assert got[1][key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
 def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_inputs, tmp_path):
     spec = f"{grpo_inputs['rewards']}:fails_on_rank_1"
     args = [*io_args("fails", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS, "--reward", spec,

@@ -186,11 +186,12 @@ def test_kto_learns_a_fact_on_held_out_unpaired_examples(fact_run):
 
 @pytest.mark.slow
 def test_kill9_rerun_on_one_process_continues_the_run(fact_run, tmp_path):
-    """z is taken over the global batch, so the rerun on 1 process x accumulation 2 continues the 2-process run."""
+    """z is taken over the global batch, so the rerun on 1 process x accumulation 2 continues the 2-process run;
+    the killed run split each sequence over its 2 processes (--context-parallel 2), the reference's too."""
     args, baseline, _ = fact_run
     args = list(args)
     args[args.index("--save-dir") + 1] = str(tmp_path)
-    killed_at_step(args, tmp_path / "facts", 7)
+    killed_at_step([*args, "--context-parallel", "2", "--grad-accum-steps", "2"], tmp_path / "facts", 7)
     rerun = run_trainer([*args, "--grad-accum-steps", "2"], nproc=1)
     log = output_of(rerun)
     assert rerun.returncode == 0, log

@@ -371,6 +371,15 @@ class CausalLMLoss(nn.Module):
         return {**inputs, "attention_mask": block_diagonal_mask(batch.position_ids, self.mask_dtype if eager else None)}
 
 
+def context_columns(t: torch.Tensor, context: varlen.Context | None) -> torch.Tensor:
+    """This rank's contiguous part of every row of a [rows x T] tensor under --context-parallel (the positions its
+    per-token outputs cover); all of it without."""
+    if context is None:
+        return t
+    part = t.shape[1] // context.size
+    return t[:, context.rank * part : (context.rank + 1) * part]
+
+
 def local_part(batch: Batch, context: varlen.Context) -> Batch:
     """--context-parallel: this rank's contiguous part of every row (inputs, their targets, their positions),
     with the documents of the whole rows, which the attention's all-to-all brings back together. Rows without
@@ -380,13 +389,11 @@ def local_part(batch: Batch, context: varlen.Context) -> Batch:
     if positions is None:
         positions = torch.arange(length, device=batch.input_ids.device).expand(rows, length)
         documents = Documents.whole_rows(rows, length, batch.input_ids.device)
-    part = length // context.size
-    cut = slice(context.rank * part, (context.rank + 1) * part)
     return dataclasses.replace(
         batch,
-        input_ids=batch.input_ids[:, cut],
-        labels=batch.labels[:, cut],
-        position_ids=positions[:, cut],
+        input_ids=context_columns(batch.input_ids, context),
+        labels=context_columns(batch.labels, context),
+        position_ids=context_columns(positions, context),
         documents=documents,
         targets=None,  # positions in the whole rows
     )

@@ -25,7 +25,7 @@ from fsdp_lib.data.preference import PairBlocks, read_reference, reference_path,
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle, build_model, flops_per_token
 from fsdp_lib.model.hf_files import weights_identity
-from fsdp_lib.model.loss import CausalLMLoss
+from fsdp_lib.model.loss import CausalLMLoss, context_columns
 from fsdp_lib.runtime import Dist, log, reshard_all
 
 
@@ -85,6 +85,28 @@ def sequence_lengths(sequence_ids: torch.Tensor, count: int) -> torch.Tensor:
     return sequence_sums(
         torch.ones(sequence_ids.numel(), dtype=torch.int64, device=sequence_ids.device), sequence_ids, count
     )
+
+
+def sequence_totals(policy: CausalLMLoss, token_values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Per-sequence sums of the per-token values `policy` computed for `batch`. Under --context-parallel each rank
+    holds its part of every row: the parts' sums are added over the context group (with gradient, each part's flows
+    back to its rank), so every rank of the group holds the whole sequences' sums."""
+    count, context = len(batch.sequences), policy.context
+    if context is None:
+        return sequence_sums(token_values, batch.sequence_ids, count)
+    local = sequence_sums(token_values, context_columns(batch.sequence_ids, context), count)
+    if local.requires_grad:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(local, group=context.group)
+    dist.all_reduce(local, group=context.group)
+    return local
+
+
+def context_share(policy: CausalLMLoss) -> float:
+    """What one rank of a context group counts of figures the whole group holds alike (whole sequences' losses,
+    pair counts): 1 on its first rank, 0 on the others, so sums over the ranks count each once."""
+    return 1.0 if policy.context is None or policy.context.rank == 0 else 0.0
 
 
 @contextlib.contextmanager
@@ -157,14 +179,17 @@ class DPOObjective:
         """Never called: one update per step."""
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the micro-batch's summed pair losses, the router loss). Under --context-parallel every rank of a group
+        holds the same pair losses: each returns its share, and the gradient of their sum is the pairs' own."""
         losses, aux = self.pair_losses(batch)
-        return losses.sum(), aux
+        share = 1.0 if self.policy.context is None else 1.0 / self.policy.context.size
+        return losses.sum() * share, aux
 
     def reference_log_probs(self, batch: Batch) -> torch.Tensor:
         if self.reference == "precomputed":
             return batch.reference.float()
         token_logps = reference_token_log_probs(self.policy, self.frozen, batch)
-        return sequence_sums(token_logps, batch.sequence_ids, len(batch.sequences))
+        return sequence_totals(self.policy, token_logps, batch)
 
     def pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each pair's loss (with gradient) and the router loss; adds the pairs' figures to self.stats."""
@@ -172,7 +197,7 @@ class DPOObjective:
         # the reference first: its activations are gone before the policy's exist
         reference = None if self.reference == "none" else self.reference_log_probs(batch)
         token_logps, aux = self.policy(batch, per_token=True)
-        logps = sequence_sums(token_logps, batch.sequence_ids, count)
+        logps = sequence_totals(self.policy, token_logps, batch)
         tokens = sequence_lengths(batch.sequence_ids, count)
         if reference is None:
             means = logps / tokens.clamp_min(1)
@@ -200,6 +225,7 @@ class DPOObjective:
                 tokens.sum().float(),
             ]
         ).double()
+        figures = figures * context_share(self.policy)
         self.stats = figures if self.stats is None else self.stats + figures
         return losses, aux
 
@@ -247,7 +273,7 @@ def empty_batch(blocks: PairBlocks, d: Dist) -> Batch:
 def sequence_log_probs(module: CausalLMLoss, batch: Batch) -> torch.Tensor:
     """The summed response log-probabilities of a micro-batch's sequences (no gradient wanted by the caller)."""
     token_logps, _ = module(batch, per_token=True)
-    return sequence_sums(token_logps, batch.sequence_ids, len(batch.sequences))
+    return sequence_totals(module, token_logps, batch)
 
 
 # -- the precomputed reference ----------------------------------------------------------------------------------
@@ -285,10 +311,10 @@ def attach_reference(module: CausalLMLoss, blocks: PairBlocks, name: str, key: s
                 sequence_log_probs(module, empty_batch(blocks, d))
                 continue
             batch = blocks.gather(idx).to(d.device)
-            values[batch.sequences] = sequence_log_probs(module, batch).double()
+            values[batch.sequences] = sequence_log_probs(module, batch).double() * context_share(module)
     module.train(was_training)
     reshard_all(module)
-    dist.all_reduce(values)  # each sequence was computed by exactly one rank; the others hold 0 for it
+    dist.all_reduce(values)  # each sequence was computed by exactly one rank (context group); the others hold 0
     blocks.reference = values.cpu().numpy()
     if not np.isfinite(blocks.reference).all():
         raise TrainError(f"the starting model's log-probabilities of some {name} pairs are not finite; check the model")
@@ -361,11 +387,6 @@ def prepare_reference(
     """The reference of --objective dpo or kto, before any checkpoint is loaded: (its mode, the frozen copy or None,
     the mode as a resume must agree with it). Dropout goes off; a precomputed reference is computed (or read) for
     every sequence of both splits."""
-    if d.context_size > 1:
-        raise TrainError(
-            f"--context-parallel {d.context_size}: the dataset holds preference data (--objective "
-            f"{data.objective}), which does not support context parallelism yet; use --context-parallel 1"
-        )
     mode = reference_mode(cfg)
     frozen = None
     dropped = disable_dropout(bundle.model)

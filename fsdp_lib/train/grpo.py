@@ -30,7 +30,7 @@ from fsdp_lib.data.plan import TrainData, evaluation_shares
 from fsdp_lib.data.prompts import PromptBatch, PromptSet, end_of_turn_ids
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle
-from fsdp_lib.model.loss import CausalLMLoss
+from fsdp_lib.model.loss import CausalLMLoss, context_columns
 from fsdp_lib.runtime import Dist, eagerly, log
 from fsdp_lib.train.dpo import (
     disable_dropout,
@@ -108,10 +108,11 @@ def token_losses(
 
 
 def completion_batch(
-    prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, pad_id: int
+    prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, pad_id: int, multiple: int = 1
 ) -> Batch:
-    """Rows prompt + completion (right-padded), labels on the completion tokens only, each row its own sequence."""
-    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    """Rows prompt + completion (right-padded to a multiple of `multiple`: --context-parallel splits them), labels
+    on the completion tokens only, each row its own sequence."""
+    length = -(-max(len(p) + len(c) for p, c in zip(prompts, completions)) // multiple) * multiple
     rows = len(prompts)
     ids = torch.full((rows, length), pad_id, dtype=torch.int64)
     labels = torch.full((rows, length), -100, dtype=torch.int64)
@@ -187,6 +188,8 @@ class GRPOObjective:
                 sequences += len(batch.sequences)
                 tokens += int((batch.sequence_ids >= 0).sum())
         self.raise_if_failed(error)
+        if self.d.context_rank:  # the ranks of a context group sampled the same completions: the first counts them
+            sequences = tokens = 0
         counts = torch.tensor([sequences, tokens], dtype=torch.int64)
         dist.all_reduce(counts, group=self.d.cpu_group)
         sequences, tokens = counts.tolist()
@@ -225,7 +228,7 @@ class GRPOObjective:
         got = self.sample_and_score(prompts, epoch)
         self.last_rewards += got.rewards.tolist()
         advantages = group_advantages(got.rewards, g, scale=self.cfg.grpo_loss != "dr_grpo")
-        batch = completion_batch(got.rows, got.done.tokens, advantages, self.pad_id)
+        batch = completion_batch(got.rows, got.done.tokens, advantages, self.pad_id, self.d.context_size)
         self.count(got.rows, got.done, got.rewards, got.scores)
         if first:
             self.samples = [
@@ -255,7 +258,7 @@ class GRPOObjective:
                 for k, row in enumerate(got.scores[:, :real]):
                     sums[3 + 2 * k : 5 + 2 * k] += [np.nansum(row), (~np.isnan(row)).sum()]
         self.raise_if_failed(error)
-        totals = torch.from_numpy(sums).to(d.device)
+        totals = torch.from_numpy(sums if d.context_rank == 0 else np.zeros_like(sums)).to(d.device)
         dist.all_reduce(totals)
         values = totals.cpu().numpy()
         n = max(1.0, values[0])
@@ -303,7 +306,10 @@ class GRPOObjective:
     # -- the loss ---------------------------------------------------------------------------------------------------
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = batch.sequence_ids.flatten()
+        """(the summed token losses, the router loss). Under --context-parallel the log-probabilities are of this
+        rank's part of every row, and so is everything here but the completions' lengths."""
+        local_ids = context_columns(batch.sequence_ids, self.policy.context)
+        ids = local_ids.flatten()
         mask = ids >= 0
         reference = None
         if self.cfg.grpo_beta:  # the reference first: its activations are gone before the policy's exist
@@ -323,7 +329,7 @@ class GRPOObjective:
         if self.cfg.grpo_loss == "grpo":
             count = len(batch.sequences)
             lengths = sequence_lengths(batch.sequence_ids, count).clamp_min(1)
-            loss_sum = (sequence_sums(losses, batch.sequence_ids, count) / lengths).sum()
+            loss_sum = (sequence_sums(losses, local_ids, count) / lengths).sum()
         else:
             loss_sum = losses.sum()
         figures = torch.stack([(clipped & mask).sum().double(), (kl.detach() * mask).sum().double()])
@@ -347,7 +353,10 @@ class GRPOObjective:
     # -- metrics and samples ----------------------------------------------------------------------------------------
 
     def take_stats(self) -> torch.Tensor:
-        stats = torch.from_numpy(self.host_stats.copy()).to(self.d.device)
+        """The step's sums: the completions' figures from the first rank of each context group (its ranks hold the
+        same completions), the clipped tokens and KL from every rank (each holds its part of the tokens)."""
+        host = self.host_stats.copy() if self.d.context_rank == 0 else np.zeros_like(self.host_stats)
+        stats = torch.from_numpy(host).to(self.d.device)
         if self.device_stats is not None:  # clipped tokens and KL: means over the step's updates
             at = GRPO_STATS.index("clipped_tokens")
             stats[at : at + 2] += self.device_stats.to(stats.device) / (self.update + 1)
@@ -374,7 +383,8 @@ class GRPOObjective:
             "frac_reward_zero_std": base["zero_std_groups"] / max(1.0, base["groups"]),
             "entropy": base["entropy"] / tokens,  # one sampling distribution per completion token
             "clip_ratio": base["clipped_tokens"] / tokens,
-            "generation_tokens_per_s": base["completion_tokens"] / max(1e-9, base["generation_s"] / self.d.world_size),
+            # generation seconds summed over one rank per context group
+            "generation_tokens_per_s": base["completion_tokens"] / max(1e-9, base["generation_s"] / self.d.data_world),
             # trained once per update (--num-iterations)
             "trained_tokens": int(base["completion_tokens"]) * self.updates,
             "trained_tokens_per_s": base["completion_tokens"] * self.updates / elapsed,

@@ -28,10 +28,11 @@ from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.runtime import Dist, log
 from fsdp_lib.train.dpo import (
     DPOObjective,
+    context_share,
     empty_batch,
     prepare_reference,
     sequence_lengths,
-    sequence_sums,
+    sequence_totals,
     throughput_record,
 )
 
@@ -118,8 +119,8 @@ class KTOObjective(DPOObjective):
             if micro_batch.reference is None:
                 micro_batch.reference = reference.detach()
             token_logps, _ = self.policy(batch, per_token=True)
-            logps = sequence_sums(token_logps, batch.sequence_ids, len(batch.sequences))
-            total += (logps[1::2].double() - reference[1::2].double()).sum()
+            logps = sequence_totals(self.policy, token_logps, batch)
+            total += (logps[1::2].double() - reference[1::2].double()).sum() * context_share(self.policy)
         dist.all_reduce(total)
         return (total / max(1, examples)).clamp(min=0.0)
 
@@ -136,7 +137,7 @@ class KTOObjective(DPOObjective):
         count = len(batch.sequences)
         reference = self.reference_log_probs(batch)
         token_logps, aux = self.policy(batch, per_token=True)
-        logps = sequence_sums(token_logps, batch.sequence_ids, count)
+        logps = sequence_totals(self.policy, token_logps, batch)
         tokens = sequence_lengths(batch.sequence_ids, count)
         desirable = batch.desirable.to(logps.device)
         kl = self.kl.to(logps.dtype)
@@ -161,6 +162,7 @@ class KTOObjective(DPOObjective):
                 tokens[0::2].sum().float(),
             ]
         ).double()
+        figures = figures * context_share(self.policy)
         self.stats = figures if self.stats is None else self.stats + figures
         return losses, aux
 
