@@ -187,16 +187,19 @@ def test_kto_learns_a_fact_on_held_out_unpaired_examples(fact_run):
 @pytest.mark.slow
 def test_kill9_rerun_on_one_process_continues_the_run(fact_run, tmp_path):
     """z is taken over the global batch, so the rerun on 1 process x accumulation 2 continues the 2-process run;
-    the killed run split each sequence over its 2 processes (--context-parallel 2), the reference's too."""
+    the killed run split each sequence over its 2 processes (--context-parallel 2). Both take their reference from a
+    live frozen copy (computed in the z pass and kept for the step's loss), which gives the precomputed baseline's
+    losses."""
     args, baseline, _ = fact_run
-    args = list(args)
+    args = [*args, "--reference", "live"]
     args[args.index("--save-dir") + 1] = str(tmp_path)
-    killed_at_step([*args, "--context-parallel", "2", "--grad-accum-steps", "2"], tmp_path / "facts", 7)
+    first = killed_at_step([*args, "--context-parallel", "2", "--grad-accum-steps", "2"], tmp_path / "facts", 7)
+    assert "each sequence split over 2 processes" in first
     rerun = run_trainer([*args, "--grad-accum-steps", "2"], nproc=1)
     log = output_of(rerun)
     assert rerun.returncode == 0, log
     assert "at step 5" in log and "world size changed (2 -> 1)" in log
-    assert "reference log-probabilities of the train examples and KL sequences: read from" in log
+    assert "reference: a frozen FSDP-sharded copy" in log and "computed by the starting model" not in log
     expected, got = losses_by_step(baseline), losses_by_step(tmp_path / "facts")
     for step in range(1, 17):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
@@ -239,20 +242,3 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     ]:
         with pytest.raises(TrainError, match=message):
             resolve_objective(TrainConfig(objective=objective, **extra), columns, "d")
-
-
-@pytest.mark.slow
-def test_live_reference_copy_gives_the_precomputed_losses(fact_run, tmp_path):
-    """The frozen copy's log-probabilities, computed in the z pass and kept for the step's loss, equal the stored
-    ones: the same losses as the precomputed baseline."""
-    args, baseline, _ = fact_run
-    args = [*args, "--reference", "live"]
-    args[args.index("--save-dir") + 1] = str(tmp_path)
-    args[args.index("--max-steps") + 1] = "6"
-    proc = run_trainer(args)
-    log = output_of(proc)
-    assert proc.returncode == 0, log
-    assert "reference: a frozen FSDP-sharded copy" in log and "computed by the starting model" not in log
-    expected, got = losses_by_step(baseline), losses_by_step(tmp_path / "facts")
-    for step in range(1, 7):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
