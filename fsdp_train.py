@@ -45,6 +45,7 @@ from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
+from fsdp_lib.model.float8 import precompute_float8_scales
 from fsdp_lib.model.hf_files import model_folder_problems
 from fsdp_lib.model.hf_weights import export_hf_model
 from fsdp_lib.noise import quiet_optional_imports
@@ -138,6 +139,8 @@ def optimizer_step(
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     guard.update(found_inf)
+    if cfg.fp8 != "off":  # the next all-gathers' float8 scales, from the updated weights
+        precompute_float8_scales(model)
     return norm
 
 
@@ -315,6 +318,8 @@ def train_loop(
     guard = BadStepGuard(state, d.device, resolve_precision(cfg), cfg.max_bad_steps)
     install_step_hooks(bundle.train_forward, optimizer, state, d)  # test-only faults; nothing unless asked for
     prefetch = Prefetcher(plan, pin=d.device.type == "cuda")
+    if cfg.fp8 != "off":  # from the weights as built or resumed: a resumed step scales as the uninterrupted one
+        precompute_float8_scales(bundle.model)
     sync_last_only = cfg.accum_grad_sync == "last" and cfg.grad_accum_steps > 1
     if state.step >= last_step:
         log(f"training already reached step {last_step}; nothing to train (raise --max-steps or --num-epochs to go on)")

@@ -22,8 +22,8 @@ BENCHMARKS.md's launches of the 1B preset (72-105 s each: start-up, model init, 
 checkpoint and export, which fsdp_train.py always writes; a 1B run at seq 2048 x 8 trains ~58k tokens/s compiled):
 kernels ~6-7 min (4 launches), mfu ~4 min (2), peft ~4.5 min (3, plus a 1B model folder with weights), dpo ~2 min
 (1, the 125M preset), resume ~1.5 min (3, a 4-layer model), grpo ~2.5 min on an H200 (1 launch, then transformers'
-generate in-process; 1B with weights, shared with peft), fp8 0 (nothing to launch while fsdp_train.py has no
---fp8). --budget-s (default 480) bounds each section: a launch that would start with less of it left than the
+generate in-process; 1B with weights, shared with peft), fp8 ~6 min (4 launches like mfu's first, not yet run on a
+GPU). --budget-s (default 480) bounds each section: a launch that would start with less of it left than the
 section's longest launch so far (at least a minute) is skipped ("not measured"), one that runs past it is killed and
 reported the same way; --total-budget-s bounds the command (e.g. 540 for several sections in one 10-minute call). The
 outputs are rewritten after every section, so a call cut short keeps the finished ones.
@@ -50,7 +50,10 @@ launch.run_trainer or the bench that owns the measurement; a generated corpus, n
   killed inside its step-15 checkpoint save (FSDP_TRAIN_FAULT=kill_during_write@0:15); the same command rerun, which
   resumes from step 10. Claims: the resumed run's loss equals the uninterrupted run's at every step, bit for bit;
   the steps trained twice (before the kill and after the resume) have the same losses.
-- fp8: FP8 against bf16; reports "not measured: --fp8 not implemented" while fsdp_train.py has no --fp8 flag.
+- fp8: mfu's first setting (1B, seq 2048 x 8, compile on, activation checkpointing off), bf16 against `--fp8 on`,
+  with document masking off (fp8's tensorwise scales, weights all-gathered in float8) and on (rowwise scales, the
+  best kernel). Claims: fp8 tokens/s >= 1.2x bf16's (masking off); rowwise fp8 at least bf16's (masking on); fp8's
+  loss within 5% of bf16's at every logged step (same seed and data).
 - grpo: `--objective grpo` on bench_peft's 1B with weights (random: the completions run to --max-new-tokens), 64
   prompts of 60 words, --reward accuracy, seq 1024, --max-new-tokens 256, --num-generations 8, -b 4 (32 completions
   per step), activation checkpointing on, 4 steps (the first skipped): generation tokens/s, step and generation time,
@@ -67,10 +70,11 @@ that raises is reported as failed with its error, and the others still run); a c
 (passed null, with the reason) does not fail the run.
 
 --dry-run: on CPU (GPUs hidden), fp32, a small Llama (hidden 256, 2 layers, bf16 weights), seq 64-128, 4-6 steps,
-MFU against a nominal 1 TFLOP/s, and only 4 launches (~40 s): kernels' varlen row, which is also mfu's row (identical
-settings, launched once), peft's LoRA, and resume's killed run and its rerun (the steps trained twice compared). The
-other rows read "not launched in --dry-run": dpo's launch (bench_dpo.run_ours) is what bench_dpo.py --quick's smoke
-test runs, grpo's fsdp_train.py launch what bench_grpo.py --quick's runs (its transformers baseline: GPU only). The
+MFU against a nominal 1 TFLOP/s, and only 3 launches (~30 s): kernels' varlen row, which is also mfu's row (identical
+settings, launched once), and resume's killed run and its rerun (the steps trained twice compared). The other rows
+read "not launched in --dry-run": peft's launches (bench_peft.run_mode) are what bench_peft.py --quick's smoke test
+runs, dpo's (bench_dpo.run_ours) what bench_dpo.py --quick's runs, grpo's fsdp_train.py launch what bench_grpo.py
+--quick's runs (its transformers baseline: GPU only), fp8's what tests/test_fsdp_train_float8.py runs. The
 claims are evaluated and marked "dry run": they never fail the exit code; a crashed section or
 launch does.
 """
@@ -116,6 +120,7 @@ GPU_PLAN: dict[str, Any] = {
     "text": {"preset": "1B", "corpus_chars": 3_000_000},
     "kernels": {"seq": 8192, "batch": 1, "steps": 12, "log_freq": 4, "ac": "on", "compile": "off"},
     "mfu": {"seqs": ((2048, 8), (8192, 2)), "steps": 20, "log_freq": 5, "ac": "off", "compile": "on"},
+    "fp8": {"seq": 2048, "batch": 8, "steps": 20, "log_freq": 5, "ac": "off", "compile": "on", "mode": "on"},
     "peft": bench_peft.GPU_FULL,
     "dpo": bench_dpo.GPU_FULL,
     "resume": {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 512, "batch": 4, "steps": 20, "ckpt": 5, "kill": 15},
@@ -128,6 +133,7 @@ DRY_PLAN: dict[str, Any] = {
     # kernels' varlen row and mfu's row are the same launch here (identical settings: launched once)
     "kernels": {"seq": 128, "batch": 1, "steps": 4, "log_freq": 2, "ac": "off", "compile": "off"},
     "mfu": {"seqs": ((128, 1),), "steps": 4, "log_freq": 2, "ac": "off", "compile": "off"},
+    "fp8": {"seq": 128, "batch": 1, "steps": 4, "log_freq": 2, "ac": "off", "compile": "off", "mode": "emulate"},
     "peft": {**bench_peft.CPU_QUICK, "label": "CPU, 1 process (dry run)", "nproc": 1, "precision": "fp32"},
     "dpo": {**bench_dpo.CPU_QUICK, "label": "CPU, 1 process (dry run)", "nproc": 1, "pairs": 8, "precision": "fp32"},
     "resume": {"seq": 64, "batch": 2, "steps": 6, "ckpt": 2, "kill": 4},
@@ -137,7 +143,9 @@ DRY_PLAN: dict[str, Any] = {
     # the rows a dry run launches where a section has several; the others: "not launched in --dry-run"
     # (dpo: none; its launch, bench_dpo.run_ours, is what tests/test_bench_smoke.py's bench_dpo --quick test runs)
     # (grpo: none; fsdp_train.py's GRPO launch is what tests/test_bench_smoke.py's bench_grpo --quick test runs)
-    "rows": {"kernels": ("masked varlen",), "peft": ("lora",), "dpo": (), "grpo": ()},
+    # (fp8: none; tests/test_fsdp_train_float8.py runs --fp8 emulate)
+    # (peft: none; its launch, bench_peft.run_mode, is what tests/test_bench_smoke.py's bench_peft --quick test runs)
+    "rows": {"kernels": ("masked varlen",), "peft": (), "dpo": (), "grpo": (), "fp8": ()},
 }
 
 
@@ -587,12 +595,25 @@ def resume_launch(ctx: Context, name: str, args: list[str], fault: dict[str, str
 
 
 def section_fp8(ctx: Context) -> SectionResult:
-    if "fp8" not in ctx.choices:
-        reason = "--fp8 not implemented (fsdp_train.py has no --fp8 flag)"
-    else:
-        reason = "fsdp_train.py has --fp8, but gpu_check.py's fp8 section has no run for it yet"
-    row = not_run("FP8 vs bf16", "not available", reason)
-    return [row], [Claim("FP8 vs bf16", "FP8 tokens/s and loss against bf16", "-", None, reason)]
+    """bf16 against --fp8 on the mfu section's 1B setting: without document masking (fp8's tensorwise scales,
+    weights all-gathered in float8) and with it (rowwise scales, so packed documents never share one)."""
+    p = ctx.plan["fp8"]
+    common = {k: p[k] for k in ("steps", "log_freq", "ac", "compile")}
+    fp8 = ["--fp8", p["mode"]]
+    kernel = best_kernel(ctx)
+    specs = [
+        ("bf16, masking off", Setting(p["seq"], p["batch"], **common, masking="off")),
+        ("fp8 tensorwise, masking off", Setting(p["seq"], p["batch"], **common, masking="off", extra=fp8)),
+        ("bf16, masking on", Setting(p["seq"], p["batch"], **common, attn=kernel)),
+        ("fp8 rowwise, masking on", Setting(p["seq"], p["batch"], **common, attn=kernel, extra=fp8)),
+    ]
+    rows = run_rows(ctx, "fp8", specs, ctx.text_inputs)
+    claims = [
+        ratio_claim("FP8 faster than bf16", rows[1], rows[0], "tokens_per_s", ">=", 1.2, "tokens/s"),
+        ratio_claim("FP8 (rowwise) with documents apart", rows[3], rows[2], "tokens_per_s", ">=", 1.0, "tokens/s"),
+        losses_claim("FP8 trains like bf16", rows[1], rows[0], 0.05),
+    ]
+    return rows, claims
 
 
 def grpo_inputs(ctx: Context, p: dict[str, Any]) -> tuple[Path, Path]:
@@ -824,7 +845,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--section", action="append", default=[], help=f"one of {', '.join(SECTIONS)}, or a comma "
                         "list; repeatable (default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for gpu_check.json and .md")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, a small model: the plumbing (4 launches, ~40 s)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, a small model: the plumbing (3 launches, ~30 s)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds per section (launches "
                         "that would not fit are skipped; default: %(default)s)")  # fmt: skip
     parser.add_argument("--total-budget-s", type=float, default=0.0, help="seconds for the whole command (0: no "

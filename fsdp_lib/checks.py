@@ -212,6 +212,8 @@ def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         problems.append(
             "--precision fp16 needs a CUDA GPU (CPU fp16 kernels are slow and incomplete); use fp32 or bf16"
         )
+    if cfg.fp8 != "off":
+        problems += _float8_problems(cfg)
     if cfg.sharding == "hybrid":
         shard = cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if shard < 1 or world_size % shard:
@@ -224,6 +226,43 @@ def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
                 f"--peft qlora with --sharding hybrid (shard groups of {shard}): torchao's NF4 weights shard over a "
                 f"1-D mesh only; use --sharding full (or none: one copy of the 4-bit base per process)"
             )
+    return problems
+
+
+FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 kernels: Ada Lovelace (sm_89), Hopper (sm_90) and later
+
+
+def float8_device_problem(mode: str) -> str | None:
+    """Why `--fp8 on` cannot run on this machine, or None."""
+    if mode != "on":
+        return None
+    if not torch.cuda.is_available():
+        return "--fp8 on needs a CUDA GPU with float8 matmuls (H100, H200, L40S, RTX 4090); none is visible"
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_CAPABILITY:
+        return (
+            f"--fp8 on needs a GPU of compute capability 8.9 or later for float8 matmuls; this one "
+            f"({torch.cuda.get_device_name()}) is {capability[0]}.{capability[1]}: use --fp8 off"
+        )
+    return None
+
+
+def _float8_problems(cfg: TrainConfig) -> list[str]:
+    """--fp8: a GPU that has float8 matmuls (on), full fine-tuning, and bf16 compute (on) or anything but fp16."""
+    problems = [problem] if (problem := float8_device_problem(cfg.fp8)) else []
+    if cfg.peft != "none":
+        problems.append(
+            f"--fp8 {cfg.fp8} trains full weights in float8; with --peft {cfg.peft} the base is frozen (LoRA's float8 "
+            "path is not built): leave --fp8 off"
+        )
+    if cfg.objective == "grpo":
+        problems.append(
+            "--fp8 with --objective grpo: generation through float8 layers is not built or tested; leave --fp8 off"
+        )
+    if cfg.fp8 == "on" and cfg.precision not in ("auto", "bf16"):
+        problems.append(f"--fp8 on computes the rest of the model in bf16: use --precision bf16 (not {cfg.precision})")
+    if cfg.precision == "fp16":
+        problems.append("--fp8 with --precision fp16: float8 scales and the fp16 loss scale do not mix; use bf16")
     return problems
 
 

@@ -110,7 +110,7 @@ def test_mfu_quick(repo_root, tmp_path):
     p = result["params"]
     assert result["mfu_is_nominal"] and p["peak_tflops"] == 1.0
     settings = list(result["results"].values())
-    assert len(settings) == len(p["micro_batches"]) * len(p["activation_checkpointing"]) * len(p["compile"]) >= 2
+    assert len(settings) == len(p["micro_batches"]) * len(p["activation_checkpointing"]) * len(p["compile"]) >= 1
     for r in settings:
         assert r["status"] == "ok", r
         assert r["windows"] == p["steps"] // p["log_freq"] - 1, "the warm-up window is skipped"
@@ -295,9 +295,9 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert all(c["dry_run"] for c in result["claims"]) and result["exit_code"] == 0
     (mfu,) = sections["mfu"]["rows"]
     assert mfu["status"] == "ok" and mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1, mfu  # nominal 1 TFLOP/s peak
-    lora = {r["row"]: r for r in sections["peft"]["rows"]}["LoRA"]
-    assert lora["status"] == "ok" and lora["peak_gib"] > 0, lora
+    assert [r["status"] for r in sections["peft"]["rows"]] == ["not measured"] * 3  # its launches: bench_peft --quick
     assert [r["status"] for r in sections["grpo"]["rows"]] == ["not measured"] * 2  # its launch: bench_grpo --quick
+    assert [r["status"] for r in sections["fp8"]["rows"]] == ["not measured"] * 4  # tests/test_fsdp_train_float8.py
     twice = {c["name"]: c for c in sections["resume"]["claims"]}["steps trained twice"]
     assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
     text = (tmp_path / "gpu_check.md").read_text()

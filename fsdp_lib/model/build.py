@@ -33,6 +33,7 @@ from fsdp_lib.model.adapters import (
     target_names,
 )
 from fsdp_lib.model.anatomy import clean_fqn, find_decoder_layers, peft_sizes
+from fsdp_lib.model.float8 import convert_to_float8, float8_recipe
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
 from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens, router_forward_kwargs
@@ -282,6 +283,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     arch, layer_class = type(model).__name__, type(layers[0]).__name__  # before fully_shard renames the classes
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     peft = prepare_peft(cfg, model, layers, model_dir, compute_dtype, d.world_size) if cfg.peft != "none" else None
+    recipe = float8_recipe(cfg.document_masking == "on")
+    float8 = convert_to_float8(layers, cfg.fp8, recipe) if cfg.fp8 != "off" else None
     fpt = flops_per_token(model, model.config, cfg.seq_length, peft.trainable if peft else None)
     recomputed = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
@@ -328,6 +331,14 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         + (f", each sequence split over {d.context_size} processes (Ulysses)" if d.context_size > 1 else "")
         + (f", MLP in {cfg.tiled_mlp} tiles" if cfg.tiled_mlp else "")
         + (", saved activations offloaded to host memory" if cfg.activation_offload == "on" else "")
+        + (
+            f", {float8[0]} Linear layers in float8 ({recipe} scales"
+            + (": packed documents never share one" if recipe == "rowwise" else ", all-gathered in float8")
+            + f"; {'emulated' if cfg.fp8 == 'emulate' else 'float8 matmuls'}; {float8[1]} left in {precision}: a "
+            "dimension not a multiple of 16)"
+            if float8
+            else ""
+        )
     )
     return ModelBundle(
         model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir), peft

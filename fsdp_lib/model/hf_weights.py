@@ -22,6 +22,7 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.anatomy import clean_fqn
+from fsdp_lib.model.float8 import high_precision
 from fsdp_lib.model.hf_files import hf_weight_files
 from fsdp_lib.model.quantize import fill_nf4_shard, is_nf4
 from fsdp_lib.runtime import Dist, log
@@ -309,7 +310,7 @@ def export_hf_model(
 
     tied = _tied_parameter_names(model)
     state = get_model_state_dict(model) if state is None else state
-    state = {k: v.to(dtype) for k, v in state.items() if k not in tied}
+    state = {k: high_precision(v).to(dtype) for k, v in state.items() if k not in tied}  # --fp8: not the wrapper
     state, converted_by_layer = split_export_layout(model, state)
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
     file_no = 1
