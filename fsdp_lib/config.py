@@ -125,8 +125,8 @@ class TrainConfig:
     compile: str = _opt("off", "torch.compile each decoder layer", choices=ON_OFF)
     fp8: str = _opt(
         "off",
-        "train the decoder layers' Linear layers in float8 (torchao: tensorwise scales, float8 all-gather under FSDP; "
-        "master weights and optimizer state stay fp32): on = a GPU with float8 matmuls (compute capability 8.9+: "
+        "train the decoder layers' Linear layers in float8 (torchao: rowwise scales with --document-masking on, else "
+        "tensorwise with float8 all-gather under FSDP; master weights and optimizer state stay fp32): on = a GPU with float8 matmuls (compute capability 8.9+: "
         "H100, H200, L40S, RTX 4090) with --precision bf16, best with --compile on; emulate = the same casts with "
         "high-precision matmuls on any device (float8's numbers, none of its speed: for tests)",
         choices=("off", "on", "emulate"),

@@ -1,10 +1,11 @@
 """--fp8: the decoder layers' Linear layers trained in float8 (torchao's Float8Linear), as torchtitan does.
 
 Each matmul of such a layer (forward, and both of its backward) takes float8 operands: inputs and weights in e4m3,
-gradients in e5m2, one scale per tensor (tensorwise, dynamic: from the tensor's current absolute maximum); the master
-weights, gradients and optimizer state stay fp32 and everything outside these Linear layers runs in the compute dtype.
-Under FSDP the weights are all-gathered in float8 (half the bytes of bf16), their scales computed for all of them at
-once after each optimizer step (precompute_float8_dynamic_scale_for_fsdp: one all-reduce of the maxima).
+gradients in e5m2, with dynamic scales (from the current absolute maxima); the master weights, gradients and
+optimizer state stay fp32 and everything outside these Linear layers runs in the compute dtype. The scales
+(float8_recipe): rowwise when packed documents are kept apart (a token is scaled by its own row), else tensorwise
+(one per tensor), where FSDP all-gathers the weights in float8 (half the bytes of bf16) with their scales computed
+for all of them at once after each optimizer step (precompute_float8_dynamic_scale_for_fsdp: one all-reduce).
 
 Which Linear layers: those inside the decoder layers whose two dimensions are multiples of 16 (what the float8
 matmul needs); the embeddings, the output head and small projections (an MoE router) stay in the compute dtype.

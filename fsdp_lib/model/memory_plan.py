@@ -177,10 +177,8 @@ def activation_bytes_per_token(
     4 x intermediate / N exists at a time. --activation-offload: what the layers save goes to host memory
     (offloaded_bytes_per_token), and the GPU holds one layer's worth at a time, while it runs or is recomputed
     (with checkpointing, that layer's input brought back too). Not yet checked against a GPU measurement."""
-    attention = 6 * hidden + 2 * kv_dim
-    mlp_saved = hidden if mlp_tiles > 1 else 4 * intermediate
     transient = 4 * intermediate // mlp_tiles if mlp_tiles > 1 else 0
-    one_layer = (attention + mlp_saved) * compute_bytes
+    one_layer = _saved_per_layer(hidden, intermediate, kv_dim, mlp_tiles) * compute_bytes
     if offload:
         kept = one_layer + (hidden * compute_bytes if checkpointing else 0)
     else:
@@ -197,8 +195,14 @@ def offloaded_bytes_per_token(
     every layer's input)."""
     if checkpointing:
         return layers * hidden * compute_bytes
-    mlp_saved = hidden if mlp_tiles > 1 else 4 * intermediate
-    return layers * (6 * hidden + 2 * kv_dim + mlp_saved) * compute_bytes
+    return layers * _saved_per_layer(hidden, intermediate, kv_dim, mlp_tiles) * compute_bytes
+
+
+def _saved_per_layer(hidden: int, intermediate: int, kv_dim: int, mlp_tiles: int) -> int:
+    """Values per token one decoder layer saves for backward: q, the attention output, the o-proj input, two norm
+    inputs and the residual (6 x hidden), k and v (2 x kv_dim), and the MLP's gate, up, activation and down input
+    (4 x intermediate), or with --tiled-mlp only its input (hidden)."""
+    return 6 * hidden + 2 * kv_dim + (hidden if mlp_tiles > 1 else 4 * intermediate)
 
 
 def longest_sequence(

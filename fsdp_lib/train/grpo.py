@@ -33,6 +33,7 @@ from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
 from fsdp_lib.runtime import Dist, eagerly, log
 from fsdp_lib.train.dpo import (
+    context_share,
     disable_dropout,
     frozen_copy,
     reference_token_log_probs,
@@ -258,7 +259,7 @@ class GRPOObjective:
                 for k, row in enumerate(got.scores[:, :real]):
                     sums[3 + 2 * k : 5 + 2 * k] += [np.nansum(row), (~np.isnan(row)).sum()]
         self.raise_if_failed(error)
-        totals = torch.from_numpy(sums if d.context_rank == 0 else np.zeros_like(sums)).to(d.device)
+        totals = torch.from_numpy(sums * context_share(self.policy)).to(d.device)
         dist.all_reduce(totals)
         values = totals.cpu().numpy()
         n = max(1.0, values[0])
@@ -355,8 +356,7 @@ class GRPOObjective:
     def take_stats(self) -> torch.Tensor:
         """The step's sums: the completions' figures from the first rank of each context group (its ranks hold the
         same completions), the clipped tokens and KL from every rank (each holds its part of the tokens)."""
-        host = self.host_stats.copy() if self.d.context_rank == 0 else np.zeros_like(self.host_stats)
-        stats = torch.from_numpy(host).to(self.d.device)
+        stats = torch.from_numpy(self.host_stats * context_share(self.policy)).to(self.d.device)
         if self.device_stats is not None:  # clipped tokens and KL: means over the step's updates
             at = GRPO_STATS.index("clipped_tokens")
             stats[at : at + 2] += self.device_stats.to(stats.device) / (self.update + 1)
