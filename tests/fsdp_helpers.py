@@ -192,9 +192,11 @@ def make_chat_model(
     with_weights: bool = False,
     sizes: dict | None = None,
     arch: str = "llama",
+    tied: bool = True,
 ) -> Path:
     """A tiny Llama (or another Llama-like `arch`) whose tokenizer knows the special tokens of the fixture templates; `template` (a file name
-    under tests/fixtures/chat_templates, without .jinja) becomes its chat template, None leaves it without one."""
+    under tests/fixtures/chat_templates, without .jinja) becomes its chat template, None leaves it without one.
+    tied=False: an output head apart from the input embedding (each then an FSDP unit of its own)."""
     from transformers import AutoTokenizer
 
     texts = [" ".join(t["content"] for t in c) for c in arithmetic_conversations(60)] + arithmetic_documents(40)
@@ -205,7 +207,7 @@ def make_chat_model(
     if template:
         tokenizer.chat_template = (CHAT_TEMPLATES / f"{template}.jinja").read_text()
     tokenizer.save_pretrained(folder)
-    config = tiny_config(arch, len(tokenizer), tokenizer.eos_token_id, sizes=sizes)
+    config = tiny_config(arch, len(tokenizer), tokenizer.eos_token_id, tied=tied, sizes=sizes)
     return save_model(folder, config, with_weights, fill_stored=False)
 
 

@@ -133,16 +133,16 @@ def decoder_linear_params(model: Any, rank: int) -> tuple[int, int]:
 
 
 def largest_fsdp_unit_params(model: Any) -> int:
-    """Parameters of the largest unit FSDP all-gathers at once: one decoder layer, or the root's remainder
-    (embeddings, final norm, untied LM head), which is larger for big vocabularies."""
-    import torch
+    """Parameters of the largest unit FSDP all-gathers at once, by the trainer's own rule (anatomy.largest_unit_params):
+    one decoder layer, an untied embedding or head, or the root's remainder (with a tied head: the embedding);
+    the whole model when the trainer would not find its decoder layers."""
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.model.anatomy import find_decoder_layers, largest_unit_params
 
-    layers = next((module for module in model.modules() if isinstance(module, torch.nn.ModuleList)), None)
-    total = sum(param.numel() for param in model.parameters())
-    if layers is None or len(layers) == 0:
-        return total
-    per_layer = [sum(param.numel() for param in layer.parameters()) for layer in layers]
-    return max(max(per_layer), total - sum(per_layer))
+    try:
+        return largest_unit_params(model, find_decoder_layers(model))
+    except TrainError:
+        return sum(param.numel() for param in model.parameters())
 
 
 def report_verified(model: VerifiedModel, source: str) -> None:

@@ -30,6 +30,29 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def own_units(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and output head as FSDP units of their own when they are two parameters (an untied
+    head): in the root's unit they would be all-gathered together before the first layer, nothing to overlap with
+    (2 GB at every micro-batch for an 8B model's 128k vocabulary); apart, the head's gather overlaps the layers'
+    forward. A tied pair stays in the root (one parameter, one unit), and so does a head that is no plain Linear."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or type(head) is not nn.Linear or head.weight is embed.weight:
+        return []
+    return [embed, head]
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def largest_unit_params(model: nn.Module, layers: list[nn.Module]) -> int:
+    """Parameters of the largest unit FSDP all-gathers at once: a decoder layer, an untied embedding or head
+    (own_units), or the root's remainder (the final norm; a tied embedding and head too)."""
+    apart = [count_params(m) for m in own_units(model)]
+    per_layer = [count_params(layer) for layer in layers]
+    return max([*per_layer, *apart, count_params(model) - sum(per_layer) - sum(apart)])
+
+
 def peft_sizes(model: nn.Module, layers: list[nn.Module], rank: int) -> tuple[int, int]:
     """(weights of the decoder layers' Linear modules: what QLoRA stores as NF4, parameters of rank-`rank`
     adapters on --lora-target-modules auto), counted on the meta model."""

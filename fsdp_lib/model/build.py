@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
+import types
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,11 +34,24 @@ from fsdp_lib.model.adapters import (
     resolve_targets,
     target_names,
 )
-from fsdp_lib.model.anatomy import clean_fqn, find_decoder_layers, peft_sizes
+from fsdp_lib.model.anatomy import (
+    clean_fqn,
+    count_params,
+    find_decoder_layers,
+    largest_unit_params,
+    own_units,
+    peft_sizes,
+)
 from fsdp_lib.model.float8 import convert_to_float8, float8_recipe
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
-from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem, loss_chunk_tokens, router_forward_kwargs
+from fsdp_lib.model.loss import (
+    CausalLMLoss,
+    chunked_loss_problem,
+    head_forward,
+    loss_chunk_tokens,
+    router_forward_kwargs,
+)
 from fsdp_lib.model.memory_plan import (
     activation_bytes_per_token,
     format_long_context_plan,
@@ -128,8 +143,9 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], ev
 
 
 def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, precision: str, d: Dist) -> None:
-    """fully_shard each decoder layer, then the root: the training forward (CausalLMLoss) around the model, whose
-    group holds the embeddings, final norm and head (a tied head shares the embedding's parameter)."""
+    """fully_shard each decoder layer, an untied input embedding and output head (own_units), then the root: the
+    training forward (CausalLMLoss) around the model, whose group holds the final norm and whatever else is left
+    (a tied embedding and head: one parameter, so one unit)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
@@ -141,29 +157,24 @@ def shard_model(root: nn.Module, layers: list[nn.Module], cfg: TrainConfig, prec
     # the first of a parameter's all-gather inputs, which breaks NF4 (three: scales, factors, codes). Sharding over
     # one process does nothing, so FSDP leaves the frozen NF4 weights alone.
     ignored = {p for p in root.parameters() if is_nf4(p)} if d.mesh.size(-1) == 1 else set()
+    shard = functools.partial(
+        fully_shard, mesh=d.mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None
+    )
     wrappers = {id(m._checkpoint_wrapped_module): m for m in root.modules() if hasattr(m, "_checkpoint_wrapped_module")}
     for i, layer in enumerate(layers):
         unit = wrappers.get(id(layer), layer)  # shard the checkpoint wrapper, so recompute sees FSDP's hooks
         if cfg.compile == "on":
             unit.compile()
         # The last layer's backward comes right after the loss: resharding it after forward would only regather it.
-        last = i == len(layers) - 1
-        fully_shard(
-            unit,
-            mesh=d.mesh,
-            mp_policy=mp,
-            offload_policy=offload,
-            reshard_after_forward=reshard and not last,
-            ignored_params=ignored or None,
-        )
-    fully_shard(
-        root,
-        mesh=d.mesh,
-        mp_policy=mp,
-        offload_policy=offload,
-        reshard_after_forward=reshard,
-        ignored_params=ignored or None,
-    )
+        shard(unit, reshard_after_forward=reshard and i < len(layers) - 1)
+    for module in own_units(root.model):
+        head = module is root.model.get_output_embeddings()
+        # the head's backward follows its forward at once (kept gathered, like the last layer); the embedding's
+        # weight is not read by its backward, but FSDP regathers it there, overlapped with the first layer's
+        shard(module, reshard_after_forward=reshard and not head)
+        if head:  # the chunked loss reads the weight through the head's own call (loss.through_head)
+            module.forward = types.MethodType(head_forward, module)
+    shard(root, reshard_after_forward=reshard)
 
 
 def materialize(model: nn.Module, d: Dist, cfg: TrainConfig) -> None:
@@ -323,7 +334,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     run_start_up_checks(train_forward, vocab_size, precision, cfg.document_masking == "on", d)
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
-        f"({layer_class}) sharded with --sharding {cfg.sharding} over mesh {tuple(d.mesh.shape)}, "
+        f"({layer_class}){' + embedding + head' if own_units(model) else ''} sharded with --sharding {cfg.sharding} "
+        f"over mesh {tuple(d.mesh.shape)}, "
         f"{recomputed} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}, "
         f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
         + (" (auto)" if cfg.loss_chunk_tokens == "auto" and train_forward.chunk else "")
@@ -412,21 +424,23 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     per_layer = sum(p.numel() for p in layers[0].parameters())
     log("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False).rstrip())
     log(f"model {type(model).__name__} from {model_dir}: {num_params:,} parameters")
+    apart = own_units(model)
+    units = (
+        f", the embedding and head ({', '.join(f'{n:,}' for n in map(count_params, apart))} params)" if apart else ""
+    )
+    rest = num_params - per_layer * len(layers) - sum(map(count_params, apart))
+    largest = largest_unit_params(model, layers)
     log(
         f"sharding plan: {len(layers)} x {type(layers[0]).__name__} ({per_layer:,} params each) each its own FSDP "
-        f"unit, plus the root unit ({num_params - per_layer * len(layers):,} params: embeddings, final norm, head); "
+        f"unit{units}, plus the root unit ({rest:,} params: {'final norm' if apart else 'embeddings, final norm, head'}); "
         f"--sharding {cfg.sharding} over {world_size} processes, cpu offload {cfg.cpu_offload}, activation "
         f"checkpointing {cfg.activation_checkpointing} (every {cfg.ac_every_n_layers} layer(s))"
     )
     sizes = sorted({1, 2, 4, 8, world_size})
-    rows = training_memory_plan(
-        num_params, world_sizes=sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
-    )
+    rows = training_memory_plan(num_params, world_sizes=sizes, largest_unit_params=largest)
     log(f"per-rank memory estimate (this run: {world_size} processes):\n" + format_memory_plan(rows))
     linear, adapters = peft_sizes(model, layers, cfg.lora_rank)
-    peft_rows = peft_memory_plan(
-        num_params, linear, adapters, sizes, largest_unit_params=max(per_layer, num_params - per_layer * len(layers))
-    )
+    peft_rows = peft_memory_plan(num_params, linear, adapters, sizes, largest_unit_params=largest)
     log(f"this run: --peft {cfg.peft}\n" + format_peft_memory_plan(rows, peft_rows, cfg.lora_rank))
     if cfg.peft == "none":
         state = next(r for r in rows if r["world_size"] == world_size and r["cpu_offload"] == (cfg.cpu_offload == "on"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from fsdp_lib.data.batch import Batch, Documents
 from fsdp_lib.model import varlen
 from fsdp_lib.model.activations import ActivationOffload
+
+HeadFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Any]  # (hidden, weight, bias) -> result
 
 # --loss-chunk-tokens auto: one chunk's fp32 logits (softmax and gradient are computed in place in them) stay within
 # this. At a 128k vocabulary that is 512 tokens: at 2,048 tokens per micro-batch the loss path's extra memory is
@@ -219,18 +222,41 @@ def chunked_loss_sum(
     hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int, softcap: float | None
 ) -> torch.Tensor:
     """Summed cross-entropy of the output head over `hidden` [tokens x dim], chunk tokens at a time."""
-    if torch.is_grad_enabled():
-        return ChunkedCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk, softcap)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk):
-        logits = head_logits(hidden[start : start + chunk], head, softcap)
-        total += F.cross_entropy(logits, labels[start : start + chunk], ignore_index=-100, reduction="sum")
-    return total
+
+    def loss_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return ChunkedCrossEntropy.apply(h, weight, bias, labels, chunk, softcap)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            logits = _chunk_logits(h[start : start + chunk], weight, bias, softcap)[0]
+            total += F.cross_entropy(logits, labels[start : start + chunk], ignore_index=-100, reduction="sum")
+        return total
+
+    return through_head(head, loss_sum, hidden)
+
+
+def head_forward(self: nn.Linear, hidden: torch.Tensor, via: HeadFn | None = None) -> Any:
+    """The output head's forward once it is an FSDP unit of its own (an untied head, build.shard_model): the Linear
+    as before, or via(hidden, weight, bias), which is how the chunked loss reads the weight: inside the head's own
+    call, so FSDP gathers the weight before it and reduce-scatters its gradient once the backward has passed it."""
+    if via is None:
+        return F.linear(hidden, self.weight, self.bias)
+    return via(hidden, self.weight, self.bias)
+
+
+def through_head(head: nn.Module, fn: HeadFn, hidden: torch.Tensor) -> Any:
+    """fn(hidden, head.weight, head.bias): through the head's call where the head is its own FSDP unit (head_forward),
+    directly where its weight is already whole (inside the root's unit, or a gathered view's plain Linear)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(head, FSDPModule):
+        return head(hidden, via=fn)
+    return fn(hidden, head.weight, head.bias)
 
 
 def head_logits(hidden: torch.Tensor, head: nn.Module, softcap: float | None) -> torch.Tensor:
     """What the chunked path computes from the decoder's output: the head, in fp32, soft-capped where configured."""
-    return _chunk_logits(hidden, head.weight, head.bias, softcap)[0]
+    return through_head(head, lambda h, weight, bias: _chunk_logits(h, weight, bias, softcap)[0], hidden)
 
 
 def _load_balancing_fn(model: nn.Module) -> Any:
@@ -261,7 +287,8 @@ def chunked_loss_problem(model: nn.Module) -> str | None:
 class CausalLMLoss(nn.Module):
     """The training forward: the decoder, then output head and loss together, in chunks of --loss-chunk-tokens
     tokens, so the [tokens x vocab] logits and their gradient never exist in full. This module is the FSDP
-    root, so the head's weight stays gathered from the decoder's output to the end of the loss.
+    root; the head's weight is read inside the head's own call (through_head), so it stays gathered from the
+    decoder's output to the end of the loss whether the head sits in the root's unit or in one of its own.
     With chunk 0 (or a model whose head the chunked path cannot reproduce) the model's own logits are used.
 
     Packed documents (a batch with position ids) are kept apart the way the model needs, chosen at start-up by
@@ -336,19 +363,14 @@ class CausalLMLoss(nn.Module):
         # only the positions that have a target go through the head (a prompt's and padding's do not); found on
         # the host where the batch came from there (Batch.to), else here, which waits for the device
         rows = batch.targets if batch.targets is not None else (labels != -100).nonzero().squeeze(1)
-        args = (
-            hidden.index_select(0, rows),
-            head.weight,
-            head.bias,
-            labels[rows],
-            self.chunk,
-            self.softcap,
-            temperature,
-        )
-        if torch.is_grad_enabled():
-            picked = ChunkedTokenLogProbs.apply(*args)
-        else:
-            picked = chunked_token_log_probs(*args)
+        args = (labels[rows], self.chunk, self.softcap, temperature)
+
+        def log_probs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                return ChunkedTokenLogProbs.apply(h, weight, bias, *args)
+            return chunked_token_log_probs(h, weight, bias, *args)
+
+        picked = through_head(head, log_probs, hidden.index_select(0, rows))
         logps = torch.zeros(len(labels), dtype=picked.dtype, device=picked.device).index_copy(0, rows, picked)
         return logps, (moe_aux_loss(self.model, outputs) if self.router_kwargs else None)
 

@@ -45,10 +45,12 @@ def build_and_compare(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         failures.append(f"LOAD MISMATCH {differ[:5]} ({len(loaded)} loaded, {len(reference)} in from_pretrained)")
     else:
         print(f"LOAD EQUAL {len(loaded)} parameters and persistent buffers", flush=True)
-    # One FSDP unit per decoder layer plus the root: MoE experts live inside their layer's unit.
+    # One FSDP unit per decoder layer, an untied embedding and head one each, plus the root: MoE experts live
+    # inside their layer's unit, a tied embedding and head in the root's.
     units = [m for m in bundle.train_forward.modules() if isinstance(m, FSDPModule)]  # the root wraps the model
-    if len(units) != bundle.config.num_hidden_layers + 1:
-        failures.append(f"FSDP UNITS {len(units)}, expected {bundle.config.num_hidden_layers} layers + root")
+    own = 0 if getattr(bundle.config, "tie_word_embeddings", False) else 2
+    if len(units) != bundle.config.num_hidden_layers + own + 1:
+        failures.append(f"FSDP UNITS {len(units)}, expected {bundle.config.num_hidden_layers} layers + {own} + root")
     built.append(bundle)
     return bundle
 
