@@ -47,6 +47,12 @@ class Dist:
         return self.rank == 0
 
     @property
+    def file_threads(self) -> int:
+        """Files each rank reads or writes at once (one thread each): the node's cores shared by its processes, at
+        least 2 (a read or write waits on the disk as much as on a core), at most 4."""
+        return max(2, min(4, (os.cpu_count() or 1) // max(1, self.local_world_size)))
+
+    @property
     def context_rank(self) -> int:
         """This rank's part of each sequence (0 .. --context-parallel - 1)."""
         return self.rank % self.context_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,16 @@ def scratch_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def pretrained_model(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("models") / "llama_weights", with_weights=True, dtype="bfloat16")
+    """A tiny bf16 Llama saved in several safetensors files, as real checkpoints are (the reader's threads each
+    read a file)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = make_model(tmp_path_factory.mktemp("models") / "llama_weights", with_weights=True, dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder, max_shard_size="20KB")
+    return folder
 
 
 # --- config -------------------------------------------------------------------------------------
@@ -329,6 +339,8 @@ def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_mo
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TENSORS EQUAL" in proc.stdout
+    files, threads = map(int, re.search(r"READ (\d+) FILES WITH (\d+) THREADS", proc.stdout).groups())
+    assert files >= 3 and threads >= 2, proc.stdout
 
 
 def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scratch_model, capsys):

@@ -318,7 +318,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     files, fmt = weight_keys(model_dir)
     if files:
         start = time.perf_counter()
-        load_pretrained_sharded(model, model_dir, files, fmt)
+        load_pretrained_sharded(model, model_dir, files, fmt, d.file_threads)
         log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")
     elif cfg.peft == "qlora":
         raise TrainError(f"--peft qlora: {model_dir} has no weight files to quantise; QLoRA adapts a pretrained base")

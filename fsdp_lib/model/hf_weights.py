@@ -179,12 +179,15 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
     return tied
 
 
-def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, Path], fmt: str) -> None:
+def load_pretrained_sharded(
+    model: nn.Module, model_dir: Path, files: dict[str, Path], fmt: str, threads: int = 1
+) -> None:
     """Load the folder's weights into the shards, equal bit for bit to from_pretrained. `files` and `fmt`: what
     weight_keys found in model_dir. Peft adapters are not in the files (adapters.py fills them); QLoRA's NF4
     weights are read whole, one at a time, and quantised (quantize.fill_nf4_shard keeps this rank's rows).
 
-    Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped).
+    Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped), from
+    `threads` files at once where the installed torch's reader takes a thread count.
     Converted tensors: each rank reads the whole source tensors of one converter at a time (e.g. every
     expert's gate and up projection of one layer), lets transformers' ops build the full target, and
     keeps its slice, so the extra memory is about twice one layer's fused tensor.
@@ -203,7 +206,7 @@ def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, 
     whole = {k for k, v in state.items() if is_nf4(v) and k in plan.renamed}
     by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed and k not in whole}
     if fmt == "safetensors":
-        dcp.load(by_file_key, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
+        dcp.load(by_file_key, storage_reader=hf_reader(model_dir, threads))
     else:
         _load_bin_slices(by_file_key, model_dir)
     with torch.no_grad(), contextlib.ExitStack() as open_files:
@@ -212,6 +215,18 @@ def load_pretrained_sharded(model: nn.Module, model_dir: Path, files: dict[str, 
             copy_into_shard(state[name], _read_whole_tensor(plan.files, open_files, handles, plan.renamed[name]))
     _load_converted(model, plan, state)
     model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
+
+
+def hf_reader(model_dir: Path, threads: int) -> Any:
+    """DCP's Hugging Face reader over model_dir, reading `threads` files at once (its thread_count; a torch whose
+    reader has none reads one file at a time)."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "thread_count" in inspect.signature(dcp.HuggingFaceStorageReader).parameters:
+        return dcp.HuggingFaceStorageReader(str(model_dir), thread_count=threads)
+    return dcp.HuggingFaceStorageReader(str(model_dir))
 
 
 def _load_converted(model: nn.Module, plan: WeightLoadPlan, state: dict[str, Any]) -> None:

@@ -154,17 +154,12 @@ def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
     return None
 
 
-def writer_threads(d: Dist) -> int:
-    """Files each rank writes in parallel (one thread each): the node's cores shared by its processes, at most 4."""
-    return max(1, min(4, (os.cpu_count() or 1) // max(1, d.local_world_size)))
-
-
 class _CheckpointWriter(dcp.FileSystemWriter):
     """DCP's file writer with fsync on and the fault-injection point inside DCP's write phase. Right after this
     rank wrote its files (in the background with --async-ckpt) it adds their checksums to `checksums`."""
 
     def __init__(self, path: str, d: Dist, step: int, checksums: dict):
-        super().__init__(path, sync_files=True, thread_count=writer_threads(d))
+        super().__init__(path, sync_files=True, thread_count=d.file_threads)
         self._dist, self._step, self.checksums = d, step, checksums
 
     def write_data(self, plan: Any, planner: Any) -> Any:

@@ -4,15 +4,28 @@ compare every gathered parameter and buffer with `from_pretrained` on one proces
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.model import hf_weights
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.build import build_model, check_still_tied
 from fsdp_lib.runtime import setup_distributed
+
+readers = []  # what hf_weights.hf_reader built: the thread count the load used
+
+
+def recording_reader(model_dir, threads):
+    reader = reader_of(model_dir, threads)
+    readers.append(reader)
+    return reader
+
+
+reader_of, hf_weights.hf_reader = hf_weights.hf_reader, recording_reader
 
 
 def main(model_dir: str, sharding: str) -> int:
@@ -32,6 +45,8 @@ def main(model_dir: str, sharding: str) -> int:
         print(f"MISMATCH {mismatched}")
         return 1
     print(f"ALL {len(expected)} TENSORS EQUAL")
+    files = {f.name for f in Path(model_dir).glob("*.safetensors")}
+    print(f"READ {len(files)} FILES WITH {readers[0].thread_count} THREADS")
     return 0
 
 
