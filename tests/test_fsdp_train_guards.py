@@ -23,6 +23,7 @@ from tests.fsdp_helpers import (
     run_trainer,
     trainer_args,
     wait_for_step,
+    wait_until,
 )
 
 
@@ -98,7 +99,8 @@ def test_second_launch_is_refused_quickly_and_a_killed_run_is_taken_over(inputs,
     exp = tmp_path / "run"
     first = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "10"})
     try:
-        wait_for_step(exp, 1, first)
+        # config.yaml: written once the run has built its data and model, just before its first step
+        wait_until(lambda: (exp / LOCK_FILE).is_file() and (exp / "config.yaml").is_file(), first)
         holder = json.loads((exp / LOCK_FILE).read_text())
         config_mtime = (exp / "config.yaml").stat().st_mtime_ns
         started = time.monotonic()
@@ -176,7 +178,8 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_kill9_of_torchrun_leaves_no_worker_alive(inputs, tmp_path):
-    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "10"})
+    # 2 s after each step: the 5 steps left after step 1 outlast the kill below by seconds
+    proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "2"})
     workers: list[int] = []
     try:
         wait_for_step(tmp_path / "run", 1, proc)
