@@ -68,7 +68,7 @@ from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summa
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers, unpair_into
 from fsdp_lib.errors import file_above, unreadable
-from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
+from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import DATASET_COLUMNS
@@ -429,4 +429,4 @@ def _convert_and_publish(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

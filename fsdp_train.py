@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from fsdp_lib.data.mixture import MixedBlocks
 from fsdp_lib.data.plan import Prefetcher, TrainData, build_data, describe_datasets, evaluation_shares, total_steps
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError, explain_write_error
 from fsdp_lib.faults import install_step_hooks
+from fsdp_lib.interrupts import exit_without_teardown
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
@@ -426,4 +426,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)())  # record: an unexpected exception becomes torchrun's root cause, not "see docs"
+    # record: an unexpected exception becomes torchrun's root cause, not "see docs"; a return ends the process
+    # without the interpreter's second-long teardown
+    exit_without_teardown(record(main)())

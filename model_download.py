@@ -44,7 +44,7 @@ from fsdp_lib.hub.download import (
 from fsdp_lib.hub.presets import SIZE_FLAGS, SIZE_PRESETS, preset_parameter_count, size_problems
 from fsdp_lib.hub.scratch import InitRequest, create_model_folder
 from fsdp_lib.hub.verify import report_verified, reverify_folder, verify_and_record
-from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
+from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.noise import quiet_optional_imports
 
 MAX_VOCAB_SIZE = 1_048_576  # --vocab-size: four times the largest published vocabulary
@@ -288,4 +288,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

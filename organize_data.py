@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fsdp_lib.errors import file_above, unreadable
-from fsdp_lib.interrupts import interrupt_exit_code, sigterm_as_interrupt
+from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
     check_destination,
@@ -318,4 +318,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

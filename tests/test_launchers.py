@@ -492,3 +492,29 @@ def test_slurm_job_that_finishes_is_not_requeued(fake_repo: Path, slurm_bin: Pat
     assert (fake_repo / "stub_out" / "started.1").exists()
     assert "--ntasks-per-node=1" in (slurm_bin / "srun.args").read_text().split()
     assert "requeue" not in (slurm_bin / "scontrol.calls").read_text()
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from pathlib import Path
+from fsdp_lib.interrupts import exit_without_teardown
+out = Path(sys.argv[1])
+atexit.register(lambda: out.with_name("atexit").write_text("ran"))
+if sys.argv[2] == "thread":  # a non-daemon thread still working: the normal exit, which waits for it
+    threading.Thread(target=lambda: (time.sleep(0.3), out.with_name("thread").write_text("done"))).start()
+print("last line", end="")  # no newline: still in the buffer when the process ends
+exit_without_teardown(3)
+"""
+
+
+@pytest.mark.parametrize("case", ["plain", "thread"])
+def test_tools_end_without_teardown_but_after_atexit_threads_and_output(tmp_path: Path, case: str) -> None:
+    """exit_without_teardown (every tool's last call): the exit code, the atexit handlers, buffered output and a
+    non-daemon thread's work all survive skipping the interpreter's teardown."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "x"), case],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 3 and proc.stdout == "last line", (proc.stdout, proc.stderr)
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").is_file() == (case == "thread")
