@@ -259,10 +259,10 @@ def _float8_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             "--fp8 with --objective grpo: generation through float8 layers is not built or tested; leave --fp8 off"
         )
-    if cfg.fp8 == "on" and cfg.precision not in ("auto", "bf16"):
-        problems.append(f"--fp8 on computes the rest of the model in bf16: use --precision bf16 (not {cfg.precision})")
-    if cfg.precision == "fp16":
+    if cfg.precision == "fp16":  # either mode: one message, not this and the next
         problems.append("--fp8 with --precision fp16: float8 scales and the fp16 loss scale do not mix; use bf16")
+    elif cfg.fp8 == "on" and cfg.precision not in ("auto", "bf16"):
+        problems.append(f"--fp8 on computes the rest of the model in bf16: use --precision bf16 (not {cfg.precision})")
     return problems
 
 

@@ -82,11 +82,14 @@ def test_rowwise_scales_keep_packed_documents_apart_and_tensorwise_ones_would_no
         (["--fp8", "on"], "--fp8 on needs a CUDA GPU with float8 matmuls"),
         (["--fp8", "emulate", "--peft", "lora"], "with --peft lora the base is frozen"),
         (["--fp8", "emulate", "--precision", "fp16"], "--fp8 with --precision fp16"),
+        (["--fp8", "on", "--precision", "fp16"], "--fp8 with --precision fp16"),
     ],
 )
 def test_fp8_that_cannot_work_is_refused_naming_the_flag(tmp_path, flags, message):
     cfg = load_config(["-e", "x", "-d", str(tmp_path), "-m", str(tmp_path), *flags])
-    assert any(message in problem for problem in validate_config(cfg, 2))
+    problems = validate_config(cfg, 2)
+    assert any(message in problem for problem in problems)
+    assert sum("--fp8" in p and "--precision" in p for p in problems) <= 1, problems  # one message per mistake
 
 
 @pytest.mark.slow
