@@ -76,7 +76,8 @@ class TrainConfig:
         1,
         "split each sequence over N processes (Ulysses: an all-to-all hands each process all tokens of 1/N of the "
         "attention heads); packed documents stay exact; the processes / N data-parallel groups train different "
-        "micro-batches. N divides the processes, --seq-length and the model's attention and key/value heads",
+        "micro-batches. N divides the processes, --seq-length and the model's attention heads, and divides its "
+        "key/value heads or is a multiple of them (each then copied to N / kv-heads processes)",
     )
     loss_on: str = _opt(
         "assistant",

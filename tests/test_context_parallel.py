@@ -12,6 +12,7 @@ import pytest
 
 from fsdp_lib.checks import validate_config
 from fsdp_lib.config import load_config
+from fsdp_lib.testing import DECODER
 from tests.fsdp_helpers import (
     killed_at_step,
     make_chat_dataset,
@@ -67,10 +68,13 @@ def test_context_parallel_2_trains_like_one_process_and_resumes_at_1(tmp_path):
 
 
 def test_context_parallel_chat_with_another_family(tmp_path):
-    """Qwen2 (GQA), chat SFT with the loss on assistant turns, packed: the split run's losses and gradient norms
-    equal the unsplit run's; the split run also offloads its saved activations and tiles its MLPs (both exact)."""
+    """Qwen2 with one key/value head for 4 query heads (fewer than the 2 processes: each gets a copy of it), chat
+    SFT with the loss on assistant turns, packed: the split run's losses and gradient norms equal the unsplit run's;
+    the split run also offloads its saved activations and tiles its MLPs (both exact)."""
     dataset = make_chat_dataset(tmp_path / "chat")
-    model = make_chat_model(tmp_path / "model", with_weights=True, arch="qwen2")
+    model = make_chat_model(
+        tmp_path / "model", with_weights=True, arch="qwen2", sizes={**DECODER, "num_key_value_heads": 1}
+    )
     args = [*SAME_STEPS, "--max-steps", "2"]
     whole = run_trainer(trainer_args("whole", dataset, model, tmp_path) + args, nproc=1)
     extra = ["--context-parallel", "2", "--activation-offload", "on", "--tiled-mlp", "3"]
@@ -79,6 +83,26 @@ def test_context_parallel_chat_with_another_family(tmp_path):
     assert "each sequence split over 2 processes" in output_of(split)
     assert "MLP in 3 tiles, saved activations offloaded to host memory" in output_of(split)
     _assert_same(_figures(tmp_path / "split"), _figures(tmp_path / "whole"), [1, 2])
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,degree,largest",
+    [(4, 2, 2, None), (4, 1, 2, None), (8, 2, 4, None), (6, 3, 2, 1), (4, 4, 8, 4)],
+)
+def test_a_degree_must_divide_the_query_heads_and_divide_or_be_a_multiple_of_the_key_value_heads(
+    tmp_path, heads, kv_heads, degree, largest
+):
+    """(largest: the degree the refusal proposes; None: the degree works.)"""
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.model.build import build_model_skeleton, check_context_parallel, context_degree_fits
+
+    assert context_degree_fits(heads, kv_heads, degree) == (largest is None)
+    if largest is None:
+        return
+    sizes = {**DECODER, "hidden_size": 8 * heads, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    model = build_model_skeleton(make_model(tmp_path / "m", sizes=sizes), "varlen", True)
+    with pytest.raises(TrainError, match=f"largest that works .* is {largest}: use --context-parallel {largest}"):
+        check_context_parallel(model, degree, world=8, seq_length=64)
 
 
 def test_each_rank_keeps_its_part_of_every_row_and_the_documents_of_the_whole_rows():

@@ -230,6 +230,8 @@ def varlen_attention(
     dropout = dropout if module.training else 0.0
     window = sliding_window if sliding_window and sliding_window < documents.longest else None
     if context:
+        if key.shape[1] < context.size:  # fewer key/value heads than processes: each to N / kv_heads of them
+            key, value = (t.repeat_interleave(context.size // t.shape[1], dim=1) for t in (key, value))
         query, key, value = (_heads_to_sequence(t, context) for t in (query, key, value))
     out = None if dropout or window else _flat_varlen(query, key, value, documents, scaling)
     if out is None:
