@@ -45,12 +45,17 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def root_unit_params(model: nn.Module, layers: list[nn.Module]) -> int:
+    """Parameters left to the root's unit: all but the decoder layers' and own_units' (the final norm; a tied
+    embedding and head too)."""
+    return count_params(model) - sum(map(count_params, [*layers, *own_units(model)]))
+
+
 def largest_unit_params(model: nn.Module, layers: list[nn.Module]) -> int:
     """Parameters of the largest unit FSDP all-gathers at once: a decoder layer, an untied embedding or head
-    (own_units), or the root's remainder (the final norm; a tied embedding and head too)."""
-    apart = [count_params(m) for m in own_units(model)]
-    per_layer = [count_params(layer) for layer in layers]
-    return max([*per_layer, *apart, count_params(model) - sum(per_layer) - sum(apart)])
+    (own_units), or the root's remainder (root_unit_params)."""
+    units = [*layers, *own_units(model)]
+    return max([*map(count_params, units), root_unit_params(model, layers)])
 
 
 def peft_sizes(model: nn.Module, layers: list[nn.Module], rank: int) -> tuple[int, int]:

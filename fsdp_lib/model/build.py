@@ -41,6 +41,7 @@ from fsdp_lib.model.anatomy import (
     largest_unit_params,
     own_units,
     peft_sizes,
+    root_unit_params,
 )
 from fsdp_lib.model.float8 import convert_to_float8, float8_recipe
 from fsdp_lib.model.hf_files import weights_identity
@@ -430,15 +431,15 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     model_dir = resolve_model_dir(cfg.model_name)
     model = build_model_skeleton(model_dir, cfg.attn_implementation, cfg.document_masking == "on")
     layers = find_decoder_layers(model)
-    num_params = sum(p.numel() for p in model.parameters())
-    per_layer = sum(p.numel() for p in layers[0].parameters())
+    num_params = count_params(model)
+    per_layer = count_params(layers[0])
     log("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False).rstrip())
     log(f"model {type(model).__name__} from {model_dir}: {num_params:,} parameters")
     apart = own_units(model)
     units = (
         f", the embedding and head ({', '.join(f'{n:,}' for n in map(count_params, apart))} params)" if apart else ""
     )
-    rest = num_params - per_layer * len(layers) - sum(map(count_params, apart))
+    rest = root_unit_params(model, layers)
     largest = largest_unit_params(model, layers)
     log(
         f"sharding plan: {len(layers)} x {type(layers[0]).__name__} ({per_layer:,} params each) each its own FSDP "
