@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import data_hf
-from fsdp_lib.train.grpo import STD_EPS, group_advantages, token_losses
+from fsdp_lib.train.grpo import STD_EPS, Share, context_rows, group_advantages, token_losses
 from fsdp_lib.train.rewards import (
     RewardError,
     accuracy_reward,
@@ -26,7 +26,7 @@ from fsdp_lib.train.rewards import (
     reward_problems,
     score,
 )
-from fsdp_lib.train.rollout import sample_tokens, sampling_uniforms
+from fsdp_lib.train.rollout import Completions, sample_tokens, sampling_uniforms
 from tests.fsdp_helpers import (
     BASE_FLAGS,
     io_args,
@@ -52,6 +52,11 @@ def chat(prompts, completions, answer, **columns):
     assert isinstance(prompts[0], list) and prompts[0][-1]["role"] == "user", prompts[0]
     assert isinstance(completions[0], list) and completions[0][0]["role"] == "assistant", completions[0]
     return [float(len(c[0]["content"]) % 3) for c in completions]
+
+def tally(prompts, completions, **columns):  # which rank scored how many completions
+    with open(os.environ["GRPO_TALLY"], "a") as f:
+        f.write(f"{os.environ['RANK']} {len(completions)}\\n")
+    return [0.0 for c in completions]
 
 def fails_on_rank_1(prompts, completions, **columns):
     if os.environ.get("RANK") == "1":
@@ -93,6 +98,24 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_top_p():
     # a low temperature is nearly greedy; u = 0 and u -> 1 stay in range
     picked, _ = sample_tokens(logits[:2], torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64), 0.05, 1.0)
     assert picked.tolist()[0] == 0 and 0 <= picked.tolist()[1] < 4
+
+
+def test_a_context_group_splits_the_completions_into_contiguous_shares_and_joins_them_in_rank_order():
+    for rows, size in ((8, 2), (7, 3), (2, 4), (16, 1)):
+        shares = [context_rows(rows, size, rank) for rank in range(size)]
+        assert shares[0][0] == 0 and shares[-1][1] == rows and all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+        assert max(b - a for a, b in shares) - min(b - a for a, b in shares) <= 1
+    assert context_rows(2, 4, 0) == (0, 0) and context_rows(2, 4, 1) == (0, 1)  # fewer rows than ranks: empty shares
+
+    def share(tokens: list[list[int]], entropy: float, error: str | None = None) -> Share:
+        done = Completions(tokens, [t[-1] == 9 for t in tokens], entropy, forwards=3, seconds=1.0)
+        return Share(done, [str(t) for t in tokens], np.array([[float(len(t)) for t in tokens]]), error)
+
+    empty = share([], 0.0)
+    joined = Share.joined([share([[1, 9], [2]], 0.5), empty, share([[3, 3, 9]], 0.25, "boom")], empty.done)
+    assert joined.done.tokens == [[1, 9], [2], [3, 3, 9]] and joined.done.stopped == [True, False, True]
+    assert joined.done.entropy_sum == 0.75 and joined.completions == ["[1, 9]", "[2]", "[3, 3, 9]"]
+    assert joined.scores.tolist() == [[2.0, 1.0, 3.0]] and joined.error == "boom"
 
 
 # -- the objective's formulas, in float64 -------------------------------------------------------------------------
@@ -396,12 +419,19 @@ def test_context_parallel_2_samples_and_trains_like_the_data_parallel_run(learne
     """--context-parallel 2: both processes sample the same completions of one prompt per micro-batch (accumulation
     2: the global batch of the 2-process run), each trains its half of every row. Step 1 samples the completions of
     the data-parallel run (counted once, not once per process) and its loss and gradient norm equal that run's;
-    later steps sample from weights that differ in the last bits, so a completion may differ."""
+    later steps sample from weights that differ in the last bits, so a completion may differ. The two processes
+    sample and score half of the completions each (a reward of weight 0 tallies who scored what)."""
     args = [*learn_args(grpo_inputs, tmp_path), "--context-parallel", "2", "--grad-accum-steps", "2"]
     args[args.index("--max-steps") + 1] = "2"
-    proc = run_trainer(args)
+    args += ["--reward", f"{grpo_inputs['rewards']}:tally", "--reward-weights", "1,0"]
+    tally = tmp_path / "tally.txt"
+    proc = run_trainer(args, env={"GRPO_TALLY": str(tally)})
     assert proc.returncode == 0, output_of(proc)
     assert "each sequence split over 2 processes" in output_of(proc)
+    calls = [line.split() for line in tally.read_text().splitlines()]
+    # 2 steps x 2 micro-batches of 8 completions (and any evaluation): 4 per rank and call, as many calls per rank
+    assert len(calls) >= 8 and {n for _, n in calls} == {"4"}, calls
+    assert sum(r == "0" for r, _ in calls) == sum(r == "1" for r, _ in calls), calls
     expected = next(r for r in read_metrics(learned) if r["step"] == 1 and "reward" in r)
     got = {r["step"]: r for r in read_metrics(tmp_path / "learn") if "reward" in r}
     assert sorted(got) == [1, 2] and samples_by_step(tmp_path / "learn")[1] == samples_by_step(learned)[1]

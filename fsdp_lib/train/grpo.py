@@ -75,6 +75,36 @@ class Scored:
     error: str | None  # a reward function's failure, raised once every rank has generated
 
 
+def context_rows(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """The contiguous rows [start, stop) of a micro-batch's completions that context rank `rank` of `size` samples
+    and scores (balanced: the shares differ by at most one row; empty where there are fewer rows than ranks)."""
+    return rows * rank // size, rows * (rank + 1) // size
+
+
+@dataclass
+class Share:
+    """One rank's share of a micro-batch's completions, sampled and scored (GRPOObjective.sample_share)."""
+
+    done: Completions
+    completions: list[Any]
+    scores: np.ndarray
+    error: str | None
+
+    @staticmethod
+    def joined(shares: list[Share], own: Completions) -> Share:
+        """The context group's shares in rank order as one; the decoding forwards and seconds are this rank's."""
+        done = Completions(
+            [t for s in shares for t in s.done.tokens],
+            [b for s in shares for b in s.done.stopped],
+            sum(s.done.entropy_sum for s in shares),
+            own.forwards,
+            own.seconds,
+        )
+        completions = [c for s in shares for c in s.completions]
+        error = next((s.error for s in shares if s.error), None)
+        return Share(done, completions, np.concatenate([s.scores for s in shares], axis=1), error)
+
+
 def group_advantages(rewards: np.ndarray, group: int, scale: bool) -> np.ndarray:
     """(reward - its group's mean), divided by the group's standard deviation (unbiased) + STD_EPS when `scale`.
     rewards: [prompts x group] flattened, a prompt's completions next to each other."""
@@ -198,16 +228,38 @@ class GRPOObjective:
         return out, max(1, normaliser[self.cfg.grpo_loss])
 
     def sample_and_score(self, prompts: PromptBatch, epoch: int) -> Scored:
-        """--num-generations completions of each prompt, sampled with the streams of `epoch`, and their rewards."""
-        cfg, g = self.cfg, self.group
+        """--num-generations completions of each prompt, sampled with the streams of `epoch`, and their rewards.
+        Under --context-parallel the ranks of a context group hold the same prompts: each samples and scores its
+        share of the completions (context_rows), then they exchange them, so every rank holds all of them."""
+        g, size = self.group, self.d.context_size
         rows = [ids for ids in prompts.ids for _ in range(g)]
         keys = np.repeat(np.asarray(prompts.indices, dtype=np.int64), g)
         generations = np.tile(np.arange(g, dtype=np.int64), len(prompts.ids))
-        uniforms = sampling_uniforms(cfg.seed, epoch, keys, generations, cfg.max_new_tokens)
+        repeated = [p for p in prompts.prompts for _ in range(g)]
+        columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
+        start, stop = context_rows(len(rows), size, self.d.context_rank)
+        own = self.sample_share(rows, keys, generations, repeated, columns, epoch, start, stop)
+        if size > 1:
+            shares: list[Any] = [None] * size
+            dist.all_gather_object(shares, own, group=self.d.context_group)
+            own = Share.joined(shares, own.done)
+        return Scored(rows, own.done, own.completions, own.scores, combine(own.scores, self.rewards), own.error)
+
+    def sample_share(
+        self, rows: list[list[int]], keys: np.ndarray, generations: np.ndarray, repeated: list, columns: dict,
+        epoch: int, start: int, stop: int,
+    ) -> Share:  # fmt: skip
+        """Rows start..stop sampled and scored. An empty share samples row 0 as a stand-in, ended from its first
+        token (every rank runs the same decoding forwards), and keeps nothing of it."""
+        cfg = self.cfg
+        pick = slice(start, stop) if stop > start else slice(0, 1)
+        uniforms = sampling_uniforms(cfg.seed, epoch, keys[pick], generations[pick], cfg.max_new_tokens)
         done = generate(
-            self.policy, rows, uniforms, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self.stops, self.pad_id,
-            self.d.device, self.keep_gathered,
+            self.policy, rows[pick], uniforms, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self.stops,
+            self.pad_id, self.d.device, self.keep_gathered, stand_in=stop == start,
         )  # fmt: skip
+        if stop == start:
+            done = Completions([], [], 0.0, done.forwards, done.seconds)
         texts = [
             self.tokenizer.decode(t[:-1] if stopped else t, skip_special_tokens=True)
             for t, stopped in zip(done.tokens, done.stopped)
@@ -215,14 +267,15 @@ class GRPOObjective:
         completions: list[Any] = texts
         if self.prompts.conversational:
             completions = [[{"role": "assistant", "content": text}] for text in texts]
-        repeated = [p for p in prompts.prompts for _ in range(g)]
-        columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
-        error = None
-        try:
-            scores = score(self.rewards, repeated, completions, columns)
-        except RewardError as exc:
-            error, scores = str(exc), np.zeros((len(self.rewards), len(rows)))
-        return Scored(rows, done, completions, scores, combine(scores, self.rewards), error)
+        error, scores = None, np.zeros((len(self.rewards), 0))
+        if completions:  # a reward function never sees an empty batch
+            try:
+                scores = score(
+                    self.rewards, repeated[start:stop], completions, {k: v[start:stop] for k, v in columns.items()}
+                )
+            except RewardError as exc:
+                error, scores = str(exc), np.zeros((len(self.rewards), len(completions)))
+        return Share(done, completions, scores, error)
 
     def rollout_one(self, prompts: PromptBatch, epoch: int, first: bool) -> tuple[Batch, str | None]:
         g = self.group

@@ -178,13 +178,16 @@ def generate(
     device: torch.device,
     keep_gathered: bool,
     check_every: int = 8,
+    stand_in: bool = False,
 ) -> Completions:
     """Sampled completions of `prompts` (token ids; left-padded into one batch) on the FSDP-sharded model.
 
     Every rank must call it together (FSDP's all-gathers line up): each runs the same number of decoding forwards,
     stopping when every row of every rank has ended (agreed by an all-reduce every `check_every` tokens).
     keep_gathered: the decoder layers stay gathered from the first token to the last (one all-gather per layer per
-    call; the whole model's parameters in memory meanwhile) instead of being gathered again for every token."""
+    call; the whole model's parameters in memory meanwhile) instead of being gathered again for every token.
+    stand_in: the rows only keep this rank's forwards in line with the others' (a rank with nothing to sample):
+    they count as ended from the start, so they never hold the others back."""
     start = time.perf_counter()
     model = train_forward.model
     head = model.get_output_embeddings()
@@ -200,7 +203,7 @@ def generate(
     stop_ids = torch.tensor(sorted(stops), dtype=torch.int64, device=device)
     uniforms = uniforms.to(device)
     tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.int64, device=device)
-    ended = torch.zeros(rows, dtype=torch.bool, device=device)
+    ended = torch.full((rows,), stand_in, dtype=torch.bool, device=device)
     entropy = torch.zeros((), dtype=torch.float64, device=device)
     was_training = train_forward.training
     train_forward.eval()
