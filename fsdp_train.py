@@ -346,7 +346,7 @@ def train_loop(
                 micro_batches, trained = objective.begin_step(micro_batches, trained, state.epoch)
         lr = lr_at(state.step, cfg, last_step)
         updates = objective.updates if objective is not None else 1  # GRPO's --num-iterations: several
-        step_loss = torch.zeros((), device=d.device)
+        step_loss, norms = torch.zeros((), device=d.device), []
         for update in range(updates):
             if update:
                 objective.next_update()
@@ -354,8 +354,9 @@ def train_loop(
                 step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
             )
             with metrics.timer.phase("update"):
-                grad_norm = optimizer_step(bundle.model, optimizer, guard, cfg, lr)
+                norms.append(optimizer_step(bundle.model, optimizer, guard, cfg, lr))
             step_loss += loss_sum
+        grad_norm = torch.stack(norms)  # one per update
         state.advance(plan.global_batch, plan.steps_per_epoch)
 
         stats = objective.take_stats() if objective else None

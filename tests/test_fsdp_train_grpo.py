@@ -484,6 +484,10 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
     assert len(steps) == 2 and all(r["kl"] >= 0 for r in steps)
     # each step trained its completions twice (the second time with the ratio to the sampling policy)
     assert all(r["trained_tokens"] == pytest.approx(2 * 8 * r["completion_length"]) for r in steps)  # 2 x 4 completions
+    # grad_norm: the mean of the two updates' norms, each logged (they differ: the second update's weights moved)
+    for r in steps:
+        first, second = r["grad_norm/update_1"], r["grad_norm/update_2"]
+        assert first != second and r["grad_norm"] == pytest.approx((first + second) / 2, rel=1e-12)
     assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
 
 

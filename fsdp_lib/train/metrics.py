@@ -194,20 +194,25 @@ class Metrics:
         return step % self.cfg.log_freq == 0
 
     def emit(self, state: TrainState, lr: float, grad_norm: torch.Tensor, skipped_steps: int) -> dict:
+        """The window's log record. grad_norm: the last step's gradient norm, or one per optimizer update of it
+        (GRPO's --num-iterations): their mean, and each as grad_norm/update_K."""
         # The one host sync of the window: global loss sums across ranks, then .item().
         sums = torch.stack([self.last_loss, self.window_loss]).to(self.d.device)
         dist.all_reduce(sums)
         elapsed = time.perf_counter() - self.window_start
         step_sum, window_sum = sums.tolist()
+        norms = grad_norm.double().flatten().tolist()
         record = {
             "step": state.step,
             "epoch": self.epoch_progress(state),
             "loss": step_sum / max(1, self.last_trained),
             "loss_avg": window_sum / max(1, self.window_trained),
             "lr": lr,
-            "grad_norm": float(grad_norm.item()),
+            "grad_norm": sum(norms) / len(norms),
             "skipped_steps": skipped_steps,
         }
+        if len(norms) > 1:
+            record.update({f"grad_norm/update_{k}": norm for k, norm in enumerate(norms, 1)})
         record["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed  # all tokens, trained or not
         record["trained_tokens"] = self.window_trained
         record["trained_tokens_per_s"] = self.window_trained / elapsed
