@@ -380,6 +380,28 @@ def test_long_context_planner_arithmetic():
     assert tiled == per_token - (4 * 8192 - 2048 - 4 * 8192 // 8) * 2
     assert offloaded == tiled - 15 * 2048 * 2 and offloaded_bytes_per_token(2048, 8192, 16, 512) == 16 * 2048 * 2
     assert longest_sequence(80e9, state, offloaded, 0, 1, 1) > 2 * longest_sequence(80e9, state, per_token, 0, 1, 1)
+    # --context-parallel 16 over 8 key/value heads: each head copied to 2 processes, so attention saves twice the k
+    # and v per token, and the all-to-alls move twice as much of them
+    copied = activation_bytes_per_token(2048, 8192, 16, 512, context_parallel=16, kv_copies=2)
+    assert copied - activation_bytes_per_token(2048, 8192, 16, 512, context_parallel=16) == (2 + 2 * 2) * 512 * 2
+
+
+def test_the_dry_runs_long_context_plan_counts_copied_key_value_heads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.model.build import long_context_plan
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=256)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    plans = {n: long_context_plan(model, TrainConfig(seq_length=4096, context_parallel=n), 1e9) for n in (1, 2, 4)}
+    per_token = {
+        n: float(re.search(r"activations per GPU: ([\d.]+) KB/token", plan).group(1)) for n, plan in plans.items()
+    }
+    assert "copied" not in plans[1] and "each key/value head copied to 2 processes" in plans[2], plans[2]
+    assert "each key/value head copied to 4 processes" in plans[4] and per_token[4] > per_token[2] > per_token[1]
 
 
 def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_model):

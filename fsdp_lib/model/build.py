@@ -411,20 +411,26 @@ def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float) ->
     config = model.config.get_text_config()
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_copies = max(1, cfg.context_parallel // kv_heads)  # varlen.py's copies of each key/value head
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
     checkpointing, offload = cfg.activation_checkpointing == "on", cfg.activation_offload == "on"
-    shapes = (hidden, intermediate, layers, kv_dim)
+    shapes = (hidden, intermediate, layers, kv_heads * head_dim)
     per_token = activation_bytes_per_token(
-        *shapes, checkpointing, cfg.context_parallel, offload=offload, mlp_tiles=cfg.tiled_mlp
+        *shapes, checkpointing, cfg.context_parallel, offload=offload, mlp_tiles=cfg.tiled_mlp, kv_copies=kv_copies
     )
-    host = offloaded_bytes_per_token(*shapes, checkpointing, mlp_tiles=cfg.tiled_mlp) if offload else 0
+    host = (
+        offloaded_bytes_per_token(*shapes, checkpointing, mlp_tiles=cfg.tiled_mlp, kv_copies=kv_copies)
+        if offload
+        else 0
+    )
     vocab = model.get_input_embeddings().num_embeddings
     chunk = loss_chunk_tokens(cfg.loss_chunk_tokens, vocab) or cfg.seq_length * cfg.batch_size
     fixed = min(chunk, cfg.seq_length * cfg.batch_size) * vocab * 4
     return format_long_context_plan(
-        per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel, host, cfg.tiled_mlp
-    )
+        per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel, host, cfg.tiled_mlp,
+        kv_copies,
+    )  # fmt: skip
 
 
 def dry_run(cfg: TrainConfig, world_size: int) -> int:

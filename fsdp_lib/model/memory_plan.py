@@ -160,6 +160,7 @@ def activation_bytes_per_token(
     compute_bytes: int = 2,
     offload: bool = False,
     mlp_tiles: int = 1,
+    kv_copies: int = 1,
 ) -> int:
     """Activation bytes per token a GPU holds at the peak of a step, with varlen attention (nothing grows with
     the sequence squared; the dense document mask would add T x T bytes per row).
@@ -176,7 +177,12 @@ def activation_bytes_per_token(
     --tiled-mlp N: a layer saves its MLP's input (hidden) instead of the 4 x intermediate, and one tile's
     4 x intermediate / N exists at a time. --activation-offload: what the layers save goes to host memory
     (offloaded_bytes_per_token), and the GPU holds one layer's worth at a time, while it runs or is recomputed
-    (with checkpointing, that layer's input brought back too). Not yet checked against a GPU measurement."""
+    (with checkpointing, that layer's input brought back too). Not yet checked against a GPU measurement.
+
+    kv_copies: --context-parallel above the key/value heads copies each head to degree / kv-heads processes before
+    the all-to-all (varlen.py), so the k and v that attention saves, and their all-to-all copies, are kv_copies x
+    kv_dim per token of this process's part."""
+    kv_dim *= kv_copies
     transient = 4 * intermediate // mlp_tiles if mlp_tiles > 1 else 0
     one_layer = _saved_per_layer(hidden, intermediate, kv_dim, mlp_tiles) * compute_bytes
     if offload:
@@ -189,13 +195,13 @@ def activation_bytes_per_token(
 
 def offloaded_bytes_per_token(
     hidden: int, intermediate: int, layers: int, kv_dim: int, checkpointing: bool = True, compute_bytes: int = 2,
-    mlp_tiles: int = 1,
+    mlp_tiles: int = 1, kv_copies: int = 1,
 ) -> int:  # fmt: skip
     """Host memory per token that --activation-offload fills: every layer's saved tensors (with checkpointing,
-    every layer's input)."""
+    every layer's input; kv_copies as in activation_bytes_per_token)."""
     if checkpointing:
         return layers * hidden * compute_bytes
-    return layers * _saved_per_layer(hidden, intermediate, kv_dim, mlp_tiles) * compute_bytes
+    return layers * _saved_per_layer(hidden, intermediate, kv_dim * kv_copies, mlp_tiles) * compute_bytes
 
 
 def _saved_per_layer(hidden: int, intermediate: int, kv_dim: int, mlp_tiles: int) -> int:
@@ -225,6 +231,7 @@ def format_long_context_plan(
     context_parallel: int,
     offloaded_per_token: int = 0,
     mlp_tiles: int = 1,
+    kv_copies: int = 1,
 ) -> str:
     """The activation line of --dry-run and the longest sequence per GPU size, with the rule."""
     tokens = micro_batch * seq_length // context_parallel
@@ -237,6 +244,7 @@ def format_long_context_plan(
         f"with the model state ({format_bytes(state_bytes)}): {format_bytes(state_bytes + fixed_bytes + per_token * tokens)}",
         "  rule (activation_bytes_per_token): checkpointed layer inputs + one layer's saved tensors at a time + the "
         "loss's hidden-state gradient (+ the all-to-all copies with --context-parallel"
+        + (f", each key/value head copied to {kv_copies} processes" if kv_copies > 1 else "")
         + (", one MLP tile's intermediate with --tiled-mlp" if mlp_tiles > 1 else "")
         + (", the layers' saved tensors in host memory with --activation-offload" if offloaded_per_token else "")
         + "); no T x T term (varlen)",
