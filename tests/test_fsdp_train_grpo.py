@@ -471,14 +471,19 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
         *io_args("lora", tmp_path / "chat", model, tmp_path), *BASE_FLAGS, "--seq-length", "64",
         "--reward", f"{grpo_inputs['rewards']}:chat", "--num-generations", "4", "--max-new-tokens", "6", "-b", "1",
         "--max-steps", "2", "--peft", "lora", "--grpo-beta", "0.04", "--lr", "1e-3", "--num-iterations", "2",
+        "--reward", f"{grpo_inputs['rewards']}:tally", "--reward-weights", "1,0",
     ]  # fmt: skip
-    proc = run_trainer(args)
+    tally = tmp_path / "tally.txt"
+    proc = run_trainer(args, env={"GRPO_TALLY": str(tally)})
     log = output_of(proc)
     assert proc.returncode == 0, log
     assert "KL beta 0.04 to the model with adapters off" in log and "3 validation prompts" in log
     records = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     evaluations = {r["step"]: r for r in records if "val_reward" in r}
     assert set(evaluations) == {0, 2} and all(r["val_completions"] == 12 for r in evaluations.values())
+    # every completion scored once: 2 steps x 2 processes x 4, 2 evaluations x 3 prompts x 4 (the process left
+    # without a third prompt decodes a stand-in that no reward function sees)
+    assert sum(int(line.split()[1]) for line in tally.read_text().splitlines()) == 16 + 24
     steps = [r for r in records if "reward" in r]
     assert "val_rewards/chat" in evaluations[2] and "rewards/chat" in steps[-1]
     assert len(steps) == 2 and all(r["kl"] >= 0 for r in steps)

@@ -227,17 +227,19 @@ class GRPOObjective:
         normaliser = {"grpo": sequences, "dapo": tokens, "dr_grpo": sequences * self.cfg.max_new_tokens}
         return out, max(1, normaliser[self.cfg.grpo_loss])
 
-    def sample_and_score(self, prompts: PromptBatch, epoch: int) -> Scored:
+    def sample_and_score(self, prompts: PromptBatch, epoch: int, stand_in: bool = False) -> Scored:
         """--num-generations completions of each prompt, sampled with the streams of `epoch`, and their rewards.
         Under --context-parallel the ranks of a context group hold the same prompts: each samples and scores its
-        share of the completions (context_rows), then they exchange them, so every rank holds all of them."""
+        share of the completions (context_rows), then they exchange them, so every rank holds all of them.
+        stand_in: `prompts` only keep this rank's forwards in line with the others' (nothing sampled is kept, no
+        reward function runs)."""
         g, size = self.group, self.d.context_size
         rows = [ids for ids in prompts.ids for _ in range(g)]
         keys = np.repeat(np.asarray(prompts.indices, dtype=np.int64), g)
         generations = np.tile(np.arange(g, dtype=np.int64), len(prompts.ids))
         repeated = [p for p in prompts.prompts for _ in range(g)]
         columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
-        start, stop = context_rows(len(rows), size, self.d.context_rank)
+        start, stop = (0, 0) if stand_in else context_rows(len(rows), size, self.d.context_rank)
         own = self.sample_share(rows, keys, generations, repeated, columns, epoch, start, stop)
         if size > 1:
             shares: list[Any] = [None] * size
@@ -299,13 +301,13 @@ class GRPOObjective:
         """The held-out prompts' mean reward (combined and per function) and completion length, --num-generations
         completions each, sampled with the validation streams (the same numbers at every evaluation, so the figures
         of two evaluations differ by the model only). Every rank runs as many generations (a rank without a prompt
-        left generates for a stand-in and counts nothing): the ranks' forwards must line up."""
+        left decodes a stand-in that ends at once, scores nothing and counts nothing): the forwards must line up."""
         count = len(prompts) if not cfg.eval_max_blocks else min(len(prompts), cfg.eval_max_blocks)
         sums = np.zeros(3 + 2 * len(self.rewards))  # completions, reward, completion tokens, per function: sum, count
         error = None
         with eagerly():
             for idx in evaluation_shares(count, cfg.batch_size, d):
-                got = self.sample_and_score(prompts.gather(idx or [0]), VALIDATION_EPOCH)
+                got = self.sample_and_score(prompts.gather(idx or [0]), VALIDATION_EPOCH, stand_in=not idx)
                 error = error or got.error
                 real = len(idx) * self.group
                 sums[:3] += [real, got.rewards[:real].sum(), sum(len(t) for t in got.done.tokens[:real])]
