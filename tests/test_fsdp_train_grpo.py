@@ -23,6 +23,7 @@ from fsdp_lib.train.rewards import (
     final_answer,
     format_reward,
     load_reward,
+    load_rewards,
     reward_problems,
     score,
 )
@@ -161,6 +162,22 @@ def test_builtin_rewards_read_boxed_answers_last_numbers_and_the_format():
     assert accuracy_reward(["a"], ["7"]) == [None]  # no reference column: not applicable
     fmt = format_reward(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*")
     assert fmt([], ["<think>a\nb</think> <answer>7</answer>", "<answer>7</answer>"]) == [1.0, 0.0]
+
+
+def test_a_reward_file_is_imported_once_per_process_and_content(tmp_path):
+    """The start-up check, the objective and two functions of one file share one import (its top level runs once);
+    a file whose content changed is imported again."""
+    log = tmp_path / "imports.txt"
+    body = f"open({str(log)!r}, 'a').write('imported\\n')\ndef f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    path = tmp_path / "counted.py"
+    path.write_text(body + "g = f\n")
+    specs = [f"{path}:f", f"{path}:g"]
+    assert reward_problems(specs, "", ".*") == []
+    functions = load_rewards(specs, "", ".*")
+    assert [r.label for r in functions] == ["f", "g"] and log.read_text() == "imported\n"
+    path.write_text(body + "g = f  # edited\n")
+    load_rewards(specs, "", ".*")
+    assert log.read_text() == "imported\n" * 2
 
 
 def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):

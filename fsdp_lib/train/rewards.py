@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -135,19 +136,32 @@ def load_reward(spec: str, weight: float, pattern: str) -> RewardFunction:
     path = Path(path_text)
     if not path.is_file():
         raise ValueError(f"--reward {spec}: no file {path}")
-    module_name = f"reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
-    try:
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader)  # type: ignore[arg-type]
-        loader.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as exc:  # noqa: BLE001 - the user's file: any error in it is theirs to fix, named here
-        raise ValueError(f"--reward {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    module = _import_reward_file(spec, path, digest)
     function = getattr(module, function_name, None)
     if not callable(function):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
         raise ValueError(f"--reward {spec}: {path} has no function {function_name!r} (it has: {', '.join(found)})")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return RewardFunction(spec, function, weight, f"{path.name}:{function_name}:{digest}")
+
+
+_IMPORTED: dict[tuple[str, str], ModuleType] = {}  # (resolved path, content digest) -> the module
+
+
+def _import_reward_file(spec: str, path: Path, digest: str) -> ModuleType:
+    """The reward file as a module, imported once per process and content (the start-up check, the objective and
+    several --reward functions of one file share it, so its top level runs once)."""
+    key = (str(path.resolve()), digest)
+    if key not in _IMPORTED:
+        module_name = f"reward_{hashlib.sha256(key[0].encode()).hexdigest()[:12]}"
+        try:
+            loader = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(loader)  # type: ignore[arg-type]
+            loader.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - the user's file: any error in it is theirs to fix, named here
+            raise ValueError(f"--reward {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
+        _IMPORTED[key] = module
+    return _IMPORTED[key]
 
 
 def load_rewards(specs: list[str], weights_text: str, pattern: str) -> list[RewardFunction]:
