@@ -170,6 +170,10 @@ def test_qlora_base_is_4bit_in_memory_trains_and_exports(peft_inputs, tmp_path):
     # rank 0's NF4 weights: 4-bit codes + an 8-bit scale per 64 + an fp32 factor per 256 scales = 0.516 B/weight
     assert report["nf4_numel"] > 0 and report["nf4_bytes"] / report["nf4_numel"] < 0.55
     assert "kept in the compute dtype" not in out  # 256 and 640 wide: every decoder Linear is whole NF4 blocks
+    # each rank read and quantised its own rows of every NF4 weight (none whole), and holds exactly the rows that
+    # quantising the whole weight gives (the double quantisation's tensor-wide mean from every rank's scales)
+    assert report["nf4_fills"]["rows"] == 2 * 7 and report["nf4_fills"]["whole"] == 0, report["nf4_fills"]
+    assert report["nf4_as_whole"]
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

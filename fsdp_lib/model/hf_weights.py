@@ -24,7 +24,7 @@ from fsdp_lib.errors import TrainError
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.float8 import high_precision
 from fsdp_lib.model.hf_files import hf_weight_files
-from fsdp_lib.model.quantize import fill_nf4_shard, is_nf4
+from fsdp_lib.model.quantize import fill_nf4_rows, fill_nf4_shard, is_nf4, shard_rows
 from fsdp_lib.runtime import Dist, log
 
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B")
@@ -184,7 +184,8 @@ def load_pretrained_sharded(
 ) -> None:
     """Load the folder's weights into the shards, equal bit for bit to from_pretrained. `files` and `fmt`: what
     weight_keys found in model_dir. Peft adapters are not in the files (adapters.py fills them); QLoRA's NF4
-    weights are read whole, one at a time, and quantised (quantize.fill_nf4_shard keeps this rank's rows).
+    weights are quantised one at a time: from this rank's rows of a safetensors file (quantize.fill_nf4_rows),
+    else read whole (quantize.fill_nf4_shard keeps this rank's rows).
 
     Renamed tensors: each rank reads only its own slices (DCP's Hugging Face reader, memory-mapped), from
     `threads` files at once where the installed torch's reader takes a thread count.
@@ -194,6 +195,7 @@ def load_pretrained_sharded(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     plan = plan_weight_load(model, files)
     params = {base_fqn(n): p for n, p in model.named_parameters()}
@@ -211,8 +213,13 @@ def load_pretrained_sharded(
         _load_bin_slices(by_file_key, model_dir)
     with torch.no_grad(), contextlib.ExitStack() as open_files:
         handles: dict = {}
-        for name in sorted(whole):  # one tensor at a time
-            copy_into_shard(state[name], _read_whole_tensor(plan.files, open_files, handles, plan.renamed[name]))
+        for name in sorted(whole):  # one tensor at a time, in the same order on every rank (fill_nf4_rows gathers)
+            target, key = state[name], plan.renamed[name]
+            if isinstance(target, DTensor) and plan.files[key].suffix == ".safetensors":  # this rank's rows only
+                start, stop = shard_rows(target)
+                fill_nf4_rows(target, _open(plan.files, open_files, handles, key).get_slice(key)[start:stop])
+            else:
+                copy_into_shard(target, _read_whole_tensor(plan.files, open_files, handles, key))
     _load_converted(model, plan, state)
     model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
 
@@ -242,6 +249,13 @@ def _load_converted(model: nn.Module, plan: WeightLoadPlan, state: dict[str, Any
 
 
 def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack, handles: dict, key: str) -> Any:
+    handle = _open(files, open_files, handles, key)
+    return handle.get_tensor(key) if files[key].suffix == ".safetensors" else handle[key]
+
+
+def _open(files: dict[str, Path], open_files: contextlib.ExitStack, handles: dict, key: str) -> Any:
+    """The open file that holds `key` (safetensors: memory-mapped, read per tensor or slice; .bin: its state dict,
+    memory-mapped), opened once per load."""
     from safetensors import safe_open
 
     path = files[key]
@@ -250,8 +264,7 @@ def _read_whole_tensor(files: dict[str, Path], open_files: contextlib.ExitStack,
             handles[path] = open_files.enter_context(safe_open(str(path), framework="pt"))
         else:
             handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    handle = handles[path]
-    return handle.get_tensor(key) if path.suffix == ".safetensors" else handle[key]
+    return handles[path]
 
 
 def copy_into_shard(target: Any, full: torch.Tensor) -> None:

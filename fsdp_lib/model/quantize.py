@@ -2,9 +2,12 @@
 blocks' scales quantised again to 8 bits in blocks of 256: double quantisation). It is FSDP2-aware: fully_shard
 splits it by rows and all-gathers its 4-bit data, and F.linear on it dequantises to the compute dtype.
 
-The weights are made NF4 on the meta device before sharding, and filled while loading one tensor at a time: each
-rank quantises the whole tensor and keeps its rows, so every rank's rows share the tensor's one scale mean and the
-all-gathered weight is the same on every rank and at any process count."""
+The weights are made NF4 on the meta device before sharding, and filled while loading one tensor at a time. A
+rank that can read its own rows (safetensors) quantises those only: each 64-weight block's scale is its own rows',
+and the one tensor-wide mean of the scales that double quantisation centres them on is taken over every rank's
+scales, all-gathered (fill_nf4_rows). Otherwise each rank quantises the whole tensor and keeps its rows
+(fill_nf4_shard). Both give every rank exactly the rows that quantising the whole tensor gives, so the all-gathered
+weight is the same on every rank and at any process count."""
 
 from __future__ import annotations
 
@@ -89,6 +92,45 @@ def fill_nf4_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         local.copy_(quantized)
     # copy_ fills the sharded data; the tensor-wide scale mean and the NF4 code table were left on meta by to_empty
     local.scaler_mean = quantized.scaler_mean.clone()
+    local.nf4 = quantized.nf4.clone()
+
+
+def shard_rows(target: torch.Tensor) -> tuple[int, int]:
+    """[start, stop) of the rows this rank holds of an NF4 weight sharded on dim 0 over a 1-D mesh (quantizable():
+    the rows split evenly)."""
+    mesh = target.device_mesh
+    per_rank = target.shape[0] // mesh.size()
+    return mesh.get_local_rank() * per_rank, (mesh.get_local_rank() + 1) * per_rank
+
+
+def fill_nf4_rows(target: torch.Tensor, rows: torch.Tensor) -> None:
+    """Quantise this rank's rows of an NF4 weight (`rows`: the shard_rows(target) rows of the full weight) into its
+    DTensor shard `target`, exactly as quantising the whole weight and keeping these rows would (fill_nf4_shard):
+    the 4-bit codes and each block's scale depend on the block alone; the double quantisation of the scales
+    depends also on their mean over the whole tensor, computed here from every rank's scales, all-gathered in rank
+    order (1/64 of the weight's values), with the same reduction as for the whole tensor."""
+    import torch.distributed as dist
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    local = target._local_tensor
+    own = rows.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
+    quantized = to_nf4(own, BLOCK, SCALER_BLOCK)  # the codes as the whole tensor's; the scales centred on own mean
+    scales = own.flatten().view(-1, BLOCK).abs().amax(dim=1)  # each block's absmax, the first quantisation
+    group = target.device_mesh.get_group()
+    # gathered on the accelerator where there is one (the mesh's backend; the shard may sit in host memory with
+    # --cpu-offload), the mean taken where the shard is, as for the whole tensor
+    comm = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else own.device
+    every = [torch.empty_like(scales, device=comm) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, scales.to(comm), group=group)
+    mean = torch.cat(every).to(own.device).mean()
+    centred = (scales - mean).view(-1, SCALER_BLOCK)
+    factor = 256 / (2 * centred.abs().amax(dim=1))  # per block of 256 scales: to int8
+    codes = (centred * factor[:, None]).round().clamp(-128, 127).flatten().to(torch.int8)
+    with torch.no_grad():  # inner tensor by inner tensor: a shard keeps the whole tensor's block count, which an
+        local.quantized_data.copy_(quantized.quantized_data)  # NF4 copy_ would check against these rows' own
+        local.quantized_scalers.copy_(codes)
+        local.quantization_factor.copy_(factor)
+    local.scaler_mean = mean.clone()
     local.nf4 = quantized.nf4.clone()
 
 
