@@ -182,3 +182,19 @@ def test_families_that_ignore_packed_position_ids_get_a_block_mask_or_are_refuse
             works.append(False)
     chosen = next((mode for mode, ok in zip(("position_ids", "one_row", "block_mask"), works) if ok), None)
     assert chosen == expected
+
+
+def test_a_sliding_window_model_is_never_given_one_block_mask_for_every_layer():
+    """The block_mask route hands every layer one [T x T] mask, which would drop a sliding window; the start-up probe
+    (documents shorter than any window) cannot see that, so the chooser skips the route for a model with a window
+    that some layer uses."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+
+    from fsdp_lib.model.probes import sliding_window
+
+    assert sliding_window(MistralConfig(sliding_window=16)) == 16 and sliding_window(Gemma2Config()) == 4096
+    qwen = {"use_sliding_window": True, "sliding_window": 64, "num_hidden_layers": 2}
+    assert sliding_window(Qwen2Config(**qwen, max_window_layers=1)) == 64  # layer 1 slides
+    assert sliding_window(Qwen2Config(**qwen)) is None  # max_window_layers 28: no layer of 2 slides
+    for no_window in (MistralConfig(sliding_window=None), Qwen2Config(), OPTConfig(), LlamaConfig()):
+        assert sliding_window(no_window) is None, type(no_window).__name__

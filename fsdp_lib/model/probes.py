@@ -5,6 +5,8 @@ loading the weights, and they replace lists of architectures or config keys that
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fsdp_lib.data.batch import Batch
@@ -89,6 +91,19 @@ def check_chunked_head(train_forward: CausalLMLoss, vocab_size: int, precision: 
     return None
 
 
+def sliding_window(config: Any) -> int | None:
+    """The model's sliding-window length where some attention layer uses one, else None (a window in the config
+    that use_sliding_window turns off, or that no layer type uses, does not count)."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if not window or getattr(text, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precision: str, d: Dist) -> str:
     """The first way of telling the model where packed documents start under which a document's logits are those
     it has alone: not moved by a change in the document before it, and equal to the same document at the start
@@ -102,7 +117,11 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
     if first and train_forward.router_kwargs and not train_forward.chunk:
         problems.append("varlen: the model's own MoE router loss (full logits, no loss chunks) cannot read its mask")
         first = ()
+    window = sliding_window(train_forward.model.config)
     for mode in first + others:
+        if mode == "block_mask" and window:  # the probe's documents are shorter than any window: it cannot see this
+            problems.append(f"block_mask: one [T x T] mask for every layer would drop the sliding window ({window})")
+            continue
         train_forward.document_masking = mode
         try:
             leak, apart = document_leaks(train_forward, vocab_size, d.device)
