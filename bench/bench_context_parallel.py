@@ -25,8 +25,10 @@ use, so the time ratio says little here).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,22 @@ ALLOCATORS = {  # glibc malloc settings (environment), see the docstring
     "default": {},
     "tight": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
 }
+
+
+@contextlib.contextmanager
+def malloc_settings(env: dict[str, str]) -> Iterator[None]:
+    """glibc's malloc variables of ALLOCATORS exactly as `env` says (any of them the caller's environment set are
+    unset meanwhile, so "default" is glibc's default), restored afterwards."""
+    names = {name for setting in ALLOCATORS.values() for name in setting}
+    saved = {name: os.environ.pop(name, None) for name in names}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def run_setting(work: Path, dataset: Path, model: Path, seq: int, name: str, steps: int) -> dict[str, Any]:
@@ -76,16 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     with work_folder(args, "bench_cp_") as work:
         dataset, model = make_inputs(work, p["corpus_chars"], max(p["seqs"]))
         for allocator, env in ALLOCATORS.items():
-            os.environ.update(env)  # inherited by the launches
-            for seq in (BASE_SEQ, *p["seqs"]):
-                for name in SETTINGS:
-                    key = f"{allocator} {seq} {name}"
-                    results[key] = {"allocator": allocator, "seq": seq, "setting": name}
-                    results[key] |= run_setting(work, dataset, model, seq, name, p["steps"])
-                    r = results[key]
-                    print(f"  {key}: " + (f"{r['step_s']:.2f} s/step" if r["status"] == "ok" else r["status"]))
-            for variable in env:
-                del os.environ[variable]
+            with malloc_settings(env):  # inherited by the launches
+                for seq in (BASE_SEQ, *p["seqs"]):
+                    for name in SETTINGS:
+                        key = f"{allocator} {seq} {name}"
+                        results[key] = {"allocator": allocator, "seq": seq, "setting": name}
+                        results[key] |= run_setting(work, dataset, model, seq, name, p["steps"])
+                        r = results[key]
+                        print(f"  {key}: " + (f"{r['step_s']:.2f} s/step" if r["status"] == "ok" else r["status"]))
     rows, verdicts = [], []
     for allocator in ALLOCATORS:
         for seq in p["seqs"]:

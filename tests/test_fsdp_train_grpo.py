@@ -112,11 +112,13 @@ def test_a_context_group_splits_the_completions_into_contiguous_shares_and_joins
         done = Completions(tokens, [t[-1] == 9 for t in tokens], entropy, forwards=3, seconds=1.0)
         return Share(done, [str(t) for t in tokens], np.array([[float(len(t)) for t in tokens]]), error)
 
-    empty = share([], 0.0)
-    joined = Share.joined([share([[1, 9], [2]], 0.5), empty, share([[3, 3, 9]], 0.25, "boom")], empty.done)
+    shares = [share([[1, 9], [2]], 0.5), share([], 0.0), share([[3, 3, 9]], 0.25, "boom")]
+    joined = Share.joined(shares, shares[1])
     assert joined.done.tokens == [[1, 9], [2], [3, 3, 9]] and joined.done.stopped == [True, False, True]
     assert joined.done.entropy_sum == 0.75 and joined.completions == ["[1, 9]", "[2]", "[3, 3, 9]"]
-    assert joined.scores.tolist() == [[2.0, 1.0, 3.0]] and joined.error == "boom"
+    assert joined.scores.tolist() == [[2.0, 1.0, 3.0]]
+    # a reward function's failure stays with the rank whose share it failed on (the stop message names that rank)
+    assert joined.error is None and Share.joined(shares, shares[2]).error == "boom"
 
 
 # -- the objective's formulas, in float64 -------------------------------------------------------------------------

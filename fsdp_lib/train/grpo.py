@@ -91,18 +91,19 @@ class Share:
     error: str | None
 
     @staticmethod
-    def joined(shares: list[Share], own: Completions) -> Share:
-        """The context group's shares in rank order as one; the decoding forwards and seconds are this rank's."""
+    def joined(shares: list[Share], own: Share) -> Share:
+        """The context group's shares in rank order as one; the decoding forwards and seconds are this rank's, and
+        so is the error (a reward function failing on another rank's share is that rank's to report, so the
+        message names the rank it failed on)."""
         done = Completions(
             [t for s in shares for t in s.done.tokens],
             [b for s in shares for b in s.done.stopped],
             sum(s.done.entropy_sum for s in shares),
-            own.forwards,
-            own.seconds,
+            own.done.forwards,
+            own.done.seconds,
         )
         completions = [c for s in shares for c in s.completions]
-        error = next((s.error for s in shares if s.error), None)
-        return Share(done, completions, np.concatenate([s.scores for s in shares], axis=1), error)
+        return Share(done, completions, np.concatenate([s.scores for s in shares], axis=1), own.error)
 
 
 def group_advantages(rewards: np.ndarray, group: int, scale: bool) -> np.ndarray:
@@ -244,7 +245,7 @@ class GRPOObjective:
         if size > 1:
             shares: list[Any] = [None] * size
             dist.all_gather_object(shares, own, group=self.d.context_group)
-            own = Share.joined(shares, own.done)
+            own = Share.joined(shares, own)
         return Scored(rows, own.done, own.completions, own.scores, combine(own.scores, self.rewards), own.error)
 
     def sample_share(

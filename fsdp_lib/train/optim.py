@@ -84,10 +84,10 @@ class BadStepGuard:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise), read as the attribute DTensor keeps it in: to_local()
-    is an autograd call (~6 us on CPU), and a step over 224 tensors makes ~1,100 of them (parameters, gradients
-    twice, two moments): most of such a step's time. For tensors outside autograd (gradients, the step's
-    in-place updates), where the two are the same tensor."""
+    """A DTensor's local shard (the tensor itself otherwise), read as the attribute DTensor keeps it in. to_local()
+    is an autograd call where grad mode is on (~6 us on CPU: the gradient norm's 224 calls over LoRA's tensors,
+    1.3 ms) and costs 0.2-1.7 us under no_grad (the step's ~900); the attribute costs nothing. For tensors outside
+    autograd (gradients, the step's in-place updates), where the two are the same tensor."""
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
