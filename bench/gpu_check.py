@@ -1,7 +1,7 @@
 """Every GPU claim of the README and BENCHMARKS.md checked by one command on a lent GPU (issue 32), in sections that
 each fit 8 minutes on one H100: figures, a claims table, and exit code 1 when a claim fails.
 
-    python bench/gpu_check.py                              # every section (~19 minutes on one H100: split it, below)
+    python bench/gpu_check.py                              # every section (~26 minutes on one H100: split it, below)
     python bench/gpu_check.py --section kernels,mfu        # some sections (--section may also be repeated)
     python bench/gpu_check.py --dry-run                    # CPU, ~30-45 s: every section's plumbing, tiny preset
 
@@ -59,6 +59,13 @@ launch.run_trainer or the bench that owns the measurement; a generated corpus, n
   per step), activation checkpointing on, 4 steps (the first skipped): generation tokens/s, step and generation time,
   the CUDA peak; against transformers' `generate` on an unsharded bf16 copy of the same weights (same prompts,
   sampling and lengths, -b prompts x 8 per call, one warm-up call). Claim: our generation tokens/s >= generate's.
+- longctx (issue 33; not yet run on a GPU, ~4 launches of the 1B preset, estimated 6-8 min): the longest sequence
+  the 1B preset trains at on this GPU, -b 1, activation checkpointing on, document masking on (best kernel), 2
+  steps, on a 10M-character corpus, the model's positions raised to the longest length: plain at 262,144 then
+  393,216 tokens, and with `--activation-offload on --tiled-mlp 8` at 786,432 then 1,048,576 (around `--dry-run`'s
+  planner figures for 80 GB: ~340k plain, ~1M offloaded and tiled); each setting stops at its first length that
+  does not fit (an out-of-memory exit, recorded as "does not fit"). Reported, no goal: the issue's 500k-token goal
+  is ALST's for Llama-3.1-8B, whose full fine-tuning state does not fit one GPU (not measured here).
 
 Figures are fsdp_train.py's own metrics.jsonl (tokens_per_s, mfu, mem_peak_alloc_gb), as bench_mfu.py reads them:
 the first window (warm-up, compilation) skipped, the median of the others (peak: their highest).
@@ -70,11 +77,12 @@ that raises is reported as failed with its error, and the others still run); a c
 (passed null, with the reason) does not fail the run.
 
 --dry-run: on CPU (GPUs hidden), fp32, a small Llama (hidden 256, 2 layers, bf16 weights), seq 64-128, 4-6 steps,
-MFU against a nominal 1 TFLOP/s, and only 3 launches (~30 s): kernels' varlen row, which is also mfu's row (identical
+MFU against a nominal 1 TFLOP/s, and only 4 launches (~35 s): kernels' varlen row, which is also mfu's row (identical
 settings, launched once), and resume's killed run and its rerun (the steps trained twice compared). The other rows
 read "not launched in --dry-run": peft's launches (bench_peft.run_mode) are what bench_peft.py --quick's smoke test
 runs, dpo's (bench_dpo.run_ours) what bench_dpo.py --quick's runs, grpo's fsdp_train.py launch what bench_grpo.py
---quick's runs (its transformers baseline: GPU only), fp8's what tests/test_fsdp_train_float8.py runs. The
+--quick's runs (its transformers baseline: GPU only), fp8's what tests/test_fsdp_train_float8.py runs; longctx
+launches its offload row at seq 512 (a 4th launch). The
 claims are evaluated and marked "dry run": they never fail the exit code; a crashed section or
 launch does.
 """
@@ -104,7 +112,7 @@ from common import REPO_ROOT, format_table, machine_info, median
 from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
 from launch import LaunchError, gpus_hidden, run_trainer, torchrun
 
-SECTIONS = ("kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo")
+SECTIONS = ("kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo", "longctx")
 DEFAULT_OUT = REPO_ROOT / "outputs" / "gpu_check"
 DEFAULT_BUDGET_S = 480.0
 LOSS_RTOL = 2e-2
@@ -125,6 +133,8 @@ GPU_PLAN: dict[str, Any] = {
     "dpo": bench_dpo.GPU_FULL,
     "resume": {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 512, "batch": 4, "steps": 20, "ckpt": 5, "kill": 15},
     "grpo": {"prompts": 64, "prompt_words": 60, "seq": 1024, "new": 256, "group": 8, "batch": 4, "steps": 4},
+    # around --dry-run's planner figures for the 1B preset on 80 GB: ~340k tokens plain, ~1M tiled and offloaded
+    "longctx": {"corpus_chars": 10_000_000, "plain": (262144, 393216), "offload": (786432, 1048576), "tiles": 8},
     "min_launch_s": 60.0,
 }
 DRY_PLAN: dict[str, Any] = {
@@ -138,6 +148,7 @@ DRY_PLAN: dict[str, Any] = {
     "dpo": {**bench_dpo.CPU_QUICK, "label": "CPU, 1 process (dry run)", "nproc": 1, "pairs": 8, "precision": "fp32"},
     "resume": {"seq": 64, "batch": 2, "steps": 6, "ckpt": 2, "kill": 4},
     "grpo": {"prompts": 16, "prompt_words": 12, "seq": 128, "new": 16, "group": 4, "batch": 2, "steps": 3},
+    "longctx": {"corpus_chars": 0, "plain": (256,), "offload": (512,), "tiles": 2},
     "min_launch_s": 0.0,
     "peak_tflops": 1.0,  # nominal: a CPU has no datasheet peak; proves the MFU plumbing, not a figure
     # the rows a dry run launches where a section has several; the others: "not launched in --dry-run"
@@ -145,7 +156,15 @@ DRY_PLAN: dict[str, Any] = {
     # (grpo: none; fsdp_train.py's GRPO launch is what tests/test_bench_smoke.py's bench_grpo --quick test runs)
     # (fp8: none; tests/test_fsdp_train_float8.py runs --fp8 emulate)
     # (peft: none; its launch, bench_peft.run_mode, is what tests/test_bench_smoke.py's bench_peft --quick test runs)
-    "rows": {"kernels": ("masked varlen",), "peft": (), "dpo": (), "grpo": (), "fp8": ()},
+    # (longctx: the offload row; tests/test_context_parallel.py trains with --activation-offload and --tiled-mlp)
+    "rows": {
+        "kernels": ("masked varlen",),
+        "peft": (),
+        "dpo": (),
+        "grpo": (),
+        "fp8": (),
+        "longctx": ("offload, seq 512",),
+    },
 }
 
 
@@ -715,6 +734,64 @@ def section_grpo(ctx: Context) -> SectionResult:
     return [ours, base], claims
 
 
+def long_inputs(ctx: Context) -> tuple[Path, Path]:
+    """A corpus of p["corpus_chars"] (the longest sequence's tokens at least twice over) and the text model with
+    positions for the longest sequence (rotary: no weights involved); the text inputs as they are in the dry run."""
+    p = ctx.plan["longctx"]
+    if ctx.dry:
+        return ctx.text_inputs()
+    _, model = ctx.text_inputs()
+
+    def make() -> tuple[Path, Path]:
+        folder = ctx.work / "1B_long"
+        shutil.copytree(model, folder, dirs_exist_ok=True)
+        corpus = save_text_dataset(make_corpus(p["corpus_chars"], seed=1), ctx.work / "long_corpus")
+        return corpus, long_positions(folder, max(p["offload"]))
+
+    return ctx.cached("long inputs", make)
+
+
+def section_longctx(ctx: Context) -> SectionResult:
+    """The longest sequence the text model trains at on this GPU (issue 33): -b 1, activation checkpointing on,
+    document masking on with the best kernel, 2 steps, plain and with `--activation-offload on --tiled-mlp N`; each
+    setting tries its lengths in increasing order and stops at the first that does not fit (an out-of-memory exit
+    is the expected end here, recorded as "does not fit", not as a failed launch). Reported, no goal: the issue's
+    goal (ALST's 500k tokens) is for an 8B model, which one GPU's memory cannot hold for full fine-tuning."""
+    p = ctx.plan["longctx"]
+    kernel = best_kernel(ctx)
+    settings = (
+        ("plain", p["plain"], []),
+        ("offload", p["offload"], ["--activation-offload", "on", "--tiled-mlp", str(p["tiles"])]),
+    )
+    rows, claims = [], []
+    for label, lengths, extra in settings:
+        longest, stop = 0, "every length tried fits"
+        for seq in lengths:
+            name = f"{label}, seq {seq}"
+            if (reason := ctx.skip_reason(name, "longctx")) is not None:
+                rows.append(not_run(name, "not measured", reason))
+                stop = f"{seq:,}: {reason}"
+                break
+            row = train(
+                ctx, name, f"longctx_{len(rows)}", long_inputs(ctx), Setting(seq, 1, 2, 1, attn=kernel, extra=extra)
+            )
+            if row["status"] == "OOM":
+                row = {**row, "status": "does not fit", "reason": row.get("error", "")}
+            rows.append(row)
+            print(f"  {name}: {summary(row)}", flush=True)
+            if row["status"] != "ok":
+                stop = f"{seq:,}: {row['status']}"
+                break
+            longest = seq
+        measured = f"{longest:,} tokens train" if longest else "none of the lengths tried"
+        crashed = next((r for r in rows if r["row"].startswith(label) and r["status"] in FAILED), None)
+        claims.append(Claim(
+            f"longest sequence, {label}", "reported (no goal for this model size)", f"{measured}; next: {stop}",
+            False if crashed else None, "" if crashed else "no goal: the figure is reported", value=float(longest),
+        ))  # fmt: skip
+    return rows, claims
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "kernels": section_kernels,
     "mfu": section_mfu,
@@ -723,6 +800,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "resume": section_resume,
     "fp8": section_fp8,
     "grpo": section_grpo,
+    "longctx": section_longctx,
 }
 
 
@@ -845,7 +923,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--section", action="append", default=[], help=f"one of {', '.join(SECTIONS)}, or a comma "
                         "list; repeatable (default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for gpu_check.json and .md")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, a small model: the plumbing (3 launches, ~30 s)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, a small model: the plumbing (4 launches, ~35 s)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds per section (launches "
                         "that would not fit are skipped; default: %(default)s)")  # fmt: skip
     parser.add_argument("--total-budget-s", type=float, default=0.0, help="seconds for the whole command (0: no "

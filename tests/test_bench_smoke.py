@@ -288,7 +288,7 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
-    assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo"]
+    assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo", "longctx"]
     for name, section in sections.items():
         assert section["error"] is None and section["rows"], (name, section)
         assert f"{name}: launches" in [c["name"] for c in section["claims"]], name
@@ -298,6 +298,11 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert [r["status"] for r in sections["peft"]["rows"]] == ["not measured"] * 3  # its launches: bench_peft --quick
     assert [r["status"] for r in sections["grpo"]["rows"]] == ["not measured"] * 2  # its launch: bench_grpo --quick
     assert [r["status"] for r in sections["fp8"]["rows"]] == ["not measured"] * 4  # tests/test_fsdp_train_float8.py
+    # longctx: the plain row is not launched, the offload + tiled-MLP row trains (the longest that fits: reported)
+    plain, offload = sections["longctx"]["rows"]
+    assert plain["status"] == "not measured" and offload["status"] == "ok" and offload["tokens_per_s"] > 0, offload
+    longest = {c["name"]: c for c in sections["longctx"]["claims"]}["longest sequence, offload"]
+    assert longest["measured"].startswith("512 tokens train"), longest
     twice = {c["name"]: c for c in sections["resume"]["claims"]}["steps trained twice"]
     assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
     text = (tmp_path / "gpu_check.md").read_text()
