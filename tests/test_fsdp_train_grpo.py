@@ -461,6 +461,25 @@ def test_context_parallel_2_samples_and_trains_like_the_data_parallel_run(learne
 
 
 @pytest.mark.slow
+def test_context_parallel_4_with_fewer_completions_than_processes_samples_each_once(grpo_inputs, tmp_path):
+    """--context-parallel 4 on 4 processes, 2 completions per micro-batch: two processes of the group have no share
+    and decode a stand-in that ends at once (the forwards stay in lockstep: no hang); each completion is scored once
+    (a weight-0 reward tallies who scored what)."""
+    tally = tmp_path / "tally.txt"
+    args = [*io_args("cp4", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS,
+            "--reward", f"{grpo_inputs['rewards']}:distinct", "--reward", f"{grpo_inputs['rewards']}:tally",
+            "--reward-weights", "1,0", "--num-generations", "2", "--max-new-tokens", "12", "-b", "1",
+            "--max-steps", "2", "--context-parallel", "4", "--eval-at-start", "off"]  # fmt: skip
+    proc = run_trainer(args, nproc=4, env={"GRPO_TALLY": str(tally)}, timeout=240)
+    assert proc.returncode == 0, output_of(proc)
+    calls = sorted(line.split() for line in tally.read_text().splitlines())
+    # per step, one micro-batch of 2 completions: context ranks 1 and 3 (shares [0, 1) and [1, 2)) score one each
+    assert [rank for rank, _ in calls] == ["1", "1", "3", "3"] and {n for _, n in calls} == {"1"}, calls
+    steps = [r for r in read_metrics(tmp_path / "cp4") if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["completion_length"] > 0 for r in steps)
+
+
+@pytest.mark.slow
 def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_inputs, tmp_path):
     spec = f"{grpo_inputs['rewards']}:fails_on_rank_1"
     args = [*io_args("fails", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS, "--reward", spec,
