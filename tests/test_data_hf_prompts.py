@@ -109,3 +109,27 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     assert prompt_text([{"role": "user", "content": "U"}], tokenizer) == ("<user>U<assistant>", True)
     assert isinstance(parse_prompt_record({"prompt": "x"}), PromptRecord)
+
+
+def test_prompts_tokenised_in_batches_equal_one_at_a_time_and_skips_are_counted(tmp_path: Path, monkeypatch) -> None:
+    """load_prompts tokenises TOKENIZE_BATCH prompts per call (here 3, so batches end mid-way): the ids equal the
+    tokenizer's one prompt at a time, in row order; an empty prompt and one over the length limit are counted
+    skips with their first row."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.data import prompts as prompts_module
+    from tests.fsdp_helpers import make_model
+
+    tokenizer = AutoTokenizer.from_pretrained(make_model(tmp_path / "model"))
+    texts = ["3 plus 4 is", "", "a much longer prompt " * 30, "x", "the sum of 1 and 2", "", "what is 7?", "ok"]
+    split = datasets.Dataset.from_dict({"prompt": texts, "answer": [str(i) for i in range(len(texts))]})
+    monkeypatch.setattr(prompts_module, "TOKENIZE_BATCH", 3)
+    logged: list[str] = []
+    monkeypatch.setattr(prompts_module, "log", logged.append)
+    got = prompts_module.load_prompts(split, tokenizer, 40, "d", "train")
+    kept = [i for i, t in enumerate(texts) if t and len(tokenizer(t)["input_ids"]) <= 40]
+    assert got.rows.tolist() == kept and kept == [0, 3, 4, 6, 7]
+    assert got.ids == [tokenizer(texts[i])["input_ids"] for i in kept]
+    assert any("skipped 2 (an empty prompt; first: row 1)" in line for line in logged), logged
+    assert any("skipped 1 (longer than 40 tokens" in line and "first: row 2" in line for line in logged), logged

@@ -75,6 +75,9 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
     return "\n\n".join(str(turn.get("content") or "") for turn in prompt), False
 
 
+TOKENIZE_BATCH = 1024  # prompts per tokenizer call
+
+
 def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str) -> PromptSet:
     """Every prompt of `split` tokenised; a prompt that cannot be rendered or is longer than max_prompt_tokens
     (--seq-length minus --max-new-tokens) is a counted skip, logged with its first row."""
@@ -83,7 +86,7 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             f"--dataset-name {name}: --objective grpo needs a 'prompt' column (columns: {split.column_names}); "
             "convert prompts with: python data_hf.py --format prompts ..."
         )
-    ids, rows, kinds = [], [], set()
+    rendered: dict[bool, list[tuple[int, str]]] = {False: [], True: []}  # templated -> (row, text)
     skipped: dict[str, list[int]] = {}
     for row, prompt in enumerate(split[PROMPT_COLUMN]):
         try:
@@ -91,7 +94,15 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
         except Exception as exc:  # noqa: BLE001 - a bad prompt is a counted skip, as in data_hf.py
             skipped.setdefault(str(exc)[:120], []).append(row)
             continue
-        tokens = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        rendered[templated].append((row, text))
+    tokenised: list[tuple[int, list[int], bool]] = []
+    for templated, items in rendered.items():  # a batch per call: the fast tokenizers' parallel path
+        for start in range(0, len(items), TOKENIZE_BATCH):
+            batch = items[start : start + TOKENIZE_BATCH]
+            encoded = tokenizer([text for _, text in batch], add_special_tokens=not templated)["input_ids"]
+            tokenised += [(row, tokens, templated) for (row, _), tokens in zip(batch, encoded)]
+    ids, rows, kinds = [], [], set()
+    for row, tokens, templated in sorted(tokenised, key=lambda item: item[0]):
         if not tokens:
             skipped.setdefault("an empty prompt", []).append(row)
         elif len(tokens) > max_prompt_tokens:
@@ -101,6 +112,8 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             ids.append(tokens)
             rows.append(row)
             kinds.add(templated)
+    for where in skipped.values():
+        where.sort()
     for reason, where in skipped.items():
         log(f"WARNING: {what} prompts of {name}: skipped {len(where)} ({reason}; first: row {where[0]})")
     if len(kinds) > 1:
