@@ -26,15 +26,12 @@ use, so the time ratio says little here).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench_packing import make_inputs
-from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_table, work_folder, write_results
+from common import REPO_ROOT, bench_arg_parser, env_set, machine_info, median, print_table, work_folder, write_results
 from launch import report_failures, run_trainer
 
 FULL = {"seqs": (8192, 16384), "steps": 4, "corpus_chars": 1_000_000}
@@ -45,22 +42,7 @@ ALLOCATORS = {  # glibc malloc settings (environment), see the docstring
     "default": {},
     "tight": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
 }
-
-
-@contextlib.contextmanager
-def malloc_settings(env: dict[str, str]) -> Iterator[None]:
-    """glibc's malloc variables of ALLOCATORS exactly as `env` says (any of them the caller's environment set are
-    unset meanwhile, so "default" is glibc's default), restored afterwards."""
-    names = {name for setting in ALLOCATORS.values() for name in setting}
-    saved = {name: os.environ.pop(name, None) for name in names}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
+MALLOC_VARIABLES = sorted({name for setting in ALLOCATORS.values() for name in setting})
 
 
 def run_setting(work: Path, dataset: Path, model: Path, seq: int, name: str, steps: int) -> dict[str, Any]:
@@ -95,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     with work_folder(args, "bench_cp_") as work:
         dataset, model = make_inputs(work, p["corpus_chars"], max(p["seqs"]))
         for allocator, env in ALLOCATORS.items():
-            with malloc_settings(env):  # inherited by the launches
+            # exactly these of glibc's variables (a caller's own unset meanwhile, so "default" is glibc's default)
+            with env_set({name: env.get(name) for name in MALLOC_VARIABLES}):
                 for seq in (BASE_SEQ, *p["seqs"]):
                     for name in SETTINGS:
                         key = f"{allocator} {seq} {name}"

@@ -36,6 +36,25 @@ DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
 # --- Command line and results -----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def env_set(extra: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `extra` set (None: the variable unset), inherited by the launches below; restored after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    try:
+        for k, v in extra.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def bench_arg_parser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes; each script adds its own."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

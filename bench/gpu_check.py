@@ -92,7 +92,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -108,7 +107,7 @@ from typing import Any
 
 import bench_dpo
 import bench_peft
-from common import REPO_ROOT, format_table, machine_info, median
+from common import REPO_ROOT, env_set, format_table, machine_info, median
 from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
 from launch import LaunchError, gpus_hidden, run_trainer, torchrun
 
@@ -530,21 +529,6 @@ def section_dpo(ctx: Context) -> SectionResult:
         row.pop("token_check", None)
     print(f"  {name}: {summary(row)}", flush=True)
     return [row], [reported("DPO pairs/s", row, "pairs_per_s", "pairs/s")]
-
-
-@contextlib.contextmanager
-def env_set(extra: dict[str, str]) -> Iterator[None]:
-    """os.environ with `extra` added (the launches below inherit it), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def read_losses(exp_dir: Path) -> list[list[float]]:

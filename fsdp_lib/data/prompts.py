@@ -112,10 +112,8 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             ids.append(tokens)
             rows.append(row)
             kinds.add(templated)
-    for where in skipped.values():
-        where.sort()
     for reason, where in skipped.items():
-        log(f"WARNING: {what} prompts of {name}: skipped {len(where)} ({reason}; first: row {where[0]})")
+        log(f"WARNING: {what} prompts of {name}: skipped {len(where)} ({reason}; first: row {min(where)})")
     if len(kinds) > 1:
         raise TrainError(
             f"--dataset-name {name}: the {what} prompts mix plain strings and conversations; the completions the "
