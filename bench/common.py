@@ -39,20 +39,20 @@ DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
 @contextlib.contextmanager
 def env_set(extra: dict[str, str | None]) -> Iterator[None]:
     """os.environ with `extra` set (None: the variable unset), inherited by the launches below; restored after."""
+
+    def apply(values: dict[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     saved = {k: os.environ.get(k) for k in extra}
     try:
-        for k, v in extra.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(extra)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(saved)
 
 
 def bench_arg_parser(description: str) -> argparse.ArgumentParser:
