@@ -65,7 +65,7 @@ from fsdp_lib.runtime import (
 from fsdp_lib.state import TrainState
 from fsdp_lib.train.checkpoint import Checkpointer, resume_fingerprint
 from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
-from fsdp_lib.train.dpo import reference_flops_per_token
+from fsdp_lib.train.dpo import step_flops_per_token
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
 from fsdp_lib.train.objective import Objective, build_objective
 from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer, global_grad_norm, lr_at
@@ -257,8 +257,7 @@ def run(cfg: TrainConfig) -> int:
     steps = range(state.step + 1, total_steps(cfg, data.train) + 1)
     flops = bundle.flops_per_token
     if objective is not None:
-        extra = objective.forwards_without_gradient
-        flops += reference_flops_per_token(bundle, objective.reference, cfg.seq_length, extra)
+        flops = step_flops_per_token(bundle, objective.reference, objective.forwards_without_gradient)
     window_figures = objective.window_figures if objective is not None else None
     metrics = Metrics(cfg, d, data.train, flops, precision, steps, window_figures)
     if d.is_main:
@@ -360,7 +359,9 @@ def train_loop(
         state.advance(plan.global_batch, plan.steps_per_epoch)
 
         stats = objective.take_stats() if objective else None
-        metrics.record(step_loss, trained * updates, aux_loss, stats, sources)  # the loss: its updates' mean
+        metrics.record(
+            step_loss, trained * updates, aux_loss, stats, sources, micro_batches
+        )  # the loss: its updates' mean
         if metrics.due(state.step) or state.step == last_step:
             metrics.emit(state, lr, grad_norm, guard.sync(state))
             if objective is not None:  # GRPO: one prompt's completions and their rewards

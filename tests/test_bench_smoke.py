@@ -114,8 +114,12 @@ def test_mfu_quick(repo_root, tmp_path):
     for r in settings:
         assert r["status"] == "ok", r
         assert r["windows"] == p["steps"] // p["log_freq"] - 1, "the warm-up window is skipped"
-        # mfu is fsdp_train's own: tokens/s x flops per token over the peak given with --peak-tflops
-        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"] / 1e12, rel=0.05)
+        # mfu is fsdp_train's own: tokens/s x flops per token over the peak given with --peak-tflops, attention
+        # counted over each packed document (shorter than the row, so between no attention and whole rows)
+        low, high = (
+            r["tokens_per_s"] * result[k] / 1e12 for k in ("flops_per_token_without_attention", "flops_per_token")
+        )
+        assert 0.95 * low < r["mfu"] < 0.99 * high, (low, r["mfu"], high)
         assert r["mem_peak_alloc_gb"] > 0 and r["time_forward_ms"] > 0 and r["time_backward_ms"] > 0
         assert 0 < r["last_loss"] < 2 * math.log(1024), "a tiny model trains from a random start"
 

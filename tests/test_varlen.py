@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 
-from fsdp_lib.data.batch import Batch, Documents
+from fsdp_lib.data.batch import Batch, Documents, attended_positions
 from fsdp_lib.model import varlen
+from fsdp_lib.model.build import flops_per_token
 from fsdp_lib.model.loss import CausalLMLoss
 from fsdp_lib.testing import LLAMA_LIKE, tiny_config
 
@@ -24,6 +26,22 @@ def test_documents_are_read_from_the_positions_and_every_row_starts_one():
     assert documents.cu_seqlens.tolist() == [0, 3, 5, 7, 10] and documents.cu_seqlens.dtype == torch.int32
     moved = Batch(torch.zeros(2, 5), torch.zeros(2, 5), torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]]))
     assert moved.to(torch.device("cpu")).documents.bounds == documents.bounds
+
+
+def test_the_mfu_counts_attention_over_each_document_not_the_row():
+    positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]])  # documents of 3, 2, 2 and 3 tokens
+    packed = Batch(torch.zeros(2, 5), torch.zeros(2, 5), positions)
+    assert attended_positions([packed]) == (9 + 4 + 4 + 9, 10)
+    assert attended_positions([packed.to(torch.device("cpu"))]) == (26, 10)  # from the documents it carries
+    whole = Batch(torch.zeros(3, 5), torch.zeros(3, 5), None)  # no position ids: each row one document
+    assert attended_positions([packed, whole]) == (26 + 3 * 25, 25)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = transformers.LlamaForCausalLM(config)
+    per_token = flops_per_token(model, config)
+    matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert per_token(0) == 6 * matmul and per_token(2.6) - per_token(0) == pytest.approx(12 * 2 * 4 * 8 * 2.6)
 
 
 def test_groups_pad_each_document_at_its_end_and_the_inverse_finds_every_token():

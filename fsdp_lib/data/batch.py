@@ -88,3 +88,21 @@ def stack_blocks(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) 
     inputs, labels = (torch.from_numpy(np.stack([p[k] for p in parts])) for k in (0, 1))
     positions = None if parts[0][2] is None else torch.from_numpy(np.stack([p[2] for p in parts]))
     return Batch(inputs, labels, positions)
+
+
+def attended_positions(batches: list[Batch]) -> tuple[int, int]:
+    """(the sum over documents of their length squared, the tokens) of host micro-batches: under causal attention a
+    token attends over its document (whole rows without position ids), so the first over the second is the mean
+    span a token attends over, the T of the model-FLOPs count."""
+    squares = tokens = 0
+    for batch in batches:
+        rows, length = batch.input_ids.shape
+        if batch.documents is not None:
+            lengths = np.diff(batch.documents.bounds)
+        elif batch.position_ids is not None and batch.position_ids.device.type == "cpu":
+            lengths = np.diff(Documents.of(batch.position_ids.numpy()).bounds)
+        else:
+            lengths = np.full(rows, length)
+        squares += int(np.square(lengths, dtype=np.int64).sum())
+        tokens += rows * length
+    return squares, tokens

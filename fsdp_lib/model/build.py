@@ -10,7 +10,7 @@ import functools
 import time
 import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,16 +233,19 @@ class ModelBundle:
     model_dir: Path
     num_params: int
     activation_checkpointed_layers: int  # decoder layers recomputed in backward
-    flops_per_token: float
+    flops_per_token: Callable[[float], float]  # of the positions a token attends over (see flops_per_token)
     export_dtype: torch.dtype  # --export-dtype; auto = the dtype the model was shipped in
     peft: PeftSetup | None = None  # --peft lora/qlora
 
 
-def flops_per_token(model: nn.Module, config: Any, seq_length: int, adapter_params: int | None = None) -> float:
-    """6N + 12*L*H*Q*T (PaLM appendix B): N counts matmul parameters, i.e. all but the input embedding,
-    plus the output head even when it is tied to the input embedding (the head matmul still runs).
+def flops_per_token(model: nn.Module, config: Any, adapter_params: int | None = None) -> Callable[[float], float]:
+    """Model FLOPs per token as a function of T, the positions a token attends over: 6N + 12*L*H*Q*T (PaLM
+    appendix B). N counts matmul parameters, i.e. all but the input embedding, plus the output head even when it
+    is tied to the input embedding (the head matmul still runs). T is the sequence length for whole rows, less for
+    packed documents kept apart (metrics.attended_span: the mean over tokens of their document's length).
     With adapters (`adapter_params`, not counted in N): the frozen base costs 4N (forward 2N, and 2N for the
-    gradients of the activations flowing back through it; no weight gradients), the adapters 6 x their count."""
+    gradients of the activations flowing back through it; no weight gradients), the adapters 6 x their count.
+    The parameters are counted now (before sharding renames or splits them)."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     n = sum(p.numel() for name, p in model.named_parameters() if not is_adapter_name(name)) - embed.numel()
@@ -251,10 +254,9 @@ def flops_per_token(model: nn.Module, config: Any, seq_length: int, adapter_para
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers, heads = text.num_hidden_layers, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    attention = 12 * layers * heads * head_dim * seq_length
-    if adapter_params is not None:
-        return 4 * n + 6 * adapter_params + attention
-    return 6 * n + attention
+    dense = 6 * n if adapter_params is None else 4 * n + 6 * adapter_params
+    per_position = 12 * layers * heads * head_dim
+    return lambda span: dense + per_position * span
 
 
 def context_degree_fits(heads: int, kv_heads: int, n: int) -> bool:
@@ -307,7 +309,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     peft = prepare_peft(cfg, model, layers, model_dir, compute_dtype, d.world_size) if cfg.peft != "none" else None
     recipe = float8_recipe(cfg.document_masking == "on")
     float8 = convert_to_float8(layers, cfg.fp8, recipe) if cfg.fp8 != "off" else None
-    fpt = flops_per_token(model, model.config, cfg.seq_length, peft.trainable if peft else None)
+    fpt = flops_per_token(model, model.config, peft.trainable if peft else None)
     recomputed = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
         if cfg.activation_checkpointing == "on"

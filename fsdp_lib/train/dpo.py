@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -421,11 +421,15 @@ def disable_dropout(model: nn.Module) -> int:
     return count
 
 
-def reference_flops_per_token(bundle: ModelBundle, mode: str, seq_length: int, policy_forwards: int = 0) -> float:
-    """A live reference adds one forward per token (a third of 6N + attention), a precomputed one (or none)
-    nothing; `policy_forwards` more forwards without gradient (KTO's z pass) a third each."""
+def step_flops_per_token(bundle: ModelBundle, mode: str, policy_forwards: int = 0) -> Callable[[float], float]:
+    """The training forward and backward's model FLOPs per token (bundle.flops_per_token, of the positions a token
+    attends over), plus a live reference's forward (a third of 6N + attention; a precomputed reference or none
+    adds nothing) and `policy_forwards` more forwards without gradient (KTO's z pass), a third each."""
     forwards = policy_forwards + (0 if mode in ("precomputed", "none") else 1)
-    return forwards * flops_per_token(bundle.model, bundle.config, seq_length) / 3
+    if not forwards:
+        return bundle.flops_per_token
+    forward = flops_per_token(bundle.model, bundle.config)
+    return lambda span: bundle.flops_per_token(span) + forwards * forward(span) / 3
 
 
 # --objective dpo: the sums dpo.DPOObjective keeps per step (over micro-batches; over ranks when a line is written).

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.data.batch import Batch, attended_positions
 from fsdp_lib.data.plan import DataPlan
 from fsdp_lib.errors import TrainError
 from fsdp_lib.faults import fault_point
@@ -121,12 +122,13 @@ class Metrics:
         cfg: TrainConfig,
         d: Dist,
         plan: DataPlan,
-        flops_per_token: float,
+        flops_per_token: Callable[[float], float],
         precision: str,
         steps: range,
         window_figures: Callable[[torch.Tensor, float], dict[str, float]] | None = None,
     ):
-        """steps: the optimizer steps this run trains (first..last): the progress bar starts at the first.
+        """flops_per_token: model FLOPs per token of the positions a token attends over (build.flops_per_token).
+        steps: the optimizer steps this run trains (first..last): the progress bar starts at the first.
         window_figures: an objective's (e.g. DPO's) rule that turns its figures summed over a window and over the
         ranks, and the window's seconds, into fields of the log record; the sink knows no objective's vocabulary."""
         self.cfg, self.d, self.window_figures = cfg, d, window_figures
@@ -158,6 +160,7 @@ class Metrics:
         self.window_steps = self.window_trained = 0
         self.window_stats: torch.Tensor | None = None  # the objective's figures summed over the window
         self.window_sources: list[int] | None = None  # a mixture: blocks per dataset over the window
+        self.window_attended = [0, 0]  # documents' squared lengths and tokens (attended_positions), for the MFU
         self.window_start = time.perf_counter()
         self.timer.reset()
         reset_peak_memory(self.d.device)
@@ -173,16 +176,20 @@ class Metrics:
         aux_loss: torch.Tensor | None = None,
         stats: torch.Tensor | None = None,
         sources: list[int] | None = None,
+        batches: list[Batch] | None = None,
     ) -> None:
         """trained_tokens: the global batch's targets that carry loss (the same number on every rank; for DPO its
         pairs); aux_loss: the step's MoE router loss (weighted; not part of `loss`), or None; stats: the step's
         objective's figures on this rank (summed over the window, turned into a record's fields by `window_figures`), or None; sources: a mixture's global batch, blocks per
-        dataset (the same on every rank), or None."""
+        dataset (the same on every rank), or None; batches: the step's micro-batches on this rank (their documents'
+        lengths give the MFU's attention span), or None."""
         self.last_aux = aux_loss
         if sources is not None:
             self.window_sources = [a + b for a, b in zip(self.window_sources or [0] * len(sources), sources)]
         if stats is not None:
             self.window_stats = stats if self.window_stats is None else self.window_stats + stats
+        if batches is not None and self.peak:
+            self.window_attended = [a + b for a, b in zip(self.window_attended, attended_positions(batches))]
         self.window_loss += local_loss_sum.detach().double()
         self.window_steps += 1
         self.window_trained += trained_tokens
@@ -197,10 +204,11 @@ class Metrics:
         """The window's log record. grad_norm: the last step's gradient norm, or one per optimizer update of it
         (GRPO's --num-iterations): their mean, and each as grad_norm/update_K."""
         # The one host sync of the window: global loss sums across ranks, then .item().
-        sums = torch.stack([self.last_loss, self.window_loss]).to(self.d.device)
+        attended = torch.tensor(self.window_attended, dtype=torch.float64, device=self.d.device)
+        sums = torch.cat([torch.stack([self.last_loss, self.window_loss]).to(self.d.device), attended])
         dist.all_reduce(sums)
         elapsed = time.perf_counter() - self.window_start
-        step_sum, window_sum = sums.tolist()
+        step_sum, window_sum, squares, tokens = sums.tolist()
         norms = grad_norm.double().flatten().tolist()
         record = {
             "step": state.step,
@@ -228,8 +236,10 @@ class Metrics:
             aux = self.last_aux.detach().clone()
             dist.all_reduce(aux)
             record["aux_loss"] = aux.item() / self.d.world_size
-        if self.peak:
-            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * 1e12 * self.d.world_size)
+        if self.peak:  # attention counted over each token's document: packed documents kept apart cost less
+            span = squares / tokens if tokens else self.cfg.seq_length
+            flops = record["tokens_per_s"] * self.flops_per_token(span)
+            record["mfu"] = flops / (self.peak * 1e12 * self.d.world_size)
         self.write(record)
         self._new_window()
         return record
