@@ -188,14 +188,17 @@ def parse_log(text: str) -> dict[str, Any]:
     return found
 
 
-def run_mode(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode: str, rep: int) -> dict[str, Any]:
-    """One fsdp_train.py launch of `mode`; its figures, or status "OOM"/"failed"."""
-    exp = f"{'gpu' if p is GPU_FULL else 'cpu'}_{mode}_{rep}"
+def run_mode(
+    work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode: str, rep: int, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """One fsdp_train.py launch of `mode` (with `extra` flags); its figures, or status "OOM"/"failed"."""
+    on_cpu = p["label"] != GPU_FULL["label"]
+    exp = f"{'cpu' if on_cpu else 'gpu'}_{mode}_{rep}"
     args = ["-e", exp, "-d", str(dataset), "-m", str(model_dir), "--save-dir", str(work / "outputs")]
     args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
     args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
     args += ["--activation-checkpointing", p["activation_checkpointing"], "--ckpt-freq", "0", "--lr", "1e-4"]
-    args += ["--peft", mode]
+    args += ["--peft", mode, *extra]
     if mode != "none":
         args += ["--lora-rank", str(p["lora_rank"])]
     prefix = work / f"{exp}.rss"
@@ -208,7 +211,6 @@ def run_mode(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode
         raise RuntimeError(f"{exp}: {len(records)} metric windows; need --steps >= 2 x --log-freq")
     idle, run_peak = rank_figures(work, prefix.name, p["nproc"])
     peak = max(r["mem_peak_alloc_gb"] for r in steady)
-    on_cpu = p is not GPU_FULL
     return {
         "status": "ok",
         "tokens_per_s": median([r["tokens_per_s"] for r in steady]),

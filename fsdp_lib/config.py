@@ -163,6 +163,12 @@ class TrainConfig:
         "or experts)",
     )
     adapter: str = _opt("", "--peft lora/qlora: start from this PEFT adapter folder (its rank, alpha and targets)")
+    lora_kernel: str = _opt(
+        "fused",
+        "--peft lora/qlora: fused = each adapted Linear's base and adapter products in one autograd function "
+        "(exact; where peft's module computes the same: no dropout, a dense frozen base), peft = peft's modules",
+        choices=("fused", "peft"),
+    )
     export_merged: str = _opt(
         "off",
         "--peft lora/qlora: also export outputs/EXP/final-merged, the base with the adapters merged in "
@@ -433,7 +439,9 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(**values)
 
 
-LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "export_merged")
+LORA_FLAGS = (
+    "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged",
+)  # fmt: skip
 DPO_FLAGS = ("dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "reference")
 KTO_FLAGS = ("kto_desirable_weight", "kto_undesirable_weight")
 PREFERENCE_OBJECTIVES = ("dpo", "kto")  # trained on PairBlocks: DPO's pairs, KTO's examples with their KL sequences

@@ -59,6 +59,8 @@ def lora_run(peft_inputs, tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("lora_run")
     proc = run_trainer(lora_args(peft_inputs, save, "run", "--export-merged", "on"), script=WORKERS / "peft_check.py")
     assert proc.returncode == 0, output_of(proc)
+    # the run the reference (peft's own modules, unsharded) is compared with runs the fused kernel everywhere
+    assert "6 of 6 adapted Linear modules run the fused LoRA kernel" in output_of(proc)
     return save / "run"
 
 
@@ -163,6 +165,7 @@ def test_qlora_base_is_4bit_in_memory_trains_and_exports(peft_inputs, tmp_path):
     out = output_of(proc)
     assert proc.returncode == 0, out
     assert "frozen base stored as float32+nf4" in out
+    assert "0 of 14 adapted Linear modules run the fused LoRA kernel" in out  # NF4 bases keep peft's forward
     report = json.loads((tmp_path / "q" / "peft_check.json").read_text())
     assert report["base_unchanged"]
     rows = read_metrics(tmp_path / "q")

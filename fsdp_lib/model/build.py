@@ -46,6 +46,7 @@ from fsdp_lib.model.anatomy import (
 from fsdp_lib.model.float8 import convert_to_float8, float8_recipe
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import export_dtype, is_adapter_name, load_pretrained_sharded, weight_keys
+from fsdp_lib.model.lora_kernel import fuse_lora
 from fsdp_lib.model.loss import (
     CausalLMLoss,
     chunked_loss_problem,
@@ -309,6 +310,9 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     peft = prepare_peft(cfg, model, layers, model_dir, compute_dtype, d.world_size) if cfg.peft != "none" else None
     recipe = float8_recipe(cfg.document_masking == "on")
     float8 = convert_to_float8(layers, cfg.fp8, recipe) if cfg.fp8 != "off" else None
+    if peft is not None and cfg.lora_kernel == "fused":  # after float8: a Float8Linear base keeps peft's forward
+        fused, adapted = fuse_lora(model)
+        log(f"--peft {cfg.peft}: {fused} of {adapted} adapted Linear modules run the fused LoRA kernel")
     fpt = flops_per_token(model, model.config, peft.trainable if peft else None)
     recomputed = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
