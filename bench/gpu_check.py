@@ -40,10 +40,11 @@ launch.run_trainer or the bench that owns the measurement; a generated corpus, n
 - mfu: the 1B preset, compile on, activation checkpointing off, document masking on with the best kernel (varlen
   where fsdp_train.py has it, else its own auto choice), 20 steps, a line every 5: seq 2048 x micro-batch 8 and
   seq 8192 x 2 (the same tokens per step). Claim: MFU >= 45% at seq 2048.
-- peft: bench_peft.run_mode's GPU setting (`--init 1B --with-weights`, seq 2048, micro-batch 4, 20 steps) with
-  mfu's best settings, activation checkpointing off and compile on (with checkpointing on, the recomputed forward
-  caps LoRA at 4/3 of full fine-tuning's speed even with free adapters): full fine-tuning, LoRA (the fused kernel),
-  LoRA with `--lora-kernel peft` and QLoRA, one launch each. Claims: LoRA tokens/s >= 1.3x full fine-tuning's;
+- peft: bench_peft.run_mode's GPU setting (`--init 1B --with-weights`, seq 2048, micro-batch 4, activation
+  checkpointing on, 20 steps; the plan's "extra" flags are added to every launch, e.g. `--compile on`): full
+  fine-tuning, LoRA (the fused kernel), LoRA with `--lora-kernel peft` and QLoRA, one launch each (~5 min on an
+  H200 with the model's init). With checkpointing on, the recomputed forward caps LoRA at 4/3 of full
+  fine-tuning's speed even if its adapters cost nothing. Claims: LoRA tokens/s >= 1.3x full fine-tuning's;
   LoRA's peak memory <= 0.40x full fine-tuning's (CUDA allocator peak); the fused kernel at least as fast as peft's
   modules.
 - dpo: bench_dpo's GPU inputs (the 125M preset, 480 preference pairs of 20-400-token turns, seq 2048, micro-batch 4)
@@ -65,8 +66,8 @@ launch.run_trainer or the bench that owns the measurement; a generated corpus, n
 - longctx (issue 33; not yet run on a GPU, ~4 launches of the 1B preset, estimated 6-8 min): the longest sequence
   the 1B preset trains at on this GPU, -b 1, activation checkpointing on, document masking on (best kernel), 2
   steps, on a 10M-character corpus, the model's positions raised to the longest length: plain at 262,144 then
-  393,216 tokens, and with `--activation-offload on --tiled-mlp 8` at 786,432 then 1,048,576 (around `--dry-run`'s
-  planner figures for 80 GB: ~340k plain, ~1M offloaded and tiled); each setting stops at its first length that
+  393,216 tokens, and with `--activation-offload on --tiled-mlp 8` at 786,432 then 1,048,576 (an H200 trained 393k
+  plain and 786k offloaded on 2026-11-26, BENCHMARKS.md row 16; the 1M row was not reached); each setting stops at its first length that
   does not fit (an out-of-memory exit, recorded as "does not fit"). Reported, no goal: the issue's 500k-token goal
   is ALST's for Llama-3.1-8B, whose full fine-tuning state does not fit one GPU (not measured here).
 
@@ -131,13 +132,14 @@ GPU_PLAN: dict[str, Any] = {
     "kernels": {"seq": 8192, "batch": 1, "steps": 12, "log_freq": 4, "ac": "on", "compile": "off"},
     "mfu": {"seqs": ((2048, 8), (8192, 2)), "steps": 20, "log_freq": 5, "ac": "off", "compile": "on"},
     "fp8": {"seq": 2048, "batch": 8, "steps": 20, "log_freq": 5, "ac": "off", "compile": "on", "mode": "on"},
-    # the best settings for a 1B on one GPU (mfu's): activation checkpointing off, compile on; full fine-tuning
-    # and LoRA alike (with checkpointing on, LoRA's matmuls cap it at 4/3 of full fine-tuning's speed)
-    "peft": {**bench_peft.GPU_FULL, "activation_checkpointing": "off", "extra": ("--compile", "on")},
+    # bench_peft's GPU setting, where the memory claim is defined (activation checkpointing on, compile off); on
+    # 2026-11-26 an H200 ran it with checkpointing off and compile on too ("extra"): LoRA 0.776x, peak 0.570x
+    "peft": bench_peft.GPU_FULL,
     "dpo": bench_dpo.GPU_FULL,
     "resume": {"hidden": 256, "layers": 4, "vocab": 4096, "seq": 512, "batch": 4, "steps": 20, "ckpt": 5, "kill": 15},
     "grpo": {"prompts": 64, "prompt_words": 60, "seq": 1024, "new": 256, "group": 8, "batch": 4, "steps": 4},
-    # around --dry-run's planner figures for the 1B preset on 80 GB: ~340k tokens plain, ~1M tiled and offloaded
+    # an H200 (141 GB) trained the first three on 2026-11-26; --dry-run's planner for 80 GB: ~254k plain, ~688k
+    # tiled and offloaded (its rule 5-10% over the H200's peaks)
     "longctx": {"corpus_chars": 10_000_000, "plain": (262144, 393216), "offload": (786432, 1048576), "tiles": 8},
     "min_launch_s": 60.0,
 }

@@ -150,6 +150,10 @@ HEADROOM_BYTES = 5 * 10**9  # the CUDA context, the allocator's slack, the next 
 GPU_SIZES_GB = (80, 141)  # H100/A100 80GB, H200
 
 
+# Values per token x hidden of attention's gradients in flight during a layer's backward (activation_bytes_per_token)
+BACKWARD_ATTENTION_GRADIENTS = 6
+
+
 def activation_bytes_per_token(
     hidden: int,
     intermediate: int,
@@ -170,14 +174,21 @@ def activation_bytes_per_token(
     input, two norm inputs and the residual (6 x hidden), k and v (2 x kv_dim), the MLP's gate, up, activation and
     down input (4 x intermediate), all x 2 B. Without checkpointing every layer holds that. The loss adds the
     decoder output's fp32 gradient and its bf16 copy (6 B x hidden). Under --context-parallel the all-to-alls copy
-    q, k, v and the output twice (2 x (2 x hidden + 2 x kv_dim) x 2 B). Checked against one measurement: the
-    1B preset at seq 8192 on an H200 (BENCHMARKS.md row 11) peaked at 18.07 GB; this rule with the model state's
-    says 18.3 GB.
+    q, k, v and the output twice (2 x (2 x hidden + 2 x kv_dim) x 2 B). While a layer runs backward its gradients
+    are in flight too: the MLP's gate and up gradients (2 x intermediate; one tile's with --tiled-mlp) and about
+    6 x hidden for attention's (q's, the output's and the o-proj input's, the kernel's fp32 accumulator), x 2 B.
+
+    Checked on an H200 (BENCHMARKS.md rows 11 and 16), the 1B preset, activation checkpointing on, with the
+    model state's 17.1 GB: seq 8192 peaked at 18.07 GB (the rule: 19.0); 262,144 at 70.0 GB (76.7); 393,216 at
+    98.5 GB (106.5); 786,432 with --activation-offload and --tiled-mlp 8 at 84.9 GB (83.2). Without the backward's
+    gradients the rule had said 61.7, 84.0 and 60.6 GB for the long ones: 12-29% short; with them it errs 5-10%
+    on the safe side for the plain runs and 2% short for the offloaded one, inside the 5 GB the planner leaves
+    free. One model's three points fit two terms only roughly: a rule, not a measurement of other shapes.
 
     --tiled-mlp N: a layer saves its MLP's input (hidden) instead of the 4 x intermediate, and one tile's
     4 x intermediate / N exists at a time. --activation-offload: what the layers save goes to host memory
     (offloaded_bytes_per_token), and the GPU holds one layer's worth at a time, while it runs or is recomputed
-    (with checkpointing, that layer's input brought back too). Not yet checked against a GPU measurement.
+    (with checkpointing, that layer's input brought back too).
 
     kv_copies: --context-parallel above the key/value heads copies each head to degree / kv-heads processes before
     the all-to-all (varlen.py), so the k and v that attention saves, and their all-to-all copies, are kv_copies x
@@ -190,7 +201,8 @@ def activation_bytes_per_token(
     else:
         kept = layers * hidden * compute_bytes + one_layer if checkpointing else layers * one_layer
     ulysses = 2 * (2 * hidden + 2 * kv_dim) * compute_bytes if context_parallel > 1 else 0
-    return kept + transient * compute_bytes + 6 * hidden + ulysses
+    backward = (2 * intermediate // max(1, mlp_tiles) + BACKWARD_ATTENTION_GRADIENTS * hidden) * compute_bytes
+    return kept + transient * compute_bytes + 6 * hidden + ulysses + backward
 
 
 def offloaded_bytes_per_token(
