@@ -10,17 +10,21 @@ import torch
 import transformers
 
 from fsdp_lib.model.lora_kernel import LoRALinear, fuse_lora
-from fsdp_lib.testing import DECODER
+from fsdp_lib.testing import DECODER, tiny_config
 
 
-def lora_model(dropout: float = 0.0) -> torch.nn.Module:
+def lora_model(dropout: float = 0.0, arch: str = "llama", **lora_options) -> torch.nn.Module:
     from peft import LoraConfig, inject_adapter_in_model
 
     torch.manual_seed(0)
-    # a frozen bias on q, k, v and o too
-    config = transformers.LlamaConfig(**{**DECODER, "vocab_size": 64, "intermediate_size": 48, "attention_bias": True})
-    model = transformers.LlamaForCausalLM(config)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", bias="none")
+    if arch == "llama":  # a frozen bias on q, k, v and o too
+        config = transformers.LlamaConfig(
+            **{**DECODER, "vocab_size": 64, "intermediate_size": 48, "attention_bias": True}
+        )
+    else:
+        config = tiny_config(arch, 64, 0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()  # eval: OPT's and GPT-2's dropout off
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", bias="none", **lora_options)
     inject_adapter_in_model(lora, model)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
@@ -48,6 +52,29 @@ def test_fused_lora_equals_peft_outputs_and_every_adapter_gradient(dtype):
     assert got.keys() == want.keys() and len(got) == 28
     for name in want:
         torch.testing.assert_close(got[name], want[name], **tol, msg=name)
+
+
+# (family, adapted Linear modules fused of all adapted): phi3 fuses q/k/v and gate/up into single Linears, OPT and
+# GPT-NeoX have biases, GPT-2's Conv1D is not an nn.Linear (peft's fan_in_fan_out path: left to peft)
+FAMILIES = [("qwen2", 14, 14), ("phi3", 8, 8), ("gemma2", 14, 14), ("opt", 12, 12), ("gpt_neox", 8, 8), ("gpt2", 0, 8)]
+
+
+@pytest.mark.parametrize("arch,fused,adapted", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_fused_lora_equals_peft_family_by_family(arch, fused, adapted):
+    peft_model = lora_model(arch=arch)
+    fused_model = copy.deepcopy(peft_model)
+    assert fuse_lora(fused_model) == (fused, adapted)
+    ids = torch.randint(0, 64, (2, 10))
+    want_logits, want = grads_after_a_step(peft_model, ids)
+    got_logits, got = grads_after_a_step(fused_model, ids)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_dora_and_adapter_bias_keep_peft():
+    assert fuse_lora(lora_model(use_dora=True)) == (0, 14)
+    assert fuse_lora(lora_model(lora_bias=True)) == (0, 14)
 
 
 def test_the_input_gradient_is_the_base_and_the_adapter_paths_together():

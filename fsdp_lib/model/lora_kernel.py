@@ -8,9 +8,10 @@ the base output inside the matmul (addmm_ with alpha = scale), and the backward 
 gradient into the base's the same way: five matmuls and no pass over a [tokens x features] tensor of its own.
 What autograd keeps is what peft's modules keep (x, the [tokens x r] product A x, the weights).
 
-Exact: the same products in the same dtype as peft's path (the tests compare outputs and every gradient). Only
-where it is the same computation: a peft Linear with one vanilla adapter, no dropout, a frozen dense base weight
-(not NF4, not float8) and a frozen or absent bias; every other module keeps peft's forward."""
+Exact: the same products in the same dtype as peft's path (the tests compare outputs and every gradient, family
+by family). Only where it is the same computation: a peft Linear over an nn.Linear (GPT-2's Conv1D is not one)
+with one vanilla adapter (no DoRA, no adapter bias), no dropout, a frozen dense base weight (not NF4, not float8)
+and a frozen or absent bias; every other module keeps peft's forward."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def fusable(module: nn.Module) -> str | None:
     (name,) = module.lora_A.keys()
     base = module.base_layer
     if not isinstance(module.lora_dropout[name], nn.Identity) or name not in module.scaling:
+        return None
+    if module.lora_A[name].bias is not None or module.lora_B[name].bias is not None:  # peft's lora_bias
         return None
     if base.weight.requires_grad or is_nf4(base.weight) or (base.bias is not None and base.bias.requires_grad):
         return None
