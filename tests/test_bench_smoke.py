@@ -321,3 +321,12 @@ def test_optimizer_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "bench_optimizer.py", tmp_path)
     assert all(len(times) == result["reps"] for times in result["times"].values())
     assert result["max_param_difference"] < 1e-6
+
+
+@pytest.mark.slow
+def test_lora_kernel_quick(repo_root, tmp_path):
+    result = run_quick(repo_root, "bench_lora_kernel.py", tmp_path)
+    assert result["fused"] == result["adapted"] == 7, "every projection of the layer runs the fused kernel"
+    assert result["max_output_difference"] < 1e-5 and result["max_input_grad_difference"] < 1e-5  # fp32
+    assert result["saved_bytes"]["fused"] <= result["saved_bytes"]["peft"]
+    assert 0.2 < result["speedup"] < 5
