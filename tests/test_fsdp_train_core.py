@@ -17,7 +17,7 @@ from fsdp_lib.data.cache import PackedBlocks, token_dtype, tokenize_to_file
 from fsdp_lib.data.plan import DataPlan
 from fsdp_lib.errors import ConfigError
 from fsdp_lib.integrity import recorded_problems
-from fsdp_lib.train.optim import lr_at
+from fsdp_lib.train.optim import LocalShardAdamW, lr_at
 from tests.fsdp_helpers import (
     REPO_ROOT,
     io_args,
@@ -117,6 +117,43 @@ def test_lr_schedule_shapes():
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     cfg.lr_schedule = "linear"
     assert lr_at(60, cfg, 110) == pytest.approx(1.0 - 0.9 * 0.5)
+
+
+def test_local_shard_adamw_steps_exactly_as_torch_fused_adamw():
+    """The step on cached local lists (from the second step on) gives bit for bit torch's AdamW(fused=True) with
+    the same grad_scale and found_inf: two weight-decay groups, the lr and betas changed between steps, a skipped
+    step, a parameter without a gradient for one step, and the state reloaded (new tensors) part way."""
+    import copy
+
+    def make(cls: type) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(8, 4), (4, 8), (8,), (6, 3), (3,)]]
+        groups = [{"params": params[:2] + params[3:4], "weight_decay": 0.1}, {"params": params[2:3] + params[4:]}]
+        return params, cls(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+
+    (ours, ours_opt), (ref, ref_opt) = make(LocalShardAdamW), make(torch.optim.AdamW)
+    for step in range(8):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=gen) for p in ours]
+        for params, opt in ((ours, ours_opt), (ref, ref_opt)):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if (step, i) == (4, 1) else g.clone()
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (step + 1)
+            opt.param_groups[0]["betas"] = (0.9, 0.95) if step < 6 else (0.8, 0.9)
+            opt.grad_scale = torch.tensor(3.0 + step)
+            opt.found_inf = torch.tensor(1.0 if step == 3 else 0.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if step == 5:  # as a resume does: load_state_dict with other tensors
+            ours_opt.load_state_dict(copy.deepcopy(ours_opt.state_dict()))
+        for p, q in zip(ours, ref):
+            assert torch.equal(p, q)
+            assert ours_opt.state[p].keys() == ref_opt.state[q].keys() == {"step", "exp_avg", "exp_avg_sq"}
+            assert all(
+                torch.equal(ours_opt.state[p][k], ref_opt.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq")
+            )
+    assert float(ours_opt.state[ours[0]]["step"]) == 7 and float(ours_opt.state[ours[1]]["step"]) == 6
 
 
 # --- data order -----------------------------------------------------------------------------------
