@@ -299,7 +299,7 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert all(c["dry_run"] for c in result["claims"]) and result["exit_code"] == 0
     (mfu,) = sections["mfu"]["rows"]
     assert mfu["status"] == "ok" and mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1, mfu  # nominal 1 TFLOP/s peak
-    assert [r["status"] for r in sections["peft"]["rows"]] == ["not measured"] * 3  # its launches: bench_peft --quick
+    assert [r["status"] for r in sections["peft"]["rows"]] == ["not measured"] * 4  # its launches: bench_peft --quick
     assert [r["status"] for r in sections["grpo"]["rows"]] == ["not measured"] * 2  # its launch: bench_grpo --quick
     assert [r["status"] for r in sections["fp8"]["rows"]] == ["not measured"] * 4  # tests/test_fsdp_train_float8.py
     # longctx: the plain row is not launched, the offload + tiled-MLP row trains (the longest that fits: reported)
