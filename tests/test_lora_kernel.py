@@ -72,6 +72,18 @@ def test_fused_lora_equals_peft_family_by_family(arch, fused, adapted):
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_adapters_in_another_dtype_than_the_base_keep_peft():
+    model = lora_model()
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            param.data = param.data.to(torch.bfloat16)  # a bf16 base under fp32 adapters
+    fused = copy.deepcopy(model)
+    fuse_lora(fused)
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
+
+
 def test_dora_and_adapter_bias_keep_peft():
     assert fuse_lora(lora_model(use_dora=True)) == (0, 14)
     assert fuse_lora(lora_model(lora_bias=True)) == (0, 14)

@@ -60,12 +60,13 @@ class LoRALinear(torch.autograd.Function):
 
 def fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A peft lora.Linear's forward through LoRALinear while its one adapter is active and unmerged; peft's own
-    forward otherwise (adapters disabled, e.g. DPO's reference pass, merged, or called with peft's extra
-    arguments)."""
+    forward otherwise (adapters disabled, e.g. DPO's reference pass, merged, called with peft's extra arguments,
+    or adapters in another dtype than the base, which FSDP's mixed precision never leaves)."""
     if self.disable_adapters or self.merged or args or kwargs or list(self.active_adapters) != [self.fused_name]:
         return type(self).forward(self, x, *args, **kwargs)
-    base = self.base_layer
-    name = self.fused_name
+    base, name = self.base_layer, self.fused_name
+    if base.weight.dtype != self.lora_A[name].weight.dtype:  # peft adds a product of another dtype and casts back
+        return type(self).forward(self, x, *args, **kwargs)
     x = self._cast_input_dtype(x, self.lora_A[name].weight.dtype)
     scale = self.scaling[name]
     return LoRALinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, scale)
