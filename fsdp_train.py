@@ -69,6 +69,7 @@ from fsdp_lib.train.dpo import step_flops_per_token
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
 from fsdp_lib.train.objective import Objective, build_objective
 from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer, global_grad_norm, lr_at
+from fsdp_lib.train.profiling import StepProfiler
 from fsdp_lib.train.rewards import reward_problems
 from fsdp_lib.train.rollout import keep_layers_gathered
 from fsdp_lib.train.samples import SAMPLES_FILE, SamplePrompt, generate_samples, load_sample_prompts
@@ -335,52 +336,55 @@ def train_loop(
             metrics.write({"step": 0, "epoch": 0.0, **validate(bundle, objective, data.validation, cfg, d)})
         write_samples(bundle, prompts, data, cfg, d, metrics, 0)
     grad_norm = torch.zeros(())
-    while state.step < last_step:
-        with metrics.timer.phase("data"):
-            step_in_epoch = state.samples_in_epoch // plan.global_batch
-            micro_batches, trained = prefetch.get(state.epoch, step_in_epoch)
-            sources = prefetch.sources(state.epoch, step_in_epoch)
-        if objective is not None and objective.phase:  # GRPO samples the completions, KTO measures its z
-            with metrics.timer.phase(objective.phase):
-                micro_batches, trained = objective.begin_step(micro_batches, trained, state.epoch)
-        lr = lr_at(state.step, cfg, last_step)
-        updates = objective.updates if objective is not None else 1  # GRPO's --num-iterations: several
-        step_loss, norms = torch.zeros((), device=d.device), []
-        for update in range(updates):
-            if update:
-                objective.next_update()
-            loss_sum, aux_loss = forward_backward(
-                step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
-            )
-            with metrics.timer.phase("update"):
-                norms.append(optimizer_step(bundle.model, optimizer, guard, cfg, lr))
-            step_loss += loss_sum
-        grad_norm = torch.stack(norms)  # one per update
-        state.advance(plan.global_batch, plan.steps_per_epoch)
+    with StepProfiler(cfg, d) as profiler:  # --profile-steps; nothing unless asked for
+        while state.step < last_step:
+            profiler.step_begins(state.step + 1)
+            with metrics.timer.phase("data"):
+                step_in_epoch = state.samples_in_epoch // plan.global_batch
+                micro_batches, trained = prefetch.get(state.epoch, step_in_epoch)
+                sources = prefetch.sources(state.epoch, step_in_epoch)
+            if objective is not None and objective.phase:  # GRPO samples the completions, KTO measures its z
+                with metrics.timer.phase(objective.phase):
+                    micro_batches, trained = objective.begin_step(micro_batches, trained, state.epoch)
+            lr = lr_at(state.step, cfg, last_step)
+            updates = objective.updates if objective is not None else 1  # GRPO's --num-iterations: several
+            step_loss, norms = torch.zeros((), device=d.device), []
+            for update in range(updates):
+                if update:
+                    objective.next_update()
+                loss_sum, aux_loss = forward_backward(
+                    step_forward, micro_batches, trained, guard, d, metrics.timer, sync_last_only
+                )
+                with metrics.timer.phase("update"):
+                    norms.append(optimizer_step(bundle.model, optimizer, guard, cfg, lr))
+                step_loss += loss_sum
+            grad_norm = torch.stack(norms)  # one per update
+            state.advance(plan.global_batch, plan.steps_per_epoch)
+            profiler.step_ended(state.step)
 
-        stats = objective.take_stats() if objective else None
-        metrics.record(
-            step_loss, trained * updates, aux_loss, stats, sources, micro_batches
-        )  # the loss: its updates' mean
-        if metrics.due(state.step) or state.step == last_step:
-            metrics.emit(state, lr, grad_norm, guard.sync(state))
-            if objective is not None:  # GRPO: one prompt's completions and their rewards
-                metrics.write_samples(state.step, objective.take_samples())
-        if evaluation_due(cfg, state.step, last_step):
-            if data.validation is not None:
-                result = validate(bundle, objective, data.validation, cfg, d)
-                metrics.write({"step": state.step, "epoch": metrics.epoch_progress(state), **result})
-            write_samples(bundle, prompts, data, cfg, d, metrics, state.step)
+            stats = objective.take_stats() if objective else None
+            metrics.record(
+                step_loss, trained * updates, aux_loss, stats, sources, micro_batches
+            )  # the loss: its updates' mean
+            if metrics.due(state.step) or state.step == last_step:
+                metrics.emit(state, lr, grad_norm, guard.sync(state))
+                if objective is not None:  # GRPO: one prompt's completions and their rewards
+                    metrics.write_samples(state.step, objective.take_samples())
+            if evaluation_due(cfg, state.step, last_step):
+                if data.validation is not None:
+                    result = validate(bundle, objective, data.validation, cfg, d)
+                    metrics.write({"step": state.step, "epoch": metrics.epoch_progress(state), **result})
+                write_samples(bundle, prompts, data, cfg, d, metrics, state.step)
 
-        interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
-        if interrupted or checkpointer.due(state.step):
-            guard.sync(state)
-            checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
-        if interrupted:
-            checkpointer.finish_pending(last=True)
-            metrics.stop_if_failed()
-            log(f"stopped at step {state.step} on request; rerun the same command to resume")
-            return False
+            interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
+            if interrupted or checkpointer.due(state.step):
+                guard.sync(state)
+                checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
+            if interrupted:
+                checkpointer.finish_pending(last=True)
+                metrics.stop_if_failed()
+                log(f"stopped at step {state.step} on request; rerun the same command to resume")
+                return False
     guard.sync(state)
     checkpointer.save(bundle.model, optimizer, state, "final")
     checkpointer.finish_pending(last=True)

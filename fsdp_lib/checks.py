@@ -22,6 +22,7 @@ from fsdp_lib.config import (
     changed_flags,
     parse_data_slice,
     parse_data_weights,
+    parse_profile_steps,
 )
 from fsdp_lib.errors import file_above, unreadable
 from fsdp_lib.markers import TOKEN_CACHE, folder_kind
@@ -40,6 +41,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
             f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"
+        )
+    if cfg.profile_steps and parse_profile_steps(cfg.profile_steps) is None:
+        problems.append(
+            f"--profile-steps {cfg.profile_steps!r}: expected START:END, optimizer steps counted from 1 with "
+            "START <= END, e.g. 5:6"
         )
     if cfg.wandb == "on":
         problems += _wandb_problems()

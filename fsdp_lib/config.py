@@ -297,6 +297,11 @@ class TrainConfig:
         choices=ON_OFF,
     )
     peak_tflops: float = _opt(0.0, "accelerator peak TFLOP/s per GPU for MFU (0 = built-in table)")
+    profile_steps: str = _opt(
+        "",
+        "profile optimizer steps START:END (e.g. 5:6) with torch.profiler: per rank a trace (Perfetto/Chrome) and a "
+        "table of the operators' time in outputs/EXP/profile",
+    )
 
     # --- Guards and timeouts
     max_bad_steps: int = _opt(25, "stop after this many consecutive steps with a non-finite loss or gradient")
@@ -472,6 +477,16 @@ def parse_data_slice(text: str) -> tuple[int, int | None] | None:
     if not sep or not all(part.strip().isdigit() for part in (start, end) if part.strip()):
         return None
     return int(start or 0), (int(end) if end.strip() else None)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """--profile-steps 'START:END' (or one step 'N') -> (START, END), 1 <= START <= END; None when malformed."""
+    start, sep, end = text.partition(":")
+    parts = (start, end) if sep else (start, start)
+    if not all(part.strip().isdigit() for part in parts):
+        return None
+    first, last = (int(part) for part in parts)
+    return (first, last) if 1 <= first <= last else None
 
 
 def parse_data_weights(text: str) -> list[float] | None:

@@ -380,6 +380,7 @@ TRAINER_FLAG_CASES = [
     flag_case("a flag of another tool", ("--learning-rate", "1e-4"), "unrecognized arguments: --learning-rate"),
     flag_case("a flag of data_hf", ("--data_folder", "@raw"), "unrecognized arguments: --data_folder"),
     flag_case("--data-slice that is not START:END", ("--data-slice", "abc"), "--data-slice 'abc': expected START:END"),
+    flag_case("--profile-steps backwards", ("--profile-steps", "5:2"), "--profile-steps '5:2': expected START:END"),
     flag_case(
         "--data-weights with one dataset", ("--data-weights", "1,2"), "--data-weights 1,2 needs two or more datasets"
     ),

@@ -206,6 +206,8 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_mode
             "10",
             "--log-freq",
             "5",
+            "--profile-steps",
+            "3:4",
         ]
     )
     assert proc.returncode == 0, output_of(proc)
@@ -234,6 +236,15 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_mode
     assert (tmp_path / "learn" / "config.yaml").is_file()
     out = output_of(proc)
     assert "[rank0]" in out and "step=5" in out
+    # --profile-steps 3:4: each rank's trace and operator table, the step loop's phases named in both
+    assert "--profile-steps 3:4: trace and operator table in" in out
+    for rank in range(2):
+        events = json.loads((tmp_path / "learn" / "profile" / f"rank{rank}.json").read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        table = (tmp_path / "learn" / "profile" / f"rank{rank}.txt").read_text()
+        for phase in ("forward", "backward", "update"):
+            assert phase in names and phase in table, (rank, phase)
+        assert sum(e.get("name") == "update" for e in events) == 2  # steps 3 and 4, no more
 
 
 def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra: str) -> dict[int, float]:

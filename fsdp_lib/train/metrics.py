@@ -94,16 +94,18 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if self.cuda and name != "data":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((name, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.host_ms[name] = self.host_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
+        """Times the block as phase `name` (a named range in a --profile-steps trace too)."""
+        with torch.profiler.record_function(name):
+            if self.cuda and name != "data":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self.events.append((name, start, end))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self.host_ms[name] = self.host_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
 
     def averages(self, steps: int) -> dict[str, float]:
         totals = dict(self.host_ms)

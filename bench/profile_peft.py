@@ -1,0 +1,133 @@
+"""Where a LoRA step's time goes next to full fine-tuning's: `fsdp_train.py --profile-steps` over two steps of each
+mode at bench_peft's setting, then the operators that differ most in device time (host time on a CPU).
+
+    python bench/profile_peft.py                 # a GPU: bench_peft's 1B setting (seq 2048, micro-batch 4, bf16)
+    python bench/profile_peft.py --compiled      # --compile on, activation checkpointing off
+    python bench/profile_peft.py --quick         # CPU: bench_peft's quick Llama, 1 process (the plumbing only)
+
+Runs: full fine-tuning, LoRA (fused kernel) and LoRA with `--lora-kernel peft`, one launch each of 10 steps, steps 7
+and 8 profiled. Prints each run's tokens/s and phase times (metrics.jsonl) and a table of the operators whose total
+over the two steps differs most between LoRA and full fine-tuning. The tables (profile/rank0.txt) and, gzipped, the
+traces go to --results-dir/profile_peft/<mode>.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import bench_peft
+from common import REPO_ROOT, bench_arg_parser, median, print_table, work_folder
+from inputs import make_corpus, make_llama_folder, save_text_dataset
+from launch import gpus_hidden, torchrun
+
+LORA = ("--lora-rank", "16")
+MODES = (("full", "none", ()), ("lora", "lora", LORA), ("lora_peft", "lora", (*LORA, "--lora-kernel", "peft")))
+PROFILED = "7:8"
+UNPROFILED = (4, 6, 10)  # the 2-step metric windows after the first that the profiler is not running in
+ROW = re.compile(r"^\s*(\S.{0,54}?)\s{2,}(.*)$")
+UNITS_US = {"us": 1.0, "ms": 1e3, "s": 1e6}
+
+
+def operator_times(table: str, column: str) -> dict[str, float]:
+    """Microseconds per operator name from a profiler table's `column` ("Self CUDA" or "Self CPU")."""
+    lines = table.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("Name"))
+    cells = re.split(r"\s{2,}", header.strip())
+    index = cells.index(column)
+    times: dict[str, float] = {}
+    for line in lines[lines.index(header) + 2 :]:
+        row = re.split(r"\s{2,}", line.strip())
+        if len(row) != len(cells):
+            continue
+        value = re.fullmatch(r"([\d.]+)(us|ms|s)", row[index])
+        if value:
+            times[row[0]] = float(value.group(1)) * UNITS_US[value.group(2)]
+    return times
+
+
+def keep(run_dir: Path, out: Path) -> None:
+    """Rank 0's table and gzipped trace under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run_dir / "profile" / "rank0.txt", out / "rank0.txt")
+    with open(run_dir / "profile" / "rank0.json", "rb") as src, gzip.open(out / "rank0.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+
+
+def launch(work: Path, dataset: Path, model: Path, p: dict[str, Any], name: str, flags: tuple[str, ...]) -> Path:
+    """One fsdp_train.py run of bench_peft's setting `p` plus `flags`, steps PROFILED profiled; its folder."""
+    args = ["-e", name, "-d", str(dataset), "-m", str(model), "--save-dir", str(work / "outputs")]
+    args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
+    args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
+    args += ["--activation-checkpointing", p["activation_checkpointing"], "--ckpt-freq", "0", "--lr", "1e-4"]
+    args += ["--profile-steps", PROFILED, *flags]
+    torchrun(REPO_ROOT / "fsdp_train.py", args, p["nproc"])
+    return work / "outputs" / name
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_arg_parser(__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="--compile on and activation checkpointing off (gpu_check's speed setting) instead of bench_peft's",
+    )
+    parser.add_argument("--batch", type=int, default=0, help="micro-batch size (default: bench_peft's)")
+    parser.add_argument("--modes", default=",".join(m[0] for m in MODES), help="which runs, comma-separated")
+    args = parser.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.quick
+    p: dict[str, Any] = dict(bench_peft.GPU_FULL) if gpu else {**bench_peft.CPU_QUICK, "nproc": 1, "precision": "fp32"}
+    p.update(steps=10, log_freq=2)
+    p["batch"] = args.batch or p["batch"]
+    compiled = ("--compile", "on") if args.compiled else ()
+    if args.compiled:
+        p["activation_checkpointing"] = "off"
+    modes = [m for m in MODES if m[0] in args.modes.split(",")]
+    column = "Self CUDA" if gpu else "Self CPU"
+    runs: dict[str, dict[str, Any]] = {}
+    with work_folder(args, "profile_peft_") as work, gpus_hidden(not gpu):
+        docs = make_corpus(bench_peft.CORPUS_CHARS["quick"])
+        dataset = save_text_dataset(docs, work / "dataset")
+        if gpu:
+            model = bench_peft.init_model(work, dataset, p, "model")
+        else:
+            model = make_llama_folder(work / "model", docs[:200], p["hidden"], p["layers"], p["vocab"], 512, "bfloat16")
+        for name, mode, extra in modes:
+            run_dir = launch(work, dataset, model, p, name, ("--peft", mode, *extra, *compiled))
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rows = [row for row in rows if "tokens_per_s" in row and row["step"] in UNPROFILED]
+            phases = {k: round(median([row[k] for row in rows]), 1) for k in rows[-1] if k.startswith("time_")}
+            tokens_per_s = median([row["tokens_per_s"] for row in rows])
+            table = (run_dir / "profile" / "rank0.txt").read_text()
+            runs[name] = {"tokens_per_s": tokens_per_s, "phases": phases, "ops": operator_times(table, column)}
+            keep(run_dir, args.results_dir / "profile_peft" / name)
+            shutil.rmtree(run_dir)  # its checkpoint and export (for 1B, ~10 GB) are not needed
+            print(f"{name}: {tokens_per_s:,.0f} tokens/s (steps 3-6, 9-10), phases per step {phases}", flush=True)
+            print(table, flush=True)
+    full, lora = runs["full"]["ops"], runs["lora"]["ops"]
+    diffs = sorted(set(full) | set(lora), key=lambda op: -abs(lora.get(op, 0.0) - full.get(op, 0.0)))
+    print_table(
+        ["operator", f"full {column} (ms, 2 steps)", "LoRA (ms)", "LoRA, peft's modules (ms)", "LoRA - full (ms)"],
+        [
+            [
+                op[:60],
+                f"{full.get(op, 0.0) / 1e3:.1f}",
+                f"{lora.get(op, 0.0) / 1e3:.1f}",
+                f"{runs['lora_peft']['ops'].get(op, 0.0) / 1e3:.1f}" if "lora_peft" in runs else "-",
+                f"{(lora.get(op, 0.0) - full.get(op, 0.0)) / 1e3:+.1f}",
+            ]
+            for op in diffs[:25]
+        ],
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

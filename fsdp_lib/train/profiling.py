@@ -1,0 +1,68 @@
+"""--profile-steps START:END: torch.profiler over those optimizer steps (the host's operators and, on a GPU, the
+kernels), written per rank to outputs/EXP/profile: a Chrome/Perfetto trace (rankR.json) and a table of the operators
+sorted by their own time on the device (on the CPU without one), rankR.txt. The step loop's phases (data, forward,
+backward, update and the objectives' own) appear as named ranges in both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fsdp_lib.config import TrainConfig, parse_profile_steps
+from fsdp_lib.runtime import Dist, log
+
+PROFILE_DIR = "profile"
+TABLE_ROWS = 60
+
+
+class StepProfiler:
+    """Started before step START, stopped after step END (1-based optimizer steps, as in metrics.jsonl). Steps that a
+    resumed run has already trained are not profiled again: profile a resumed run with a later range."""
+
+    def __init__(self, cfg: TrainConfig, d: Dist):
+        steps = parse_profile_steps(cfg.profile_steps) if cfg.profile_steps else None
+        self.first, self.last = steps if steps is not None else (0, -1)
+        self.folder = Path(cfg.experiment_dir) / PROFILE_DIR
+        self.rank, self.cuda = d.rank, d.device.type == "cuda"
+        self.active: profile | None = None
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def step_begins(self, step: int) -> None:
+        """Before optimizer step `step` (1-based) runs."""
+        if step != self.first:
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.active = profile(activities=activities, record_shapes=True, profile_memory=False)
+        self.active.__enter__()
+
+    def step_ended(self, step: int) -> None:
+        """After optimizer step `step`; at END (or at the last step, when training stops before END) writes the files."""
+        if self.active is None or step < self.last:
+            return
+        self.finish()
+
+    def finish(self) -> None:
+        """Stops a profile still running (training ended or stopped inside the range) and writes what it holds."""
+        if self.active is None:
+            return
+        prof, self.active = self.active, None
+        if self.cuda:
+            torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace, table = self.folder / f"rank{self.rank}.json", self.folder / f"rank{self.rank}.txt"
+        prof.export_chrome_trace(str(trace))
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        table.write_text(prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS) + "\n")
+        if self.rank == 0:
+            log(
+                f"--profile-steps {self.first}:{self.last}: trace and operator table in {self.folder} "
+                f"(rank{{R}}.json opens in Perfetto, ui.perfetto.dev, or chrome://tracing)"
+            )
