@@ -131,3 +131,17 @@ def test_the_kernel_compiles_without_a_graph_break():
     torch.testing.assert_close(out, eager)
     for got, expected in zip((x.grad, a.grad, up.grad), want):
         torch.testing.assert_close(got, expected)
+
+
+def test_a_compiled_layer_runs_peft_s_forward_for_inductor_to_fuse():
+    """Under torch.compile the fused Linear traces peft's ops (inductor fuses the scale and add into its kernels;
+    the function's in-place accumulation cost copies on an H200), with the same output."""
+    model = lora_model()
+    base = copy.deepcopy(model)
+    fuse_lora(model)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(1, 7, model.config.hidden_size)
+    targets = [str(n.target) for n in torch._dynamo.explain(q_proj)(x).graphs[0].graph.nodes]
+    assert "autograd_function_apply" not in targets and "<built-in function add>" in targets, targets
+    compiled = torch.compile(q_proj, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), base.model.layers[0].self_attn.q_proj(x))

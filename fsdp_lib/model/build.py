@@ -312,7 +312,12 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     float8 = convert_to_float8(layers, cfg.fp8, recipe) if cfg.fp8 != "off" else None
     if peft is not None and cfg.lora_kernel == "fused":  # after float8: a Float8Linear base keeps peft's forward
         fused, adapted = fuse_lora(model)
-        log(f"--peft {cfg.peft}: {fused} of {adapted} adapted Linear modules run the fused LoRA kernel")
+        where = (
+            " in eager passes (evaluation, samples); --compile on traces peft's forward, which inductor fuses"
+            if cfg.compile == "on"
+            else ""
+        )
+        log(f"--peft {cfg.peft}: {fused} of {adapted} adapted Linear modules run the fused LoRA kernel{where}")
     fpt = flops_per_token(model, model.config, peft.trainable if peft else None)
     recomputed = (
         apply_activation_checkpointing(model, layers, cfg.ac_every_n_layers)
