@@ -8,7 +8,7 @@ mode at bench_peft's setting, then the operators that differ most in device time
 Runs: full fine-tuning, LoRA (fused kernel) and LoRA with `--lora-kernel peft`, one launch each of 10 steps, steps 7
 and 8 profiled. Prints each run's tokens/s and phase times (metrics.jsonl) and a table of the operators whose total
 over the two steps differs most between LoRA and full fine-tuning. The tables (profile/rank0.txt) and, gzipped, the
-traces go to --results-dir/profile_peft/<mode>.
+traces go to --results-dir/profile_peft/<mode>, the figures to --results-dir/profile_peft.json.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_peft
-from common import REPO_ROOT, bench_arg_parser, median, print_table, work_folder
+from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_table, work_folder, write_results
 from inputs import make_corpus, make_llama_folder, save_text_dataset
 from launch import gpus_hidden, torchrun
 
@@ -78,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--compile on and activation checkpointing off (gpu_check's speed setting) instead of bench_peft's",
     )
     parser.add_argument("--batch", type=int, default=0, help="micro-batch size (default: bench_peft's)")
-    parser.add_argument("--modes", default=",".join(m[0] for m in MODES), help="which runs, comma-separated")
+    parser.add_argument(
+        "--modes", default="", help="runs, comma-separated, full and lora among them (default: all; --quick: full,lora)"
+    )
     args = parser.parse_args(argv)
+    chosen = (args.modes or ("full,lora" if args.quick else ",".join(m[0] for m in MODES))).split(",")
+    if not {"full", "lora"} <= set(chosen) or not set(chosen) <= {m[0] for m in MODES}:
+        parser.error(f"--modes {args.modes}: give full and lora, and optionally lora_peft")
     import torch
 
     gpu = torch.cuda.is_available() and not args.quick
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = ("--compile", "on") if args.compiled else ()
     if args.compiled:
         p["activation_checkpointing"] = "off"
-    modes = [m for m in MODES if m[0] in args.modes.split(",")]
+    modes = [m for m in MODES if m[0] in chosen]
     column = "Self CUDA" if gpu else "Self CPU"
     runs: dict[str, dict[str, Any]] = {}
     with work_folder(args, "profile_peft_") as work, gpus_hidden(not gpu):
@@ -126,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             for op in diffs[:25]
         ],
     )
+    results = {name: {**r, "ops": dict(sorted(r["ops"].items(), key=lambda kv: -kv[1]))} for name, r in runs.items()}
+    write_results(args.results_dir, "profile_peft", {"machine": machine_info(), "setting": p, "runs": results})
     return 0
 
 

@@ -299,7 +299,7 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert all(c["dry_run"] for c in result["claims"]) and result["exit_code"] == 0
     (mfu,) = sections["mfu"]["rows"]
     assert mfu["status"] == "ok" and mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1, mfu  # nominal 1 TFLOP/s peak
-    assert [r["status"] for r in sections["peft"]["rows"]] == ["not measured"] * 4  # its launches: bench_peft --quick
+    assert [r["status"] for r in sections["peft"]["rows"]] == ["not measured"] * 6  # its launches: bench_peft --quick
     assert [r["status"] for r in sections["grpo"]["rows"]] == ["not measured"] * 2  # its launch: bench_grpo --quick
     assert [r["status"] for r in sections["fp8"]["rows"]] == ["not measured"] * 4  # tests/test_fsdp_train_float8.py
     # longctx: the plain row is not launched, the offload + tiled-MLP row trains (the longest that fits: reported)
@@ -330,3 +330,14 @@ def test_lora_kernel_quick(repo_root, tmp_path):
     assert result["max_output_difference"] < 1e-5 and result["max_input_grad_difference"] < 1e-5  # fp32
     assert result["saved_bytes"]["fused"] <= result["saved_bytes"]["peft"]
     assert 0.2 < result["speedup"] < 5
+
+
+@pytest.mark.slow
+def test_profile_peft_quick(repo_root, tmp_path):
+    """bench/profile_peft.py --quick: full fine-tuning and LoRA profiled on CPU through fsdp_train.py --profile-steps,
+    each run's operator table parsed (LoRA's through the fused kernel)."""
+    result = run_quick(repo_root, "profile_peft.py", tmp_path)
+    full, lora = result["runs"]["full"], result["runs"]["lora"]
+    assert full["tokens_per_s"] > 0 and lora["tokens_per_s"] > 0
+    assert "aten::mm" in full["ops"] and "LoRALinearBackward" in lora["ops"], lora["ops"]  # microseconds per operator
+    assert (tmp_path / "profile_peft" / "lora" / "rank0.txt").is_file()

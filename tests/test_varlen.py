@@ -26,6 +26,9 @@ def test_documents_are_read_from_the_positions_and_every_row_starts_one():
     assert documents.cu_seqlens.tolist() == [0, 3, 5, 7, 10] and documents.cu_seqlens.dtype == torch.int32
     moved = Batch(torch.zeros(2, 5), torch.zeros(2, 5), torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]]))
     assert moved.to(torch.device("cpu")).documents.bounds == documents.bounds
+    found = moved.with_documents()  # as the prefetch thread finds them: once, then carried
+    assert found.documents.bounds == documents.bounds and found.with_documents() is found
+    assert found.to(torch.device("cpu")).documents.bounds == documents.bounds
 
 
 def test_the_mfu_counts_attention_over_each_document_not_the_row():

@@ -38,10 +38,8 @@ class Batch:
         to_gpu = torch.device(device).type == "cuda"
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         pinned = lambda t: t.pin_memory() if to_gpu and not t.is_pinned() else t  # noqa: E731
-        documents, targets = self.documents, self.targets
+        documents, targets = self.with_documents().documents, self.targets
         on_host = self.labels.device.type == "cpu"
-        if documents is None and self.position_ids is not None and self.position_ids.device.type == "cpu":
-            documents = Documents.of(self.position_ids.numpy())
         if documents is not None:
             documents = dataclasses.replace(documents, cu_seqlens=move(pinned(documents.cu_seqlens)))
         if targets is None and self.sequence_ids is not None and on_host:
@@ -49,6 +47,13 @@ class Batch:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "documents"}
         fields["targets"] = targets
         return Batch(**{name: move(t) for name, t in fields.items()}, documents=documents)
+
+    def with_documents(self) -> Batch:
+        """This batch with its documents read from host position ids (once: the data plan's prefetch thread does it,
+        and `to` and the MFU's attended_positions then read them); itself where they are known or cannot be."""
+        if self.documents is None and self.position_ids is not None and self.position_ids.device.type == "cpu":
+            return dataclasses.replace(self, documents=Documents.of(self.position_ids.numpy()))
+        return self
 
     def tensors(self) -> list[torch.Tensor | None]:
         """The tensor fields in order (dataclasses.astuple would deep-copy every tensor)."""
@@ -97,12 +102,8 @@ def attended_positions(batches: list[Batch]) -> tuple[int, int]:
     squares = tokens = 0
     for batch in batches:
         rows, length = batch.input_ids.shape
-        if batch.documents is not None:
-            lengths = np.diff(batch.documents.bounds)
-        elif batch.position_ids is not None and batch.position_ids.device.type == "cpu":
-            lengths = np.diff(Documents.of(batch.position_ids.numpy()).bounds)
-        else:
-            lengths = np.full(rows, length)
+        documents = batch.with_documents().documents
+        lengths = np.diff(documents.bounds) if documents is not None else np.full(rows, length)
         squares += int(np.square(lengths, dtype=np.int64).sum())
         tokens += rows * length
     return squares, tokens
