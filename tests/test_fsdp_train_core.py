@@ -247,6 +247,30 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, dataset_dir, scratch_mode
         assert sum(e.get("name") == "update" for e in events) == 2  # steps 3 and 4, no more
 
 
+@pytest.mark.parametrize(("first_step", "profiled"), [(1, [2, 3]), (3, [3]), (5, [])])
+def test_profile_steps_cover_the_range_once_also_when_resumed_inside_it(tmp_path, first_step, profiled):
+    """--profile-steps 2:3 from step 1, from a resume at step 3 (the rest of the range) and at step 5 (nothing)."""
+    from types import SimpleNamespace
+
+    from fsdp_lib.train.metrics import PhaseTimer
+    from fsdp_lib.train.profiling import StepProfiler
+
+    cfg = SimpleNamespace(profile_steps="2:3", experiment_dir=tmp_path)
+    timer = PhaseTimer(torch.device("cpu"))
+    with StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu"))) as profiler:
+        for step in range(first_step, 7):
+            profiler.step_begins(step)
+            with timer.phase("update"):
+                torch.ones(4).add_(step)
+            profiler.step_ended(step)
+    trace = tmp_path / "profile" / "rank0.json"
+    if not profiled:
+        assert not trace.exists()
+        return
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("name") == "update" for e in events) == len(profiled)
+
+
 def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra: str) -> dict[int, float]:
     args = [
         *trainer_args("run", dataset_dir, model, save),

@@ -18,8 +18,8 @@ TABLE_ROWS = 60
 
 
 class StepProfiler:
-    """Started before step START, stopped after step END (1-based optimizer steps, as in metrics.jsonl). Steps that a
-    resumed run has already trained are not profiled again: profile a resumed run with a later range."""
+    """Started before step START, stopped after step END (1-based optimizer steps, as in metrics.jsonl). A run resumed
+    inside the range profiles the rest of it; one resumed after it, nothing."""
 
     def __init__(self, cfg: TrainConfig, d: Dist):
         steps = parse_profile_steps(cfg.profile_steps) if cfg.profile_steps else None
@@ -27,6 +27,7 @@ class StepProfiler:
         self.folder = Path(cfg.experiment_dir) / PROFILE_DIR
         self.rank, self.cuda = d.rank, d.device.type == "cuda"
         self.active: profile | None = None
+        self.done = False  # profiled once per launch
 
     def __enter__(self) -> StepProfiler:
         return self
@@ -35,9 +36,11 @@ class StepProfiler:
         self.finish()
 
     def step_begins(self, step: int) -> None:
-        """Before optimizer step `step` (1-based) runs."""
-        if step != self.first:
+        """Before optimizer step `step` (1-based) runs: starts at START, or at the first step of a run resumed
+        inside the range."""
+        if self.active is not None or self.done or not self.first <= step <= self.last:
             return
+        self.done = True
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.active = profile(activities=activities, record_shapes=True, profile_memory=False)
         self.active.__enter__()
