@@ -257,7 +257,7 @@ def test_profile_steps_cover_the_range_once_also_when_resumed_inside_it(tmp_path
 
     cfg = SimpleNamespace(profile_steps="2:3", experiment_dir=tmp_path)
     timer = PhaseTimer(torch.device("cpu"))
-    with StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu"))) as profiler:
+    with StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu")), 6) as profiler:
         for step in range(first_step, 7):
             profiler.step_begins(step)
             with timer.phase("update"):
@@ -269,6 +269,16 @@ def test_profile_steps_cover_the_range_once_also_when_resumed_inside_it(tmp_path
         return
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("name") == "update" for e in events) == len(profiled)
+
+
+def test_profile_steps_beyond_the_last_step_are_said(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fsdp_lib.train.profiling import StepProfiler
+
+    cfg = SimpleNamespace(profile_steps="8:9", experiment_dir=tmp_path)
+    StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu")), 6)
+    assert "--profile-steps 8:9: training ends at step 6; nothing is profiled" in capsys.readouterr().out
 
 
 def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra: str) -> dict[int, float]:

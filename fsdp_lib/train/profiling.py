@@ -21,9 +21,11 @@ class StepProfiler:
     """Started before step START, stopped after step END (1-based optimizer steps, as in metrics.jsonl). A run resumed
     inside the range profiles the rest of it; one resumed after it, nothing."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist):
+    def __init__(self, cfg: TrainConfig, d: Dist, last_step: int):
         steps = parse_profile_steps(cfg.profile_steps) if cfg.profile_steps else None
         self.first, self.last = steps if steps is not None else (0, -1)
+        if steps is not None and self.first > last_step and d.rank == 0:
+            log(f"WARNING: --profile-steps {cfg.profile_steps}: training ends at step {last_step}; nothing is profiled")
         self.folder = Path(cfg.experiment_dir) / PROFILE_DIR
         self.rank, self.cuda = d.rank, d.device.type == "cuda"
         self.active: profile | None = None
