@@ -336,7 +336,7 @@ def train_loop(
             metrics.write({"step": 0, "epoch": 0.0, **validate(bundle, objective, data.validation, cfg, d)})
         write_samples(bundle, prompts, data, cfg, d, metrics, 0)
     grad_norm = torch.zeros(())
-    with StepProfiler(cfg, d, last_step) as profiler:  # --profile-steps; nothing unless asked for
+    with StepProfiler(cfg, d, state.step + 1, last_step) as profiler:  # --profile-steps; nothing unless asked for
         while state.step < last_step:
             profiler.step_begins(state.step + 1)
             with metrics.timer.phase("data"):

@@ -20,7 +20,7 @@ and run from the repository root there:
 One section per device call (each is sized for 8 of a call's 10 minutes); the estimates on one H100, from
 BENCHMARKS.md's launches of the 1B preset (72-105 s each: start-up, model init, compilation, then the final 12 GB
 checkpoint and export, which fsdp_train.py always writes; a 1B run at seq 2048 x 8 trains ~58k tokens/s compiled):
-kernels ~6-7 min (4 launches), mfu ~4 min (2), peft ~6-7 min (6; 3 measured in 3 min, plus a 1B model folder with weights), dpo
+kernels ~6-7 min (4 launches), mfu ~4 min (2), peft ~6-7 min (6; 3 took 3 min, plus a 1B model with weights), dpo
 1 min measured (1, the 125M preset), resume ~1.5 min (3, a 4-layer model), grpo ~2.5 min on an H200 (1 launch, then
 transformers' generate in-process; 1B with weights, shared with peft), fp8 6 min measured (4 launches like mfu's
 first; torchao must be carried as a wheel). --budget-s (default 480) bounds each section: a launch that would start with less of it left than the

@@ -30,7 +30,6 @@ LORA = ("--lora-rank", "16")
 MODES = (("full", "none", ()), ("lora", "lora", LORA), ("lora_peft", "lora", (*LORA, "--lora-kernel", "peft")))
 PROFILED = "7:8"
 UNPROFILED = (4, 6, 10)  # the 2-step metric windows after the first that the profiler is not running in
-ROW = re.compile(r"^\s*(\S.{0,54}?)\s{2,}(.*)$")
 UNITS_US = {"us": 1.0, "ms": 1e3, "s": 1e6}
 
 

@@ -299,8 +299,8 @@ class TrainConfig:
     peak_tflops: float = _opt(0.0, "accelerator peak TFLOP/s per GPU for MFU (0 = built-in table)")
     profile_steps: str = _opt(
         "",
-        "profile optimizer steps START:END (e.g. 5:6) with torch.profiler: per rank a trace (Perfetto/Chrome) and a "
-        "table of the operators' time in outputs/EXP/profile",
+        "profile optimizer steps START:END (e.g. 5:6; one step: 5) with torch.profiler: per rank a trace "
+        "(Perfetto/Chrome) and a table of the operators' time in outputs/EXP/profile",
     )
 
     # --- Guards and timeouts
@@ -389,6 +389,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 without its base-60 integers: `profile-steps: 5:6` and `data-slice: 10:20` stay the text they are
+    on the command line (a safe_load reads them as 306 and 620)."""
+
+
+def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int | str:
+    text = loader.construct_scalar(node)
+    return text if ":" in text else yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
+
+
 def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str) -> Any:
     """YAML 1.1 reads on/off as booleans and 1e-4 as a string; map them back, and check types of the file's values."""
     f = {x.name: x for x in dataclasses.fields(TrainConfig)}[name]
@@ -426,7 +439,7 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     if config_file:
         path = Path(config_file)
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError([f"--config {config_file}: cannot read it as YAML ({exc})"]) from exc
         if not isinstance(loaded, dict):
@@ -474,7 +487,7 @@ def changed_dpo_flags(cfg: TrainConfig) -> list[str]:
 def parse_data_slice(text: str) -> tuple[int, int | None] | None:
     """'START:END' -> (start, end or None); None when malformed."""
     start, sep, end = text.partition(":")
-    if not sep or not all(part.strip().isdigit() for part in (start, end) if part.strip()):
+    if not sep or not all(part.strip().isdecimal() for part in (start, end) if part.strip()):
         return None
     return int(start or 0), (int(end) if end.strip() else None)
 
@@ -483,7 +496,7 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
     """--profile-steps 'START:END' (or one step 'N') -> (START, END), 1 <= START <= END; None when malformed."""
     start, sep, end = text.partition(":")
     parts = (start, end) if sep else (start, start)
-    if not all(part.strip().isdigit() for part in parts):
+    if not all(part.strip().isdecimal() for part in parts):
         return None
     first, last = (int(part) for part in parts)
     return (first, last) if 1 <= first <= last else None

@@ -107,6 +107,10 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     cfg_file.write_text("lr: fast\nwarmup-steps: 2.5\n")
     with pytest.raises(ConfigError, match="key 'lr' has value 'fast'; expected float"):
         load_config(["--config", str(cfg_file)])
+    # START:END values unquoted: YAML 1.1 would read 5:6 as the base-60 number 306
+    cfg_file.write_text("profile-steps: 5:6\ndata-slice: 10:20\nmax-steps: 1_000\n")
+    cfg = load_config(["--config", str(cfg_file)])
+    assert (cfg.profile_steps, cfg.data_slice, cfg.max_steps) == ("5:6", "10:20", 1000)
 
 
 def test_lr_schedule_shapes():
@@ -257,7 +261,7 @@ def test_profile_steps_cover_the_range_once_also_when_resumed_inside_it(tmp_path
 
     cfg = SimpleNamespace(profile_steps="2:3", experiment_dir=tmp_path)
     timer = PhaseTimer(torch.device("cpu"))
-    with StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu")), 6) as profiler:
+    with StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu")), first_step, 6) as profiler:
         for step in range(first_step, 7):
             profiler.step_begins(step)
             with timer.phase("update"):
@@ -276,9 +280,30 @@ def test_profile_steps_beyond_the_last_step_are_said(tmp_path, capsys):
 
     from fsdp_lib.train.profiling import StepProfiler
 
-    cfg = SimpleNamespace(profile_steps="8:9", experiment_dir=tmp_path)
-    StepProfiler(cfg, SimpleNamespace(rank=0, device=torch.device("cpu")), 6)
-    assert "--profile-steps 8:9: training ends at step 6; nothing is profiled" in capsys.readouterr().out
+    cpu = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    StepProfiler(SimpleNamespace(profile_steps="8:9", experiment_dir=tmp_path), cpu, 1, 6)
+    assert "--profile-steps 8:9: this launch trains steps 1..6; nothing is profiled" in capsys.readouterr().out
+    StepProfiler(SimpleNamespace(profile_steps="2:3", experiment_dir=tmp_path), cpu, 5, 6)  # resumed after the range
+    assert "--profile-steps 2:3: this launch trains steps 5..6; nothing is profiled" in capsys.readouterr().out
+    StepProfiler(SimpleNamespace(profile_steps="2:3", experiment_dir=tmp_path), cpu, 3, 6)
+    assert "nothing is profiled" not in capsys.readouterr().out
+
+
+def test_a_profile_that_cannot_be_written_neither_stops_training_nor_hides_the_error(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fsdp_lib.train.profiling import StepProfiler
+
+    (tmp_path / "file").write_text("")  # its profile folder would go under a file
+    cfg = SimpleNamespace(profile_steps="1:1", experiment_dir=tmp_path / "file")
+    cpu = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    with StepProfiler(cfg, cpu, 1, 3) as profiler:  # the run goes on after the failed write
+        profiler.step_begins(1)
+        profiler.step_ended(1)
+    assert "rank 0's profile was not written" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="the run's own error"), StepProfiler(cfg, cpu, 1, 3) as profiler:
+        profiler.step_begins(1)
+        raise ValueError("the run's own error")
 
 
 def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra: str) -> dict[int, float]:

@@ -28,7 +28,7 @@ class Batch:
     # Batches with sequence ids (DPO, KTO, GRPO): the flat positions that have a target, found on the host (set by
     # `to`), so that picking them out on a GPU does not wait for it.
     targets: torch.Tensor | None = None
-    # Where the packed documents start, read from the position ids on the host (set by `to`).
+    # Where the packed documents start, read from the position ids on the host (set by `with_documents`).
     documents: Documents | None = None
 
     def to(self, device: torch.device) -> Batch:
@@ -48,11 +48,15 @@ class Batch:
         fields["targets"] = targets
         return Batch(**{name: move(t) for name, t in fields.items()}, documents=documents)
 
-    def with_documents(self) -> Batch:
+    def with_documents(self, pin: bool = False) -> Batch:
         """This batch with its documents read from host position ids (once: the data plan's prefetch thread does it,
-        and `to` and the MFU's attended_positions then read them); itself where they are known or cannot be."""
+        with `pin` for a GPU, and `to` and the MFU's attended_positions then read them); itself where they are known
+        or cannot be."""
         if self.documents is None and self.position_ids is not None and self.position_ids.device.type == "cpu":
-            return dataclasses.replace(self, documents=Documents.of(self.position_ids.numpy()))
+            documents = Documents.of(self.position_ids.numpy())
+            if pin:
+                documents = dataclasses.replace(documents, cu_seqlens=documents.cu_seqlens.pin_memory())
+            return dataclasses.replace(self, documents=documents)
         return self
 
     def tensors(self) -> list[torch.Tensor | None]:

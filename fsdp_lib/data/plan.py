@@ -112,7 +112,7 @@ class Prefetcher:
         batches = self.plan.micro_batches(order, step)
         if self.pin and all(isinstance(b, Batch) for b in batches):  # prompts (GRPO) are not tensors yet
             batches = [Batch(*(None if t is None else t.pin_memory() for t in b.tensors())) for b in batches]
-        batches = [b.with_documents() if isinstance(b, Batch) else b for b in batches]  # here, off the step loop
+        batches = [b.with_documents(self.pin) if isinstance(b, Batch) else b for b in batches]  # off the step loop
         return batches, self.plan.trained_tokens(order, step)
 
     def sources(self, epoch: int, step: int) -> list[int] | None:
