@@ -7,7 +7,9 @@ mode at bench_peft's setting, then the operators that differ most in device time
 
 Runs: full fine-tuning, LoRA (fused kernel) and LoRA with `--lora-kernel peft`, one launch each of 10 steps, steps 7
 and 8 profiled. Prints each run's tokens/s and phase times (metrics.jsonl) and a table of the operators whose total
-over the two steps differs most between LoRA and full fine-tuning. The tables (profile/rank0.txt) and, gzipped, the
+over the two steps differs most between LoRA and full fine-tuning; on a GPU, from each trace, the kernels' time per
+step by kind and the device's busy time against its span and per phase (busy well below the span: the host is the
+bottleneck; trace_summary). The tables (profile/rank0.txt) and, gzipped, the
 traces go to --results-dir/profile_peft/<mode>, the figures to --results-dir/profile_peft.json.
 """
 
@@ -29,6 +31,7 @@ from launch import gpus_hidden, torchrun
 LORA = ("--lora-rank", "16")
 MODES = (("full", "none", ()), ("lora", "lora", LORA), ("lora_peft", "lora", (*LORA, "--lora-kernel", "peft")))
 PROFILED = "7:8"
+PROFILED_STEPS = 2
 UNPROFILED = (4, 6, 10)  # the 2-step metric windows after the first that the profiler is not running in
 UNITS_US = {"us": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -48,6 +51,55 @@ def operator_times(table: str, column: str) -> dict[str, float]:
         if value:
             times[row[0]] = float(value.group(1)) * UNITS_US[value.group(2)]
     return times
+
+
+# Kernel names -> what they are, first match wins (cuBLAS's nvjet/cutlass matmuls, flash attention, fused AdamW's
+# multi-tensor kernels, inductor's triton kernels, the copies, ATen's elementwise kernels).
+KERNEL_KINDS = (
+    ("matmul", ("nvjet", "cutlass", "gemm", "xmma")),
+    ("attention", ("flash",)),
+    ("optimizer", ("multi_tensor",)),
+    ("triton", ("triton",)),
+    ("copy", ("Memcpy", "Memset", "chunk_cat", "split_with_sizes", "CatArray")),
+    ("elementwise", ("elementwise", "reduce_kernel")),
+)
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "other")
+
+
+def trace_summary(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Per profiled step, from a trace's events: the device's kernel time by kind, its busy time (the union of the
+    kernels' intervals, all streams) against the span from the first kernel to the last, and for the step loop's
+    `forward` and `update` ranges as the device saw them, each window and the kernel time inside it (the backward
+    runs on autograd's own thread, so its range holds no kernel: it is the rest of the span). Busy well below the
+    span means the GPU waited for the host. Empty without a GPU (no kernel events)."""
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in DEVICE_EVENTS)
+    if not kernels:
+        return {}
+    kinds: dict[str, float] = {}
+    busy, (start, end, _) = 0.0, kernels[0]
+    for a, b, name in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a)
+        if a > end:
+            busy, start = busy + end - start, a
+        end = max(end, b)
+    busy += end - start
+    phases: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e["name"] in ("forward", "update"):
+            inside = sum(max(0.0, min(b, e["ts"] + e["dur"]) - max(a, e["ts"])) for a, b, _ in kernels)
+            window = phases.setdefault(e["name"], [0.0, 0.0])
+            window[0], window[1] = window[0] + e["dur"], window[1] + inside
+    ms = lambda us: round(us / 1e3 / steps, 2)  # noqa: E731
+    return {
+        "span_ms": ms(kernels[-1][1] - kernels[0][0]),
+        "busy_ms": ms(busy),
+        "kernel_ms": {kind: ms(t) for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "phases_ms": {name: {"window": ms(w), "kernels": ms(k)} for name, (w, k) in phases.items()},
+    }
 
 
 def keep(run_dir: Path, out: Path) -> None:
@@ -110,11 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             phases = {k: round(median([row[k] for row in rows]), 1) for k in rows[-1] if k.startswith("time_")}
             tokens_per_s = median([row["tokens_per_s"] for row in rows])
             table = (run_dir / "profile" / "rank0.txt").read_text()
+            events = json.loads((run_dir / "profile" / "rank0.json").read_text())["traceEvents"]
+            device = trace_summary(events, PROFILED_STEPS)
             runs[name] = {"tokens_per_s": tokens_per_s, "phases": phases, "ops": operator_times(table, column)}
+            runs[name]["device"] = device
             keep(run_dir, args.results_dir / "profile_peft" / name)
             shutil.rmtree(run_dir)  # its checkpoint and export (for 1B, ~10 GB) are not needed
             print(f"{name}: {tokens_per_s:,.0f} tokens/s (steps 3-6, 9-10), phases per step {phases}", flush=True)
             print(table, flush=True)
+            if device:
+                print(f"{name}: per profiled step, device {device}", flush=True)
     full, lora = runs["full"]["ops"], runs["lora"]["ops"]
     diffs = sorted(set(full) | set(lora), key=lambda op: -abs(lora.get(op, 0.0) - full.get(op, 0.0)))
     print_table(

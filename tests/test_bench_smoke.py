@@ -167,6 +167,29 @@ def load_compare_strategies(repo_root: Path):
     return compare_strategies
 
 
+def test_profile_peft_reads_the_device_s_busy_time_from_a_trace(repo_root):
+    sys.path.insert(0, str(repo_root / "bench"))
+    try:
+        from profile_peft import trace_summary
+    finally:
+        sys.path.remove(str(repo_root / "bench"))
+    kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [  # one step: a matmul and an overlapping copy, a gap (the host), an elementwise kernel and the update
+        {"cat": "gpu_user_annotation", "name": "forward", "ts": 0, "dur": 4000},
+        kernel("nvjet_sm90_tst_128x256", 0, 2000),
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 1000, "dur": 2000},
+        kernel("void at::native::vectorized_elementwise_kernel<8>", 6000, 1000),
+        {"cat": "gpu_user_annotation", "name": "update", "ts": 8000, "dur": 2000},
+        kernel("void at::native::multi_tensor_apply_kernel", 8000, 1000),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
+    ]
+    got = trace_summary(events, steps=1)
+    assert got["span_ms"] == 9.0 and got["busy_ms"] == 5.0  # 0-3, 6-7, 8-9 ms: 4 ms of the 9 waited
+    assert got["kernel_ms"] == {"matmul": 2.0, "copy": 2.0, "elementwise": 1.0, "optimizer": 1.0}
+    assert got["phases_ms"] == {"forward": {"window": 4.0, "kernels": 4.0}, "update": {"window": 2.0, "kernels": 1.0}}
+    assert trace_summary([e for e in events if e["cat"] == "cpu_op"], steps=1) == {}  # a CPU run has no kernels
+
+
 def test_compare_strategies_recommendation_rule(repo_root):
     cs = load_compare_strategies(repo_root)
 
