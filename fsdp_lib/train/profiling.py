@@ -33,7 +33,6 @@ class StepProfiler:
         self.folder = Path(cfg.experiment_dir) / PROFILE_DIR
         self.rank, self.cuda = d.rank, d.device.type == "cuda"
         self.active: profile | None = None
-        self.done = False  # profiled once per launch
 
     def __enter__(self) -> StepProfiler:
         return self
@@ -49,9 +48,8 @@ class StepProfiler:
     def step_begins(self, step: int) -> None:
         """Before optimizer step `step` (1-based) runs: starts at START, or at the first step of a run resumed
         inside the range."""
-        if self.active is not None or self.done or not self.first <= step <= self.last:
+        if self.active is not None or not self.first <= step <= self.last:
             return
-        self.done = True
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.active = profile(activities=activities, record_shapes=True, profile_memory=False)
         self.active.__enter__()
