@@ -188,19 +188,23 @@ def parse_log(text: str) -> dict[str, Any]:
     return found
 
 
+def trainer_args(work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], exp: str, mode: str) -> list[str]:
+    """fsdp_train.py's flags for experiment `exp` (under work/outputs) at setting `p` with `--peft mode`."""
+    args = ["-e", exp, "-d", str(dataset), "-m", str(model_dir), "--save-dir", str(work / "outputs")]
+    args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
+    args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
+    args += ["--activation-checkpointing", p["activation_checkpointing"], "--ckpt-freq", "0", "--lr", "1e-4"]
+    args += ["--peft", mode]
+    return args + (["--lora-rank", str(p["lora_rank"])] if mode != "none" else [])
+
+
 def run_mode(
     work: Path, dataset: Path, model_dir: Path, p: dict[str, Any], mode: str, rep: int, extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """One fsdp_train.py launch of `mode` (with `extra` flags); its figures, or status "OOM"/"failed"."""
     on_cpu = p["label"] != GPU_FULL["label"]
     exp = f"{'cpu' if on_cpu else 'gpu'}_{mode}_{rep}"
-    args = ["-e", exp, "-d", str(dataset), "-m", str(model_dir), "--save-dir", str(work / "outputs")]
-    args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
-    args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
-    args += ["--activation-checkpointing", p["activation_checkpointing"], "--ckpt-freq", "0", "--lr", "1e-4"]
-    args += ["--peft", mode, *extra]
-    if mode != "none":
-        args += ["--lora-rank", str(p["lora_rank"])]
+    args = [*trainer_args(work, dataset, model_dir, p, exp, mode), *extra]
     prefix = work / f"{exp}.rss"
     run = run_trainer(Path(__file__), ["--worker", str(prefix), *args], p["nproc"], work / "outputs" / exp)
     if run.failure:

@@ -28,8 +28,7 @@ from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_tabl
 from inputs import make_corpus, make_llama_folder, save_text_dataset
 from launch import gpus_hidden, torchrun
 
-LORA = ("--lora-rank", "16")
-MODES = (("full", "none", ()), ("lora", "lora", LORA), ("lora_peft", "lora", (*LORA, "--lora-kernel", "peft")))
+MODES = (("full", "none", ()), ("lora", "lora", ()), ("lora_peft", "lora", ("--lora-kernel", "peft")))
 PROFILED = "7:8"
 PROFILED_STEPS = 2
 UNPROFILED = (4, 6, 10)  # the 2-step metric windows after the first that the profiler is not running in
@@ -82,7 +81,8 @@ def trace_summary(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     kinds: dict[str, float] = {}
     busy, (start, end, _) = 0.0, kernels[0]
     for a, b, name in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a)
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + (b - a)
         if a > end:
             busy, start = busy + end - start, a
         end = max(end, b)
@@ -110,13 +110,12 @@ def keep(run_dir: Path, out: Path) -> None:
         shutil.copyfileobj(src, dst)
 
 
-def launch(work: Path, dataset: Path, model: Path, p: dict[str, Any], name: str, flags: tuple[str, ...]) -> Path:
-    """One fsdp_train.py run of bench_peft's setting `p` plus `flags`, steps PROFILED profiled; its folder."""
-    args = ["-e", name, "-d", str(dataset), "-m", str(model), "--save-dir", str(work / "outputs")]
-    args += ["--seq-length", str(p["seq"]), "-b", str(p["batch"]), "--precision", p["precision"]]
-    args += ["--max-steps", str(p["steps"]), "--num-epochs", "1000", "--log-freq", str(p["log_freq"])]
-    args += ["--activation-checkpointing", p["activation_checkpointing"], "--ckpt-freq", "0", "--lr", "1e-4"]
-    args += ["--profile-steps", PROFILED, *flags]
+def launch(
+    work: Path, dataset: Path, model: Path, p: dict[str, Any], name: str, mode: str, flags: tuple[str, ...]
+) -> Path:
+    """One fsdp_train.py run of bench_peft's setting `p` with `--peft mode` and `flags`, steps PROFILED profiled;
+    its folder (kept, unlike bench_peft.run_mode's)."""
+    args = [*bench_peft.trainer_args(work, dataset, model, p, name, mode), "--profile-steps", PROFILED, *flags]
     torchrun(REPO_ROOT / "fsdp_train.py", args, p["nproc"])
     return work / "outputs" / name
 
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = make_llama_folder(work / "model", docs[:200], p["hidden"], p["layers"], p["vocab"], 512, "bfloat16")
         for name, mode, extra in modes:
-            run_dir = launch(work, dataset, model, p, name, ("--peft", mode, *extra, *compiled))
+            run_dir = launch(work, dataset, model, p, name, mode, (*extra, *compiled))
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             rows = [row for row in rows if "tokens_per_s" in row and row["step"] in UNPROFILED]
             phases = {k: round(median([row[k] for row in rows]), 1) for k in rows[-1] if k.startswith("time_")}
@@ -164,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             table = (run_dir / "profile" / "rank0.txt").read_text()
             events = json.loads((run_dir / "profile" / "rank0.json").read_text())["traceEvents"]
             device = trace_summary(events, PROFILED_STEPS)
-            runs[name] = {"tokens_per_s": tokens_per_s, "phases": phases, "ops": operator_times(table, column)}
-            runs[name]["device"] = device
+            ops = operator_times(table, column)
+            runs[name] = {"tokens_per_s": tokens_per_s, "phases": phases, "ops": ops, "device": device}
             keep(run_dir, args.results_dir / "profile_peft" / name)
             shutil.rmtree(run_dir)  # its checkpoint and export (for 1B, ~10 GB) are not needed
             print(f"{name}: {tokens_per_s:,.0f} tokens/s (steps 3-6, 9-10), phases per step {phases}", flush=True)
