@@ -129,6 +129,40 @@ def test_each_rank_keeps_its_part_of_every_row_and_the_documents_of_the_whole_ro
     assert unpacked.documents.bounds == (0, 8, 16) and unpacked.documents.longest == 8
 
 
+def _all_to_alls(rank: int, store: str, rows: int) -> None:
+    """One of 2 processes: its part of a [rows x 4 heads x 8 x 3] tensor through both all-to-alls and back."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_lib.model.varlen import Context, _heads_to_sequence, _sequence_to_heads
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        context = Context(size=2, rank=rank, group=dist.group.WORLD)
+        whole = torch.randn(rows, 4, 8, 3, generator=torch.Generator().manual_seed(0))
+        part = whole[:, :, 4 * rank : 4 * rank + 4].clone().requires_grad_()
+        heads = _heads_to_sequence(part, context)  # every token of heads 2r, 2r + 1
+        assert torch.equal(heads, whole[:, 2 * rank : 2 * rank + 2])
+        flat = heads.transpose(1, 2).reshape(rows * 8, 2, 3)  # what both attention paths do to it
+        assert (flat.data_ptr() == heads.data_ptr()) and flat.is_contiguous(), "the flattening copied"
+        back = _sequence_to_heads(heads.transpose(1, 2).contiguous(), context)
+        assert torch.equal(back, part.detach().transpose(1, 2))  # [rows x 4 tokens x 4 heads x 3]
+        upstream = torch.randn(back.shape, generator=torch.Generator().manual_seed(1 + rank))
+        (back * upstream).sum().backward()  # the composition is the identity: so is its gradient
+        assert torch.equal(part.grad, upstream.transpose(1, 2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_ulysses_all_to_alls_move_heads_and_tokens_and_their_gradients(tmp_path, rows):
+    """Two gloo processes: the all-to-all to whole sequences gives each process its heads for every token, in the
+    layout the attention flattens without a copy, and the way back (and both backwards) returns each part."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_all_to_alls, args=(str(tmp_path / "store"), rows), nprocs=2)
+
+
 @pytest.mark.parametrize(
     "flags,world,message",
     [

@@ -55,14 +55,16 @@ def use_documents(documents: Documents, context: Context | None = None) -> None:
 
 def _heads_to_sequence(t: torch.Tensor, context: Context) -> torch.Tensor:
     """[B x H x T/N x D], this rank's tokens of every head -> [B x H/N x T x D], every token of this rank's heads
-    (Ulysses: one all-to-all; its backward is the reverse all-to-all)."""
+    (Ulysses: one all-to-all; its backward is the reverse all-to-all). The result is a view of a [B x T x H/N x D]
+    buffer (at -b 1 the all-to-all's own output), the layout both attention paths flatten to without a copy: one
+    copy per tensor (the send buffer) where a [B x H x T x D] result would take three."""
     from torch.distributed.nn.functional import all_to_all_single
 
     rows, heads, part, dim = t.shape
     n = context.size
-    send = t.reshape(rows, n, heads // n, part, dim).transpose(0, 1).contiguous()  # head group j -> rank j
-    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [part i of the sequence]
-    return got.permute(1, 2, 0, 3, 4).reshape(rows, heads // n, n * part, dim)
+    send = t.reshape(rows, n, heads // n, part, dim).permute(1, 0, 3, 2, 4).contiguous()  # head group j -> rank j
+    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [part i, B, T/N, H/N, D]
+    return got.transpose(0, 1).reshape(rows, n * part, heads // n, dim).transpose(1, 2)
 
 
 def _sequence_to_heads(t: torch.Tensor, context: Context) -> torch.Tensor:
@@ -71,8 +73,8 @@ def _sequence_to_heads(t: torch.Tensor, context: Context) -> torch.Tensor:
 
     rows, length, heads, dim = t.shape
     n = context.size
-    send = t.reshape(rows, n, length // n, heads, dim).transpose(0, 1).contiguous()  # part i -> rank i
-    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [head group j]
+    send = t.reshape(rows, n, length // n, heads, dim).transpose(0, 1).contiguous()  # part i -> rank i (a view at -b 1)
+    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [head group j, B, T/N, H/N, D]
     return got.permute(1, 2, 0, 3, 4).reshape(rows, length // n, n * heads, dim)
 
 
