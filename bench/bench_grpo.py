@@ -5,6 +5,8 @@ peak memory per rank, on CPU with 2 processes; ours generating on the sharded mo
     python bench/bench_grpo.py            # CPU: hidden 384, 4 layers, bf16, 2 processes, 2 repetitions of 3 runs
     python bench/bench_grpo.py --reps 3   # more repetitions (~1.5 minutes more)
     python bench/bench_grpo.py --quick    # hidden 64, 2 layers, 3 steps: proves the benchmark still runs
+    python bench/bench_grpo.py --vocab 32000 --precision fp32   # a real model's vocabulary (~8 minutes; fp32: see
+                                          # BENCHMARKS.md on bf16 matmuls over the vocabulary on a CPU)
 
 Inputs are made here, nothing is downloaded. The model is a Llama of fsdp_lib.testing's `llama_sizes` (hidden 384, 4
 layers, 6 heads, SwiGLU 1024, tied embeddings, random fp32 weights: 8,654,208 parameters with the 4096-token
@@ -110,6 +112,7 @@ CPU_FULL = {
     "layers": 4,
     "vocab": 4096,
     "corpus_chars": 400_000,
+    "tokenizer_docs": 150,  # the tokenizer learns from these first documents (None: all)
     "nproc": 2,
     "seq": 256,  # --seq-length: the longest prompt + --max-new-tokens fits
     "prompts_per_rank": 2,  # -b
@@ -161,6 +164,20 @@ GPU_NOTE = "not measured (this benchmark has CPU rows only)"
 # --- Inputs ------------------------------------------------------------------------------------------------------
 
 
+def with_vocab(p: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """The settings for a `vocab`-token vocabulary: above the default's, a corpus large enough for the tokenizer to
+    learn that many (~125 characters per token) and every document of it to train on."""
+    if vocab < 256 + 64:
+        raise SystemExit(f"--vocab {vocab}: at least 320 (the 256 bytes and some merges)")
+    more = vocab > p["vocab"]
+    return {
+        "vocab": vocab,
+        "label": f"{p['label']}, vocabulary {vocab:,}",
+        "corpus_chars": max(p["corpus_chars"], 125 * vocab) if more else p["corpus_chars"],
+        "tokenizer_docs": None if more else p["tokenizer_docs"],
+    }
+
+
 def make_prompts(docs: list[str], p: dict[str, Any], seed: int = 1) -> list[dict[str, str]]:
     """p["prompts"] questions "what is A plus B?" after a few words of pseudo-prose, with their answers."""
     rng = random.Random(seed)
@@ -199,7 +216,7 @@ def prepare(work: Path, p: dict[str, Any], name: str) -> dict[str, Any]:
     start = time.perf_counter()
     folder = work / name
     docs = make_corpus(p["corpus_chars"])
-    texts = docs[:150] + arithmetic_documents(200)
+    texts = docs[: p["tokenizer_docs"]] + arithmetic_documents(200)
     model_dir = make_llama_folder(
         folder / "model", texts, p["hidden"], p["layers"], p["vocab"], weights_dtype="float32"
     )
@@ -224,6 +241,10 @@ def prepare(work: Path, p: dict[str, Any], name: str) -> dict[str, Any]:
         "parameters": model_parameters(model_dir),
         "seconds": time.perf_counter() - start,
     }
+    if stats["vocab"] < p["vocab"]:
+        print(
+            f"WARNING: the tokenizer learned {stats['vocab']} tokens of the {p['vocab']} asked (a larger corpus needed)"
+        )
     print(
         f"{p['label']}: {stats['parameters']:,} parameters, vocabulary {stats['vocab']}, {len(rows)} prompts of "
         f"{stats['prompt_tokens_min_median_max']} tokens; inputs made in {stats['seconds']:.0f}s",
@@ -587,11 +608,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_arg_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="", help="compute dtype (default: bf16)")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps per run (default 8; 3 with --quick)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="vocabulary size (default 4096; 32000 is Llama 2's and Mistral's: the logits then weigh as in a real model)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     p = dict(CPU_QUICK if args.quick else CPU_FULL)
     p["precision"] = args.precision or p["precision"]
     p["steps"] = args.steps or p["steps"]
+    if args.vocab:
+        p.update(with_vocab(p, args.vocab))
     reps = args.reps or p["reps"]
     results: dict[str, Any] = {"machine": machine_info(), "code": code_state(), "params": {"cpu": {**p, "reps": reps}}}
     with work_folder(args, "bench_grpo_") as work:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 
-def run_quick(repo_root: Path, script: str, results_dir: Path) -> dict:
+def run_quick(repo_root: Path, script: str, results_dir: Path, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(repo_root / "bench" / script), "--quick", "--results-dir", str(results_dir)],
+        [sys.executable, str(repo_root / "bench" / script), "--quick", "--results-dir", str(results_dir), *extra],
         cwd=repo_root,
         capture_output=True,
         text=True,
@@ -270,8 +270,8 @@ def test_dpo_bench_quick(repo_root, tmp_path):
 
 @pytest.mark.slow
 def test_grpo_bench_quick(repo_root, tmp_path):
-    result = run_quick(repo_root, "bench_grpo.py", tmp_path)
-    assert result["gpu"].startswith("not measured")
+    result = run_quick(repo_root, "bench_grpo.py", tmp_path, "--vocab", "1024")  # the tokenizer learns all 1,024
+    assert result["gpu"].startswith("not measured") and result["data"]["cpu"]["vocab"] == 1024
     runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
     p = result["params"]["cpu"]
     completions = p["nproc"] * p["prompts_per_rank"] * p["num_generations"]
