@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, pack_pairs, read_reference, write_reference
@@ -105,6 +106,40 @@ def test_chunked_token_log_probs_and_gradients_equal_the_full_logits(softcap):
     assert (ours[labels == -100] == 0).all()
     for a, b in zip(our_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _VocabWide(TorchDispatchMode):
+    """Counts the [rows x vocab] buffers the ops under it allocate (outputs of that shape that are neither views
+    nor in-place results of an input)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.made = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if torch.is_tensor(a)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == self.vocab:
+                self.made += t.untyped_storage().data_ptr() not in inputs
+        return out
+
+
+@pytest.mark.parametrize("softcap,per_chunk", [(None, (1, 1)), (5.0, (1, 2))])
+def test_chunked_token_log_probs_make_one_logits_buffer_per_chunk(softcap, per_chunk):
+    """The head's chunks of DPO, KTO and GRPO: the forward's log-softmax and the backward's softmax gradient are
+    computed in place in the chunk's logits, so each chunk makes one [chunk x vocab] buffer in each direction (with
+    a soft cap, the backward keeps the tanh values for its gradient too), and the temperature divides in place."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    chunks = 5  # 37 tokens in chunks of 8
+    with _VocabWide(50) as forward:
+        out = ChunkedTokenLogProbs.apply(hidden, weight, None, labels, 8, softcap, 0.7)
+    with _VocabWide(50) as backward:
+        out.sum().backward()
+    assert (forward.made, backward.made) == (chunks * per_chunk[0], chunks * per_chunk[1])
 
 
 def test_dropout_is_switched_off_for_the_policy():

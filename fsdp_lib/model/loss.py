@@ -83,7 +83,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad[torch.arange(len(y), device=y.device), safe] -= 1.0
             grad *= keep[:, None]
             if softcap:
-                grad *= 1.0 - capped * capped
+                grad.mul_(capped.square_().neg_().add_(1.0))  # tanh' = 1 - tanh^2, in the tanh values' buffer
             grad = grad.to(work or hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk] = grad @ head
@@ -141,19 +141,21 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             keep = y != -100
             g = grad_out[start : start + ctx.chunk].float() * keep
             if ctx.temperature != 1.0:  # d/d logits of logp(logits / T): (onehot - softmax(logits / T)) / T
-                logits = logits.div_(ctx.temperature)
+                logits.div_(ctx.temperature)
                 g = g / ctx.temperature
-            grad = torch.softmax(logits, dim=-1).mul_(-g[:, None])  # d/d logits of sum g * logp
+            grad = _softmax_(logits).mul_(-g[:, None])  # d/d logits of sum g * logp, in the logits' buffer
             grad[torch.arange(len(y), device=y.device), torch.where(keep, y, 0)] += g
-            if ctx.softcap:
-                grad *= 1.0 - capped * capped
+            if capped is not None:
+                grad.mul_(capped.square_().neg_().add_(1.0))  # tanh' = 1 - tanh^2, in the tanh values' buffer
+            g_hidden = grad.to(hidden.dtype)  # one rounded copy for both products (none in fp32)
             if grad_hidden is not None:
-                grad_hidden[start : start + ctx.chunk] = grad.to(hidden.dtype) @ weight
+                grad_hidden[start : start + ctx.chunk] = g_hidden @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(grad.t().to(weight.dtype), h.to(weight.dtype))
+                g_weight = g_hidden if weight.dtype == hidden.dtype else grad.to(weight.dtype)
+                grad_weight.addmm_(g_weight.t(), h.to(weight.dtype))
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
-            del logits, grad
+            del logits, capped, grad, g_hidden
         return (
             grad_hidden,
             grad_weight,
@@ -177,23 +179,41 @@ def chunked_token_log_probs(
     """ChunkedTokenLogProbs' values, without autograd (also its forward)."""
     out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
-        logits = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap)[0]
+        logits = _chunk_logits(hidden[start : start + chunk], weight, bias, softcap, keep_tanh=False)[0]
         if temperature != 1.0:
-            logits = logits.div_(temperature)
-        out[start : start + chunk] = _target_log_probs(logits, labels[start : start + chunk])
+            logits.div_(temperature)
+        out[start : start + chunk] = _target_log_probs_(logits, labels[start : start + chunk])
         del logits
     return out
 
 
 def _chunk_logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None, keep_tanh: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(fp32 logits of one chunk, soft-capped where configured; the tanh values for the cap's gradient or None)."""
+    """(fp32 logits of one chunk, soft-capped where configured; the tanh values for the cap's gradient, or None
+    without a cap or without keep_tanh). The cap is applied in place: one [chunk x vocab] buffer, two with the
+    tanh values kept."""
     logits = F.linear(h, weight, bias).float()
     if not softcap:
         return logits, None
-    capped = torch.tanh(logits / softcap)
-    return capped * softcap, capped
+    capped = logits.div_(softcap).tanh_()
+    return (capped * softcap, capped) if keep_tanh else (capped.mul_(softcap), None)
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension, in place in `logits` (which it returns)."""
+    probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    return probs.div_(probs.sum(dim=-1, keepdim=True))
+
+
+def _target_log_probs_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """_target_log_probs without a second [tokens x vocab] buffer: the log-sum-exp exponentiates `logits` in place
+    (their values are gone afterwards)."""
+    keep = labels != -100
+    target = logits.gather(1, torch.where(keep, labels, 0)[:, None]).squeeze(1)
+    row_max = logits.amax(dim=-1)
+    log_sum = logits.sub_(row_max[:, None]).exp_().sum(dim=-1).log_()
+    return (target - row_max - log_sum) * keep
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
