@@ -319,6 +319,7 @@ def _eight_steps(save: Path, dataset_dir: Path, model: Path, nproc: int, *extra:
     ]
     proc = run_trainer(args, nproc=nproc)
     assert proc.returncode == 0, output_of(proc)
+    (save / "run" / "launch.log").write_text(output_of(proc))
     return losses_by_step(save / "run")
 
 
@@ -384,9 +385,36 @@ def test_sharding_offload_and_checkpointing_do_not_change_the_math(
 
 
 def test_bf16_mixed_precision_trains(tmp_path, dataset_dir, scratch_model, full_shard_losses):
+    from fsdp_lib.checks import cpu_bf16_warning
+
     got = _eight_steps(tmp_path, dataset_dir, scratch_model, 2, "--precision", "bf16")
     assert got[8] < got[1]
+    # said where this machine's CPU has no bf16 instructions (the development VM's has none), and only there
+    warned = (
+        "WARNING: --precision bf16 on a CPU without bf16 instructions" in (tmp_path / "run" / "launch.log").read_text()
+    )
+    assert warned == (cpu_bf16_warning("bf16", torch.device("cpu")) is not None)
     assert got[1] == pytest.approx(full_shard_losses[1], abs=0.05)  # same init and data, bf16 rounding only
+
+
+@pytest.mark.parametrize(
+    "precision,device,cpuinfo,warned",
+    [
+        ("bf16", "cpu", "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n", True),  # x86 without bf16
+        ("bf16", "cpu", "flags\t\t: fpu avx2 avx512f avx512_bf16\n", False),
+        ("bf16", "cpu", "flags\t\t: fpu avx2 amx_bf16 amx_tile\n", False),  # Sapphire Rapids
+        ("bf16", "cpu", "Features\t: fp asimd sve bf16 i8mm\n", False),  # aarch64 (Graviton 3, Grace)
+        ("bf16", "cpu", "", False),  # nothing to tell by: no warning
+        ("fp32", "cpu", "flags\t\t: fpu avx2\n", False),
+        ("bf16", "cuda", "flags\t\t: fpu avx2\n", False),
+    ],
+)
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(precision, device, cpuinfo, warned):
+    from fsdp_lib.checks import cpu_bf16_warning
+
+    warning = cpu_bf16_warning(precision, torch.device(device), cpuinfo)
+    assert (warning is not None) == warned
+    assert warning is None or ("--precision bf16" in warning and "--precision fp32" in warning)
 
 
 def test_injected_nan_loss_skips_the_step(tmp_path, dataset_dir, scratch_model):
