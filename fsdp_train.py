@@ -55,6 +55,8 @@ from fsdp_lib.runtime import (
     Dist,
     StopRequest,
     all_ranks_agree,
+    cpu_bf16_warning,
+    cpu_has_bf16_matmuls,
     die_with_launcher,
     eagerly,
     log,
@@ -228,6 +230,8 @@ def evaluation_due(cfg: TrainConfig, step: int, last_step: int) -> bool:
 def run(cfg: TrainConfig) -> int:
     precision = resolve_precision(cfg)
     d = setup_distributed(cfg)
+    if warning := cpu_bf16_warning(precision, d.device, cpu_has_bf16_matmuls()):
+        log(warning)
     stop = StopRequest()
     seed_everything(cfg.seed + d.rank)
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)

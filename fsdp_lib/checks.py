@@ -235,30 +235,6 @@ def _device_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     return problems
 
 
-CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86's flags; aarch64's Features say "bf16"
-
-
-def cpu_bf16_warning(precision: str, device: torch.device, cpuinfo: str | None = None) -> str | None:
-    """The warning for bf16 compute on a CPU without bf16 instructions (none of CPU_BF16_FLAGS among
-    /proc/cpuinfo's flags), where torch emulates its bf16 matmuls; None elsewhere or where the file cannot tell."""
-    if precision != "bf16" or device.type != "cpu":
-        return None
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    rows = (line.partition(":") for line in cpuinfo.splitlines())
-    flags = {flag for key, _, value in rows if key.strip() in ("flags", "Features") for flag in value.split()}
-    if not flags or flags & CPU_BF16_FLAGS:
-        return None
-    return (
-        "WARNING: --precision bf16 on a CPU without bf16 instructions (no avx512_bf16, amx_bf16 or bf16 among "
-        "/proc/cpuinfo's flags): torch emulates bf16 matmuls, 5-80x slower than fp32 on the AMD EPYC measured "
-        "(BENCHMARKS.md, GRPO at a real vocabulary); --precision fp32, what auto picks on a CPU, is faster here"
-    )
-
-
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 kernels: Ada Lovelace (sm_89), Hopper (sm_90) and later
 
 

@@ -1,6 +1,6 @@
 """The process side of a run: the process group and device mesh (Dist), rank-0 logging with timestamps, host-side
-agreement between ranks, seeding, signals as a stop request, workers that die with their launcher, and the one
-error report per failure that torchrun shows as the root cause."""
+agreement between ranks, seeding, whether the CPU computes bf16 natively, signals as a stop request, workers that
+die with their launcher, and the one error report per failure that torchrun shows as the root cause."""
 
 from __future__ import annotations
 
@@ -179,6 +179,43 @@ def broadcast_object(obj: Any, d: Dist) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=d.cpu_group)
     return box[0]
+
+
+# /proc/cpuinfo flags that give bf16 matmuls a vectorised path in torch's oneDNN (x86: AVX512-BF16, AMX, AVX-512
+# core, AVX-NE-CONVERT; aarch64's Features: bf16); read only where torch cannot say itself
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512bw", "avx_ne_convert", "bf16"})
+
+
+def cpu_flags_say_bf16(cpuinfo: str) -> bool | None:
+    """Whether /proc/cpuinfo's text lists one of CPU_BF16_FLAGS; None when it lists no flags at all."""
+    rows = (line.partition(":") for line in cpuinfo.splitlines())
+    flags = {flag for key, _, value in rows if key.strip() in ("flags", "Features") for flag in value.split()}
+    return bool(flags & CPU_BF16_FLAGS) if flags else None
+
+
+def cpu_has_bf16_matmuls() -> bool | None:
+    """Whether torch computes bf16 matmuls natively on this CPU: its own test (oneDNN's bf16 support), else the
+    CPU's flags; None where neither can tell."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        return cpu_flags_say_bf16(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
+def cpu_bf16_warning(precision: str, device: torch.device, native: bool | None) -> str | None:
+    """The warning for bf16 compute on a CPU where torch emulates bf16 matmuls (native False, from
+    cpu_has_bf16_matmuls); None elsewhere or where that is unknown."""
+    if precision != "bf16" or device.type != "cpu" or native is not False:
+        return None
+    return (
+        "WARNING: --precision bf16 on a CPU without native bf16 matmuls (torch's oneDNN reports no bf16 support: "
+        "no AVX512-BF16, AMX or AVX-512): torch emulates them, 5-80x slower than fp32 on the AMD EPYC measured "
+        "(BENCHMARKS.md, GRPO at a real vocabulary); --precision fp32, what auto picks on a CPU, is faster here"
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -86,26 +86,30 @@ def test_reference_free_losses_are_the_papers_formulas():
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_chunked_token_log_probs_and_gradients_equal_the_full_logits(softcap):
+@pytest.mark.parametrize("dtype,temperature", [(torch.float64, 1.0), (torch.float32, 0.7)])
+def test_chunked_token_log_probs_and_gradients_equal_the_full_logits(softcap, dtype, temperature):
+    """fp64 (the chunks' logits are fp32 copies) and fp32 (the head's own output, changed in place) with GRPO's
+    sampling temperature: values and gradients equal the full logits' path."""
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(37, 16, generator=g, dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=dtype, requires_grad=True)
+    bias = torch.randn(50, generator=g, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 50, (37,), generator=g)
     labels[::4] = -100
-    upstream = torch.randn(37, generator=g, dtype=torch.float64)
+    upstream = torch.randn(37, generator=g, dtype=dtype)
+    tolerance = 1e-6 if dtype == torch.float64 else 1e-5
 
     logits = F.linear(hidden, weight, bias)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    full = token_log_probs(logits[None], labels[None])
+    full = token_log_probs(logits[None] / temperature, labels[None])
     full_grads = torch.autograd.grad((full * upstream).sum(), (hidden, weight, bias))
-    ours = ChunkedTokenLogProbs.apply(hidden, weight, bias, labels, 8, softcap)
+    ours = ChunkedTokenLogProbs.apply(hidden, weight, bias, labels, 8, softcap, temperature)
     our_grads = torch.autograd.grad((ours * upstream).sum(), (hidden, weight, bias))
-    torch.testing.assert_close(ours.double(), full.float().double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.double(), full.float().double(), rtol=tolerance, atol=tolerance)
     assert (ours[labels == -100] == 0).all()
     for a, b in zip(our_grads, full_grads):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
 class _VocabWide(TorchDispatchMode):

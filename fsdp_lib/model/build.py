@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 import yaml
 
-from fsdp_lib.checks import cpu_bf16_warning
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model import varlen
@@ -375,8 +374,6 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
             else ""
         )
     )
-    if warning := cpu_bf16_warning(precision, d.device):
-        log(warning)
     return ModelBundle(
         model, train_forward, model.config, model_dir, num_params, recomputed, fpt, export_dtype(cfg, model_dir), peft
     )

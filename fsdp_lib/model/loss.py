@@ -248,7 +248,7 @@ def chunked_loss_sum(
             return ChunkedCrossEntropy.apply(h, weight, bias, labels, chunk, softcap)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
-            logits = _chunk_logits(h[start : start + chunk], weight, bias, softcap)[0]
+            logits = _chunk_logits(h[start : start + chunk], weight, bias, softcap, keep_tanh=False)[0]
             total += F.cross_entropy(logits, labels[start : start + chunk], ignore_index=-100, reduction="sum")
         return total
 
