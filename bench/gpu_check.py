@@ -3,7 +3,7 @@ each fit 8 minutes on one H100: figures, a claims table, and exit code 1 when a 
 
     python bench/gpu_check.py                              # every section (~26 minutes on one H100: split it, below)
     python bench/gpu_check.py --section kernels,mfu        # some sections (--section may also be repeated)
-    python bench/gpu_check.py --dry-run                    # CPU, ~30-45 s: every section's plumbing, tiny preset
+    python bench/gpu_check.py --dry-run                    # CPU, ~45-60 s: every section's plumbing, tiny preset
 
 On the device machine datasets, dill and multiprocess are missing (Python 3.12, torch and transformers present).
 Fetch their wheels here into .whl/ (kept out of git by .git/info/exclude, so the device call must carry [".whl"]):
@@ -71,6 +71,11 @@ launch.run_trainer or the bench that owns the measurement; a generated corpus, n
   plain and 786k offloaded on 2026-11-26, BENCHMARKS.md row 16; the 1M row was not reached); each setting stops at its first length that
   does not fit (an out-of-memory exit, recorded as "does not fit"). Reported, no goal: the issue's 500k-token goal
   is ALST's for Llama-3.1-8B, whose full fine-tuning state does not fit one GPU (not measured here).
+- scale: fp8's and peft's speed claims at Llama-3-8B's layer shapes (`--init 7B --num-layers 8 --num-kv-heads 8
+  --intermediate-size 14336 --with-weights`, ~2.0B parameters), seq 2048 x 8, compile on, activation checkpointing
+  off, document masking off, 5 warm-up steps, 15 steps: bf16 full fine-tuning, `--fp8 on` and LoRA (rank 16), one
+  launch each (~6 min on an H200, 2026-11-27: 94-114 s per full launch, most of it the 2B checkpoint and export).
+  Claims: fp8 tokens/s >= 1.2x bf16's; LoRA tokens/s >= 1.3x full fine-tuning's; fp8's loss within 5% of bf16's.
 
 Figures are fsdp_train.py's own metrics.jsonl (tokens_per_s, mfu, mem_peak_alloc_gb), as bench_mfu.py reads them:
 the first window (warm-up, compilation) skipped, the median of the others (peak: their highest).
@@ -82,12 +87,12 @@ that raises is reported as failed with its error, and the others still run); a c
 (passed null, with the reason) does not fail the run.
 
 --dry-run: on CPU (GPUs hidden), fp32, a small Llama (hidden 256, 2 layers, bf16 weights), seq 64-128, 4-6 steps,
-MFU against a nominal 1 TFLOP/s, and only 4 launches (~35 s): kernels' varlen row, which is also mfu's row (identical
+MFU against a nominal 1 TFLOP/s, and only 5 launches (~45 s): kernels' varlen row, which is also mfu's row (identical
 settings, launched once), and resume's killed run and its rerun (the steps trained twice compared). The other rows
 read "not launched in --dry-run": peft's launches (bench_peft.run_mode) are what bench_peft.py --quick's smoke test
 runs, dpo's (bench_dpo.run_ours) what bench_dpo.py --quick's runs, grpo's fsdp_train.py launch what bench_grpo.py
 --quick's runs (its transformers baseline: GPU only), fp8's what tests/test_fsdp_train_float8.py runs; longctx
-launches its offload row at seq 512 (a 4th launch). The
+launches its offload row at seq 512 (a 4th launch), scale its LoRA row on the tiny preset (a 5th). The
 claims are evaluated and marked "dry run": they never fail the exit code; a crashed section or
 launch does.
 """
@@ -105,7 +110,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -116,7 +121,7 @@ from common import REPO_ROOT, env_set, format_table, machine_info, median
 from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
 from launch import LaunchError, gpus_hidden, run_trainer, torchrun
 
-SECTIONS = ("kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo", "longctx")
+SECTIONS = ("kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo", "longctx", "scale")
 DEFAULT_OUT = REPO_ROOT / "outputs" / "gpu_check"
 DEFAULT_BUDGET_S = 480.0
 LOSS_RTOL = 2e-2
@@ -142,6 +147,14 @@ GPU_PLAN: dict[str, Any] = {
     # an H200 (141 GB) trained the first three on 2026-11-26; --dry-run's planner for 80 GB: ~254k plain, ~688k
     # tiled and offloaded (its rule 5-10% over the H200's peaks)
     "longctx": {"corpus_chars": 10_000_000, "plain": (262144, 393216), "offload": (786432, 1048576), "tiles": 8},
+    # fp8's and peft's speed claims at Llama-3-8B's layer shapes (hidden 4096, MLP 14336, GQA 32/8), 8 of its 32
+    # layers (~2.0B parameters with the 32k vocabulary: full fine-tuning's state fits one H100)
+    "scale": {
+        "preset": "7B",
+        "overrides": ["--num-layers", "8", "--num-kv-heads", "8", "--intermediate-size", "14336"],
+        **{"seq": 2048, "batch": 8, "steps": 15, "log_freq": 5, "ac": "off", "compile": "on", "fp8": "on"},
+        "warmup": 5,  # without it both runs spiked at step 5 (lr 1e-4 from random weights): losses 16.6 vs 13.9
+    },
     "min_launch_s": 60.0,
 }
 DRY_PLAN: dict[str, Any] = {
@@ -156,6 +169,12 @@ DRY_PLAN: dict[str, Any] = {
     "resume": {"seq": 64, "batch": 2, "steps": 6, "ckpt": 2, "kill": 4},
     "grpo": {"prompts": 16, "prompt_words": 12, "seq": 128, "new": 16, "group": 4, "batch": 2, "steps": 3},
     "longctx": {"corpus_chars": 0, "plain": (256,), "offload": (512,), "tiles": 2},
+    "scale": {
+        "preset": "tiny",
+        "overrides": ["--num-layers", "2", "--num-kv-heads", "2", "--intermediate-size", "192"],
+        **{"seq": 64, "batch": 2, "steps": 4, "log_freq": 2, "ac": "off", "compile": "off", "fp8": "emulate"},
+        "warmup": 1,
+    },
     "min_launch_s": 0.0,
     "peak_tflops": 1.0,  # nominal: a CPU has no datasheet peak; proves the MFU plumbing, not a figure
     # the rows a dry run launches where a section has several; the others: "not launched in --dry-run"
@@ -171,6 +190,7 @@ DRY_PLAN: dict[str, Any] = {
         "grpo": (),
         "fp8": (),
         "longctx": ("offload, seq 512",),
+        "scale": ("LoRA",),  # the preset's model with weights, made as on a GPU, and LoRA's flags
     },
 }
 
@@ -800,6 +820,35 @@ def section_longctx(ctx: Context) -> SectionResult:
     return rows, claims
 
 
+def section_scale(ctx: Context) -> SectionResult:
+    """fp8's and peft's speed claims where the matmuls are larger: Llama-3-8B's layer shapes (the 7B preset with 8
+    layers, 8 KV heads and a 14,336-wide MLP; bf16 weights, a tokenizer trained on the corpus), seq 2048 x 8,
+    compile on, activation checkpointing off, document masking off, 5 warm-up steps: bf16 full fine-tuning, `--fp8 on`
+    (tensorwise) and LoRA (rank 16, all seven projections), one launch each."""
+    p = ctx.plan["scale"]
+    warmup = ["--warmup-steps", str(p["warmup"])]
+    common = Setting(p["seq"], p["batch"], p["steps"], p["log_freq"], p["ac"], p["compile"], "off", extra=warmup)
+
+    def inputs() -> tuple[Path, Path]:
+        corpus = ctx.corpus()
+        model = ctx.cached("8B-shaped model", lambda: bench_peft.init_model(ctx.work, corpus, p, "scale"))
+        return corpus, model
+
+    specs = [
+        ("bf16", common),
+        ("fp8 tensorwise", replace(common, extra=[*warmup, "--fp8", p["fp8"]])),
+        ("LoRA", replace(common, extra=[*warmup, "--peft", "lora", "--lora-rank", "16"])),
+    ]
+    rows = run_rows(ctx, "scale", specs, inputs)
+    bf16, fp8, lora = rows
+    claims = [
+        ratio_claim("FP8 faster than bf16, 8B layers", fp8, bf16, "tokens_per_s", ">=", 1.2, "tokens/s"),
+        ratio_claim("LoRA faster than full, 8B layers", lora, bf16, "tokens_per_s", ">=", 1.3, "tokens/s"),
+        losses_claim("FP8 trains like bf16, 8B layers", fp8, bf16, 0.05),
+    ]
+    return rows, claims
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "kernels": section_kernels,
     "mfu": section_mfu,
@@ -809,6 +858,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "fp8": section_fp8,
     "grpo": section_grpo,
     "longctx": section_longctx,
+    "scale": section_scale,
 }
 
 
@@ -931,7 +981,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--section", action="append", default=[], help=f"one of {', '.join(SECTIONS)}, or a comma "
                         "list; repeatable (default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for gpu_check.json and .md")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, a small model: the plumbing (4 launches, ~35 s)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, a small model: the plumbing (5 launches, ~45 s)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds per section (launches "
                         "that would not fit are skipped; default: %(default)s)")  # fmt: skip
     parser.add_argument("--total-budget-s", type=float, default=0.0, help="seconds for the whole command (0: no "

@@ -315,7 +315,8 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
-    assert result["dry_run"] and list(sections) == ["kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo", "longctx"]
+    names = ["kernels", "mfu", "peft", "dpo", "resume", "fp8", "grpo", "longctx", "scale"]
+    assert result["dry_run"] and list(sections) == names
     for name, section in sections.items():
         assert section["error"] is None and section["rows"], (name, section)
         assert f"{name}: launches" in [c["name"] for c in section["claims"]], name
@@ -330,6 +331,9 @@ def test_gpu_check_dry_run(repo_root, tmp_path):
     assert plain["status"] == "not measured" and offload["status"] == "ok" and offload["tokens_per_s"] > 0, offload
     longest = {c["name"]: c for c in sections["longctx"]["claims"]}["longest sequence, offload"]
     assert longest["measured"].startswith("512 tokens train"), longest
+    # scale: the 8B-shaped model's route (--init with size overrides and weights) with LoRA's flags, on a tiny preset
+    assert [r["status"] for r in sections["scale"]["rows"]] == ["not measured", "not measured", "ok"]
+    assert sections["scale"]["rows"][2]["tokens_per_s"] > 0
     twice = {c["name"]: c for c in sections["resume"]["claims"]}["steps trained twice"]
     assert twice["passed"] is True and twice["value"] == 0, twice  # the resumed steps' losses, bit for bit
     text = (tmp_path / "gpu_check.md").read_text()
