@@ -56,7 +56,6 @@ from fsdp_lib.runtime import (
     StopRequest,
     all_ranks_agree,
     cpu_bf16_warning,
-    cpu_has_bf16_matmuls,
     die_with_launcher,
     eagerly,
     log,
@@ -230,7 +229,7 @@ def evaluation_due(cfg: TrainConfig, step: int, last_step: int) -> bool:
 def run(cfg: TrainConfig) -> int:
     precision = resolve_precision(cfg)
     d = setup_distributed(cfg)
-    if warning := cpu_bf16_warning(precision, d.device, cpu_has_bf16_matmuls()):
+    if warning := cpu_bf16_warning(precision, d.device):
         log(warning)
     stop = StopRequest()
     seed_everything(cfg.seed + d.rank)

@@ -7,6 +7,7 @@ peak memory per rank, on CPU with 2 processes; ours generating on the sharded mo
     python bench/bench_grpo.py --quick    # hidden 64, 2 layers, 3 steps: proves the benchmark still runs
     python bench/bench_grpo.py --vocab 32000 --precision fp32   # a real model's vocabulary (~8 minutes; fp32: see
                                           # BENCHMARKS.md on bf16 matmuls over the vocabulary on a CPU)
+    python bench/bench_grpo.py --vocab 32000 --precision fp32 --max-new-tokens 256   # TRL's completion length
 
 Inputs are made here, nothing is downloaded. The model is a Llama of fsdp_lib.testing's `llama_sizes` (hidden 384, 4
 layers, 6 heads, SwiGLU 1024, tied embeddings, random fp32 weights: 8,654,208 parameters with the 4096-token
@@ -162,6 +163,15 @@ GPU_NOTE = "not measured (this benchmark has CPU rows only)"
 
 
 # --- Inputs ------------------------------------------------------------------------------------------------------
+
+
+def with_completions(p: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """The settings for completions of `new_tokens`: --seq-length grown by as much, so the same prompts fit."""
+    return {
+        "max_new_tokens": new_tokens,
+        "seq": p["seq"] - p["max_new_tokens"] + new_tokens,
+        "label": f"{p['label']}, {new_tokens}-token completions",
+    }
 
 
 def with_vocab(p: dict[str, Any], vocab: int) -> dict[str, Any]:
@@ -614,13 +624,24 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="vocabulary size (default 4096; 32000 is Llama 2's and Mistral's: the logits then weigh as in a real model)",
     )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=0,
+        help="tokens generated per completion (default 64; 16 with --quick; TRL's GRPO default is 256): the "
+        "completions' logits grow with it",
+    )
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens {args.max_new_tokens}: give a positive number of tokens (0: the default)")
     started = time.perf_counter()
     p = dict(CPU_QUICK if args.quick else CPU_FULL)
     p["precision"] = args.precision or p["precision"]
     p["steps"] = args.steps or p["steps"]
     if args.vocab:
         p.update(with_vocab(p, args.vocab))
+    if args.max_new_tokens:
+        p.update(with_completions(p, args.max_new_tokens))
     reps = args.reps or p["reps"]
     results: dict[str, Any] = {"machine": machine_info(), "code": code_state(), "params": {"cpu": {**p, "reps": reps}}}
     with work_folder(args, "bench_grpo_") as work:

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,10 +206,12 @@ def cpu_has_bf16_matmuls() -> bool | None:
         return None
 
 
-def cpu_bf16_warning(precision: str, device: torch.device, native: bool | None) -> str | None:
-    """The warning for bf16 compute on a CPU where torch emulates bf16 matmuls (native False, from
-    cpu_has_bf16_matmuls); None elsewhere or where that is unknown."""
-    if precision != "bf16" or device.type != "cpu" or native is not False:
+def cpu_bf16_warning(
+    precision: str, device: torch.device, native: Callable[[], bool | None] = cpu_has_bf16_matmuls
+) -> str | None:
+    """The warning for bf16 compute on a CPU where torch emulates bf16 matmuls (`native()` False); None elsewhere
+    or where that is unknown. `native` is asked only for bf16 on a CPU."""
+    if precision != "bf16" or device.type != "cpu" or native() is not False:
         return None
     return (
         "WARNING: --precision bf16 on a CPU without native bf16 matmuls (torch's oneDNN reports no bf16 support: "

@@ -391,7 +391,7 @@ def test_bf16_mixed_precision_trains(tmp_path, dataset_dir, scratch_model, full_
     assert got[8] < got[1]
     # said once where torch emulates bf16 matmuls on this machine's CPU (the development VM's), and only there
     said = (tmp_path / "run" / "launch.log").read_text().count("WARNING: --precision bf16 on a CPU without native bf16")
-    assert said == (cpu_bf16_warning("bf16", torch.device("cpu"), cpu_has_bf16_matmuls()) is not None)
+    assert said == (cpu_bf16_warning("bf16", torch.device("cpu"), cpu_has_bf16_matmuls) is not None)
     assert got[1] == pytest.approx(full_shard_losses[1], abs=0.05)  # same init and data, bf16 rounding only
 
 
@@ -421,8 +421,15 @@ def test_the_cpus_flags_say_whether_it_has_bf16_matmuls(cpuinfo, says):
 def test_bf16_is_warned_about_where_torch_emulates_it(precision, device, native, warned):
     from fsdp_lib.runtime import cpu_bf16_warning
 
-    warning = cpu_bf16_warning(precision, torch.device(device), native)
+    asked = []
+
+    def native_bf16() -> bool | None:
+        asked.append(True)
+        return native
+
+    warning = cpu_bf16_warning(precision, torch.device(device), native_bf16)
     assert (warning is not None) == warned
+    assert asked == ([True] if (precision, device) == ("bf16", "cpu") else [])  # the CPU is asked only then
     assert warning is None or ("--precision bf16" in warning and "--precision fp32" in warning)
 
 

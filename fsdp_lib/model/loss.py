@@ -70,16 +70,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], labels[start : start + chunk]
             logits, capped = _chunk_logits(h, weight, bias, softcap)
-            keep = y != -100
-            safe = torch.where(keep, y, 0)
-            target_logit = logits.gather(1, safe[:, None]).squeeze(1)
+            keep, safe, target_logit = _targets(logits, y)
             # Log-sum-exp, then softmax, in place in the chunk's (fresh) logits: one [chunk x vocab] buffer at a time.
-            row_max = logits.amax(dim=-1, keepdim=True)
-            sum_exp = logits.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-            total += ((row_max.squeeze(1) + sum_exp.log().squeeze(1) - target_logit) * keep).sum()
+            row_max, sum_exp = _exp_shifted_(logits)
+            total += ((row_max + sum_exp.log() - target_logit) * keep).sum()
             if not any(needs_grad):
                 continue
-            grad = logits.div_(sum_exp)  # d loss / d logits = softmax - onehot, on kept rows
+            grad = logits.div_(sum_exp[:, None])  # d loss / d logits = softmax - onehot, on kept rows
             grad[torch.arange(len(y), device=y.device), safe] -= 1.0
             grad *= keep[:, None]
             if softcap:
@@ -200,20 +197,32 @@ def _chunk_logits(
     return (capped * softcap, capped) if keep_tanh else (capped.mul_(softcap), None)
 
 
+def _targets(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows with a target, the labels with -100 replaced by 0, each row's target logit) of [tokens x vocab]
+    logits."""
+    keep = labels != -100
+    safe = torch.where(keep, labels, 0)
+    return keep, safe, logits.gather(1, safe[:, None]).squeeze(1)
+
+
+def _exp_shifted_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(logits - row max) in place in `logits`; returns (row max, row sum of the exponentials), one per row. The
+    log-sum-exp is their max + log(sum); the softmax is `logits` divided by the sum."""
+    row_max = logits.amax(dim=-1)
+    return row_max, logits.sub_(row_max[:, None]).exp_().sum(dim=-1)
+
+
 def _softmax_(logits: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension, in place in `logits` (which it returns)."""
-    probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-    return probs.div_(probs.sum(dim=-1, keepdim=True))
+    return logits.div_(_exp_shifted_(logits)[1][:, None])
 
 
 def _target_log_probs_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """_target_log_probs without a second [tokens x vocab] buffer: the log-sum-exp exponentiates `logits` in place
     (their values are gone afterwards)."""
-    keep = labels != -100
-    target = logits.gather(1, torch.where(keep, labels, 0)[:, None]).squeeze(1)
-    row_max = logits.amax(dim=-1)
-    log_sum = logits.sub_(row_max[:, None]).exp_().sum(dim=-1).log_()
-    return (target - row_max - log_sum) * keep
+    keep, _, target = _targets(logits, labels)
+    row_max, sum_exp = _exp_shifted_(logits)
+    return (target - row_max - sum_exp.log_()) * keep
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -223,8 +232,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _target_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[label] of [tokens x vocab] fp32 logits, 0 where the label is -100."""
-    keep = labels != -100
-    target = logits.gather(1, torch.where(keep, labels, 0)[:, None]).squeeze(1)
+    keep, _, target = _targets(logits, labels)
     return (target - torch.logsumexp(logits, dim=-1)) * keep
 
 
