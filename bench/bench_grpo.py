@@ -8,6 +8,7 @@ peak memory per rank, on CPU with 2 processes; ours generating on the sharded mo
     python bench/bench_grpo.py --vocab 32000 --precision fp32   # a real model's vocabulary (~8 minutes; fp32: see
                                           # BENCHMARKS.md on bf16 matmuls over the vocabulary on a CPU)
     python bench/bench_grpo.py --vocab 32000 --precision fp32 --max-new-tokens 256   # TRL's completion length
+                                          # (~27 minutes; --goal-sides-only: ours and the baseline alone, ~9 with --reps 1)
 
 Inputs are made here, nothing is downloaded. The model is a Llama of fsdp_lib.testing's `llama_sizes` (hidden 384, 4
 layers, 6 heads, SwiGLU 1024, tied embeddings, random fp32 weights: 8,654,208 parameters with the 4096-token
@@ -631,6 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens generated per completion (default 64; 16 with --quick; TRL's GRPO default is 256): the "
         "completions' logits grow with it",
     )
+    parser.add_argument(
+        "--goal-sides-only",
+        action="store_true",
+        help="run ours and the baseline only, not the --rollout-unshard off variant (a third less time)",
+    )
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens {args.max_new_tokens}: give a positive number of tokens (0: the default)")
@@ -642,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         p.update(with_vocab(p, args.vocab))
     if args.max_new_tokens:
         p.update(with_completions(p, args.max_new_tokens))
+    if args.goal_sides_only:
+        p["modes"] = tuple(m for m in p["modes"] if m != "ours_off")
     reps = args.reps or p["reps"]
     results: dict[str, Any] = {"machine": machine_info(), "code": code_state(), "params": {"cpu": {**p, "reps": reps}}}
     with work_folder(args, "bench_grpo_") as work:

@@ -270,8 +270,11 @@ def test_dpo_bench_quick(repo_root, tmp_path):
 
 @pytest.mark.slow
 def test_grpo_bench_quick(repo_root, tmp_path):
-    result = run_quick(repo_root, "bench_grpo.py", tmp_path, "--vocab", "1024")  # the tokenizer learns all 1,024
+    # the tokenizer learns all 1,024; completions of up to 20 tokens (--quick's 16 + 4), the sequence grown as much
+    result = run_quick(repo_root, "bench_grpo.py", tmp_path, "--vocab", "1024", "--max-new-tokens", "20")
     assert result["gpu"].startswith("not measured") and result["data"]["cpu"]["vocab"] == 1024
+    quick = result["params"]["cpu"]
+    assert quick["max_new_tokens"] == 20 and quick["seq"] == 64 + 4, quick  # --quick: seq 64 for 16 tokens
     runs, summary = result["cpu"]["runs"], result["cpu"]["summary"]
     p = result["params"]["cpu"]
     completions = p["nproc"] * p["prompts_per_rank"] * p["num_generations"]
