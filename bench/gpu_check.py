@@ -23,8 +23,9 @@ checkpoint and export, which fsdp_train.py always writes; a 1B run at seq 2048 x
 kernels ~6-7 min (4 launches), mfu ~4 min (2), peft ~6-7 min (6; 3 took 3 min, plus a 1B model with weights), dpo
 1 min measured (1, the 125M preset), resume ~1.5 min (3, a 4-layer model), grpo ~2.5 min on an H200 (1 launch, then
 transformers' generate in-process; 1B with weights, shared with peft), fp8 6 min measured (4 launches like mfu's
-first; torchao must be carried as a wheel). --budget-s (default 480) bounds each section: a launch that would start with less of it left than the
-section's longest launch so far (at least a minute) is skipped ("not measured"), one that runs past it is killed and
+first; torchao must be carried as a wheel), scale ~6 min measured on an H200 (3 launches of ~2.0B with weights).
+--budget-s (default 480) bounds each section: a launch that would start with less of it left than the section's
+longest launch so far (at least a minute) is skipped ("not measured"), one that runs past it is killed and
 reported the same way; --total-budget-s bounds the command (e.g. 540 for several sections in one 10-minute call). The
 outputs are rewritten after every section, so a call cut short keeps the finished ones.
 
