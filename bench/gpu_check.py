@@ -1,7 +1,7 @@
 """Every GPU claim of the README and BENCHMARKS.md checked by one command on a lent GPU (issue 32), in sections that
 each fit 8 minutes on one H100: figures, a claims table, and exit code 1 when a claim fails.
 
-    python bench/gpu_check.py                              # every section (~26 minutes on one H100: split it, below)
+    python bench/gpu_check.py                              # every section (~32 minutes on one H100: split it, below)
     python bench/gpu_check.py --section kernels,mfu        # some sections (--section may also be repeated)
     python bench/gpu_check.py --dry-run                    # CPU, ~45-60 s: every section's plumbing, tiny preset
 
