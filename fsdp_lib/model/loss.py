@@ -135,13 +135,13 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             h, y = hidden[start : start + ctx.chunk], labels[start : start + ctx.chunk]
             logits, capped = _chunk_logits(h, weight, bias, ctx.softcap)
-            keep = y != -100
+            keep, safe = _kept_labels(y)
             g = grad_out[start : start + ctx.chunk].float() * keep
             if ctx.temperature != 1.0:  # d/d logits of logp(logits / T): (onehot - softmax(logits / T)) / T
                 logits.div_(ctx.temperature)
                 g = g / ctx.temperature
             grad = _softmax_(logits).mul_(-g[:, None])  # d/d logits of sum g * logp, in the logits' buffer
-            grad[torch.arange(len(y), device=y.device), torch.where(keep, y, 0)] += g
+            grad[torch.arange(len(y), device=y.device), safe] += g
             if capped is not None:
                 grad.mul_(capped.square_().neg_().add_(1.0))  # tanh' = 1 - tanh^2, in the tanh values' buffer
             g_hidden = grad.to(hidden.dtype)  # one rounded copy for both products (none in fp32)
@@ -197,11 +197,15 @@ def _chunk_logits(
     return (capped * softcap, capped) if keep_tanh else (capped.mul_(softcap), None)
 
 
-def _targets(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows with a target, the labels with -100 replaced by 0, each row's target logit) of [tokens x vocab]
-    logits."""
+def _kept_labels(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows with a target, the labels with -100 replaced by 0: safe to index with)."""
     keep = labels != -100
-    safe = torch.where(keep, labels, 0)
+    return keep, torch.where(keep, labels, 0)
+
+
+def _targets(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_kept_labels and each row's target logit, of [tokens x vocab] logits."""
+    keep, safe = _kept_labels(labels)
     return keep, safe, logits.gather(1, safe[:, None]).squeeze(1)
 
 
