@@ -25,7 +25,7 @@ from fsdp_lib.config import (
     parse_profile_steps,
 )
 from fsdp_lib.errors import file_above, unreadable
-from fsdp_lib.markers import TOKEN_CACHE, folder_kind
+from fsdp_lib.markers import EXPERIMENT_STATE, TOKEN_CACHE, folder_kind, foreign_entries, lost_checkpoint
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
@@ -132,6 +132,23 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             f"--experiment-name {cfg.experiment_name}: {kind.describe(cfg.experiment_dir)}, not an experiment; "
             "choose another --experiment-name or --save-dir"
+        )
+    elif (
+        cfg.experiment_name and (foreign := foreign_entries(cfg.experiment_dir)) and not folder_kind(cfg.experiment_dir)
+    ):
+        listed = ", ".join(foreign[:5]) + (" and more" if len(foreign) > 5 else "")
+        problems.append(
+            f"--experiment-name {cfg.experiment_name}: {cfg.experiment_dir} exists and holds {listed}, which "
+            "fsdp_train.py did not write (a run replaces what it writes there): choose another --experiment-name "
+            "or --save-dir"
+        )
+    elif cfg.experiment_name and not cfg.export_only and (evidence := lost_checkpoint(cfg.experiment_dir)):
+        problems.append(
+            f"--experiment-name {cfg.experiment_name}: {evidence}, but no complete checkpoint is left in "
+            f"{cfg.experiment_dir / 'checkpoint'}, so this run would start again from step 0 and replace its final/ "
+            f"and metrics.jsonl. To continue, put the checkpoint back; to keep it and start over, choose a new "
+            f"--experiment-name (or -m {cfg.experiment_dir / 'final'} to train on from its export); to train this "
+            f"experiment again from step 0, delete {cfg.experiment_dir / EXPERIMENT_STATE} and its final/ yourself"
         )
     return problems + _save_dir_problems(Path(cfg.save_dir))
 

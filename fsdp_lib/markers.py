@@ -6,6 +6,7 @@ only a folder of its own kind and names any other kind when it refuses; no torch
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,19 @@ DATASET_SUMMARY = "data_hf_summary.json"  # data_hf.py's run summary, saved in t
 SPLITS_MANIFEST = ".organize_manifest.json"  # organize_data.py's plan, in --dst-root
 EXPERIMENT_LOCK = "run.lock"  # fsdp_train.py: one run per experiment
 EXPERIMENT_STATE = "state.json"  # fsdp_train.py: the newest checkpoint of an experiment
+# model_download.py: written into a model folder only after verification passes (its weight files and their sizes);
+# removed before any re-download
+VERIFICATION_RECORD = "model_download_verified.json"
 TOKEN_CACHE = ".token_cache"  # fsdp_train.py: tokenised datasets, under --save-dir beside the experiments
+STEP_DIR = re.compile(r"step_(\d+)")  # fsdp_train.py: a complete checkpoint, EXP/checkpoint/step_N
+# Everything fsdp_train.py writes in an experiment folder (besides its temporaries, named .NAME.tmp... or .NAME.old):
+# a folder holding anything else is the user's, and a run does not write into it.
+EXPERIMENT_ENTRIES = frozenset(
+    {
+        "checkpoint", "config.yaml", "final", "final-merged", "loss.png", "loss.png.tmp.png", "metrics.jsonl",
+        "profile", EXPERIMENT_LOCK, "samples.jsonl", EXPERIMENT_STATE, "tensorboard", "wandb",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,4 +89,29 @@ def _kind_by_markers(folder: Path) -> FolderKind | None:
         next(folder.glob(pattern), None) for pattern in model_files
     ):
         return FolderKind("model", "config.json")
+    return None
+
+
+def foreign_entries(experiment: Path) -> list[str]:
+    """What an experiment folder holds that fsdp_train.py did not write ([] for none, or no folder)."""
+    try:
+        names = sorted(p.name for p in experiment.iterdir()) if experiment.is_dir() else []
+    except OSError:
+        return []
+    ours = re.compile(r"\.(.+)\.(tmp.*|old)")
+    return [n for n in names if n not in EXPERIMENT_ENTRIES and not ours.fullmatch(n)]
+
+
+def lost_checkpoint(experiment: Path) -> str | None:
+    """What shows that an experiment trained before (its state.json naming a checkpoint, or final/) when no complete
+    checkpoint is left in checkpoint/: a rerun would start from step 0 and replace final/ and metrics.jsonl."""
+    root = experiment / "checkpoint"
+    if root.is_dir() and any(STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir()):
+        return None
+    state = experiment / EXPERIMENT_STATE
+    if "latest_checkpoint" in _json_keys(state):
+        saved = json.loads(state.read_text(encoding="utf-8"))
+        return f"{state} names checkpoint {saved['latest_checkpoint']} (step {saved.get('step', '?')})"
+    if (experiment / "final").is_dir():
+        return f"{experiment / 'final'} holds a finished run's export"
     return None

@@ -122,8 +122,12 @@ def trainer_flags(root: Path, experiment: str, model: str = "model") -> list[str
 
 def damaged_models(model: Path, root: Path) -> None:
     """Copies of a real tiny model, each damaged the way downloads and hand edits damage them."""
-    for name in ("cut_weights", "bad_tokenizer", "small_vocab"):
+    for name in ("cut_weights", "bad_tokenizer", "small_vocab", "gone_weights"):
         shutil.copytree(model, root / name)
+    gone = root / "gone_weights"  # verified by model_download.py, then its weights deleted or moved
+    record = {"verified_by": "model_download.py", "weight_files": {"model.safetensors": 1234}}
+    (gone / "model_download_verified.json").write_text(json.dumps(record))
+    (gone / "model.safetensors").unlink()
     weights = root / "cut_weights" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # a download that stopped early
     (root / "bad_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
@@ -138,6 +142,9 @@ def make_user_folders(root: Path, model: Path) -> Path:
     make_raw(root / "raw")
     make_splits(root / "splits")
     make_experiment(root / "outputs" / "exp")
+    lost = make_experiment(root / "outputs" / "lost")  # its checkpoints deleted to free the disk
+    shutil.rmtree(lost / "checkpoint")
+    make_raw(root / "outputs" / "notes")  # the user's own folder where an experiment would go
     make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
     make_model_folder(root / "model")
     damaged_models(model, root)

@@ -138,6 +138,14 @@ CASES = [
         "fetch the model again",
     ),
     trainer_case(
+        "fsdp_train on a verified model whose weight files were deleted (it would train from random weights)",
+        lambda r: trainer_flags(r, "run", "gone_weights"),
+        "--model-name",
+        "no weight files, but model_download_verified.json lists model.safetensors",
+        "moved or deleted",
+        "fetch the model again",
+    ),
+    trainer_case(
         "fsdp_train on a model whose tokenizer.json is not JSON",
         lambda r: trainer_flags(r, "run", "bad_tokenizer"),
         "tokenizer.json is not valid JSON",
@@ -177,6 +185,22 @@ CASES = [
         "is a dataset",
         "not an experiment",
         "choose another --experiment-name or --save-dir",
+    ),
+    trainer_case(
+        "fsdp_train with an experiment named like a folder of the user's own files under --save-dir",
+        lambda r: trainer_flags(r, "notes"),
+        "--experiment-name notes",
+        "holds notes.txt, which fsdp_train.py did not write",
+        "choose another --experiment-name or --save-dir",
+    ),
+    trainer_case(
+        "fsdp_train rerun on an experiment whose checkpoints were deleted (it would start over and replace final/)",
+        lambda r: trainer_flags(r, "lost"),
+        "--experiment-name lost",
+        "names checkpoint checkpoint/step_00000002 (step 2), but no complete checkpoint is left",
+        "would start again from step 0 and replace its final/ and metrics.jsonl",
+        "To continue, put the checkpoint back",
+        "state.json and its final/ yourself",
     ),
 ]
 

@@ -484,7 +484,7 @@ MODEL_DOWNLOAD_CASES = [
     model_download_case(
         "--init --overwrite onto the user's raw files",
         lambda r: [INIT, "tiny", T, r / "dataset", L, r / "raw", "--overwrite"],
-        "does not look like a model folder (no config.json)",
+        "does not look like a model folder (no config.json with a model type",
     ),
     model_download_case(
         "download into an experiment",

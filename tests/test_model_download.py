@@ -615,6 +615,27 @@ def test_overwrite_refuses_a_folder_that_is_not_a_model(corpus: Path, tmp_path: 
     assert md.main(argv) == 1
     assert "does not look like a model folder" in capsys.readouterr().err
     assert (target / "thesis.txt").read_text() == "precious"
+    (target / "config.json").write_text('{"port": 8080}')  # a project's config.json is not a model's
+    assert md.main(argv) == 1
+    assert "does not look like a model folder" in capsys.readouterr().err
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "thesis.txt"]
+
+
+def test_overwrite_refuses_a_model_folder_that_holds_more_than_a_model(tiny_model: Path, tmp_path: Path, capsys):
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model, target)
+    (target / "ds").mkdir()
+    (target / "ds" / "data.arrow").write_bytes(b"rows")  # e.g. the dataset its tokenizer was trained on
+    (target / "run.log").write_text("mine")
+    argv = ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target), "--overwrite"]
+    assert md.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "also holds ds/, run.log, which --overwrite would delete with it" in err, err
+    assert (target / "ds" / "data.arrow").read_bytes() == b"rows" and (target / "run.log").is_file()
+    shutil.rmtree(target / "ds")
+    (target / "run.log").unlink()
+    (target / "NOTES.md").write_text("a model card's kind of file")
+    assert md.main(argv) == 0, capsys.readouterr().err
 
 
 def test_init_without_weights_holds_config_and_tokenizer_only(corpus: Path, tmp_path: Path, capsys):

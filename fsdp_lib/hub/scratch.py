@@ -81,11 +81,34 @@ def check_init_target(path: Path, overwrite: bool) -> None:
         raise ToolError(
             f"--local-dir {kind.describe(path)}; --overwrite replaces only a model folder: pick a new folder"
         )
-    if not (path / "config.json").is_file():
+    if kind is None:
         raise ToolError(
-            f"--local-dir {path} does not look like a model folder (no config.json); --overwrite refuses it:"
-            " delete it yourself"
+            f"--local-dir {path} does not look like a model folder (no config.json with a model type beside weights"
+            " or a tokenizer); --overwrite refuses it: delete it yourself or pick a new folder"
         )
+    if foreign := not_model_files(path):
+        raise ToolError(
+            f"--local-dir {path} is a model folder that also holds {', '.join(foreign[:5])}"
+            f"{' and more' if len(foreign) > 5 else ''}, which --overwrite would delete with it: move them out"
+            " or pick a new folder"
+        )
+
+
+# What a model folder holds (hub downloads, save_pretrained, --init): anything else in it is the user's.
+_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".md", ".py", ".tiktoken")
+_MODEL_SUBFOLDERS = (".cache", "original")
+
+
+def not_model_files(folder: Path) -> list[str]:
+    """Entries of a model folder that no model download or save writes (a nested dataset, the user's notes)."""
+    foreign = []
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            if entry.name not in _MODEL_SUBFOLDERS:
+                foreign.append(f"{entry.name}/")
+        elif not (entry.name.endswith(_MODEL_FILE_SUFFIXES) or entry.name in ("LICENSE", ".gitattributes")):
+            foreign.append(entry.name)
+    return foreign
 
 
 def available_memory_bytes() -> int:

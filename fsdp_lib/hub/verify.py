@@ -14,7 +14,7 @@ from typing import Any
 
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.weights import TensorInfo, compare_with_model, read_weights, weights_dtype_summary
-from fsdp_lib.markers import folder_kind
+from fsdp_lib.markers import VERIFICATION_RECORD, folder_kind
 from fsdp_lib.model.hf_files import hf_weight_files
 from fsdp_lib.model.memory_plan import (
     format_bytes,
@@ -24,9 +24,6 @@ from fsdp_lib.model.memory_plan import (
     peft_memory_plan,
     training_memory_plan,
 )
-
-VERIFICATION_RECORD = "model_download_verified.json"
-"""Written into the model folder only after verification passes; removed before any re-download."""
 
 LORA_RANK = 16  # fsdp_train.py's --lora-rank default, for the memory table
 

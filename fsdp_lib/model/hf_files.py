@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_lib.markers import VERIFICATION_RECORD
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 # bytes per element of each safetensors dtype tag (https://github.com/huggingface/safetensors format spec)
@@ -74,6 +76,11 @@ def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]
     names, problems = hf_weight_files(folder)
     redownload = "fetch the model again (model_download.py verifies what it downloads)"
     problems = [f"{flag} {folder}: {problem}; {redownload}" for problem in problems]
+    if not names and (recorded := _recorded_weight_files(folder)):  # else: trained from random weights, silently
+        problems.append(
+            f"{flag} {folder}: no weight files, but {VERIFICATION_RECORD} lists {', '.join(recorded[:3])}"
+            f"{' and more' if len(recorded) > 3 else ''}: they were moved or deleted; {redownload}"
+        )
     for name in names:
         if name.endswith(".safetensors"):
             try:
@@ -89,6 +96,16 @@ def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]
         except (OSError, ValueError) as exc:
             problems.append(f"{flag}: {path} is not valid JSON ({exc}); restore it or {redownload}")
     return problems or _vocabulary_problems(folder, flag)
+
+
+def _recorded_weight_files(folder: Path) -> list[str]:
+    """The weight files model_download.py verified in `folder` ([] without its record)."""
+    try:
+        record = json.loads((folder / VERIFICATION_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    files = record.get("weight_files") if isinstance(record, dict) else None
+    return sorted(files) if isinstance(files, dict) else []
 
 
 def _vocabulary_problems(folder: Path, flag: str) -> list[str]:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, explain_write_error
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
-from fsdp_lib.markers import EXPERIMENT_STATE
+from fsdp_lib.markers import EXPERIMENT_STATE, STEP_DIR
 from fsdp_lib.model.adapters import target_names
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
@@ -124,9 +123,6 @@ def _set_rng_state(state: dict) -> None:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-STEP_DIR = re.compile(r"step_(\d+)")
 
 
 CHECKSUM_FILE = "checksums.json"  # {"algorithm": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from fsdp_lib.errors import CheckpointError
 from fsdp_lib.integrity import checksum_problems
+from fsdp_lib.markers import EXPERIMENT_STATE
 from fsdp_lib.runtime import Dist, broadcast_object, log
 from fsdp_lib.train.checkpoint import CHECKSUM_FILE, step_dirs
 
@@ -38,8 +39,8 @@ def latest_intact_checkpoint(root: Path, d: Dist) -> Path | None:
         details = "\n".join(f"  {p}" for _, problems in damaged for p in problems)
         raise CheckpointError(
             f"no intact checkpoint in {root}; damaged files:\n{details}\nNothing was resumed or moved. "
-            f"Restore those files, move the damaged checkpoints aside to start over from step 0, or use a new "
-            f"--experiment-name."
+            f"Restore those files; or, to start over from step 0, move the damaged checkpoints aside and delete "
+            f"{root.parent / EXPERIMENT_STATE}; or use a new --experiment-name."
         )
     return None
 
