@@ -147,13 +147,21 @@ def optimizer_step(
 
 
 @torch.no_grad()
-def evaluation_totals(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> tuple[float, int]:
-    """(loss sum, trained target tokens) of the held-out blocks over all ranks. Every rank runs the same number of
-    micro-batches (padded with weight-0 blocks) because FSDP's forward all-gathers must line up across ranks."""
+def evaluation_totals(
+    train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist, stop: StopRequest | None = None
+) -> tuple[float, int] | None:
+    """(loss sum, trained target tokens) of the held-out blocks over all ranks, or None when a stop was requested
+    meanwhile (Ctrl-C, SIGTERM: the run saves and exits without waiting for the pass). Every rank runs the same
+    number of micro-batches (padded with weight-0 blocks) because FSDP's forward all-gathers must line up across
+    ranks."""
     train_forward.eval()
     count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
     totals = torch.zeros(2, device=d.device, dtype=torch.float64)  # loss sum, tokens
     for idx in evaluation_shares(count, cfg.batch_size, d):
+        if stop is not None and all_ranks_agree(stop.requested, d):  # the CPU group: no wait on the GPU
+            train_forward.train()
+            log("evaluation cut short by the stop request: no validation figures at this step")
+            return None
         real = len(idx)
         idx = idx + [0] * (cfg.batch_size - real)
         batch = blocks.gather(idx).to(d.device)
@@ -172,13 +180,22 @@ def loss_figures(loss_sum: float, tokens: int) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
 
 
-def evaluate(train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
-    return loss_figures(*evaluation_totals(train_forward, blocks, cfg, d))
+def evaluate(
+    train_forward: nn.Module, blocks: PackedBlocks, cfg: TrainConfig, d: Dist, stop: StopRequest | None = None
+) -> dict[str, float]:
+    totals = evaluation_totals(train_forward, blocks, cfg, d, stop)
+    return {} if totals is None else loss_figures(*totals)
 
 
-def evaluate_mixture(train_forward: nn.Module, blocks: MixedBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+def evaluate_mixture(
+    train_forward: nn.Module, blocks: MixedBlocks, cfg: TrainConfig, d: Dist, stop: StopRequest | None = None
+) -> dict[str, float]:
     """A mixture's validation: each dataset's held-out loss (val_loss/NAME) and the loss of them all together."""
-    totals = {name: evaluation_totals(train_forward, part, cfg, d) for name, part in zip(blocks.names, blocks.parts)}
+    totals = {}
+    for name, part in zip(blocks.names, blocks.parts):
+        if (found := evaluation_totals(train_forward, part, cfg, d, stop)) is None:
+            return {}
+        totals[name] = found
     figures = loss_figures(sum(s for s, _ in totals.values()), sum(t for _, t in totals.values()))
     for name, (loss_sum, tokens) in totals.items():
         figures.update({f"val_loss/{name}": loss_figures(loss_sum, tokens)["val_loss"], f"val_tokens/{name}": tokens})
@@ -186,16 +203,21 @@ def evaluate_mixture(train_forward: nn.Module, blocks: MixedBlocks, cfg: TrainCo
 
 
 def validate(
-    bundle: ModelBundle, objective: Objective | None, blocks: PackedBlocks | MixedBlocks, cfg: TrainConfig, d: Dist
+    bundle: ModelBundle,
+    objective: Objective | None,
+    blocks: PackedBlocks | MixedBlocks,
+    cfg: TrainConfig,
+    d: Dist,
+    stop: StopRequest | None = None,
 ) -> dict[str, float]:
     """The validation figures: the loss (and perplexity) of the held-out tokens (per dataset too, for a mixture),
-    or DPO's on the held-out pairs."""
+    or DPO's on the held-out pairs; {} when the language-model pass was cut short by a stop request."""
     with eagerly():  # compiled layers: evaluation's shapes would make the training graph dynamic
         if objective is not None:
             return objective.evaluate(blocks, cfg, d)
         if isinstance(blocks, MixedBlocks):
-            return evaluate_mixture(bundle.train_forward, blocks, cfg, d)
-        return evaluate(bundle.train_forward, blocks, cfg, d)
+            return evaluate_mixture(bundle.train_forward, blocks, cfg, d, stop)
+        return evaluate(bundle.train_forward, blocks, cfg, d, stop)
 
 
 def write_samples(
@@ -335,9 +357,10 @@ def train_loop(
                 f"reach step {cfg.max_steps}"
             )
     if state.step == 0 and cfg.eval_at_start == "on":  # step 0: the base model, to compare the fine-tuned one with
-        if data.validation is not None:
-            metrics.write({"step": 0, "epoch": 0.0, **validate(bundle, objective, data.validation, cfg, d)})
-        write_samples(bundle, prompts, data, cfg, d, metrics, 0)
+        if data.validation is not None and (result := validate(bundle, objective, data.validation, cfg, d, stop)):
+            metrics.write({"step": 0, "epoch": 0.0, **result})
+        if not all_ranks_agree(stop.requested, d):
+            write_samples(bundle, prompts, data, cfg, d, metrics, 0)
     grad_norm = torch.zeros(())
     with StepProfiler(cfg, d, state.step + 1, last_step) as profiler:  # --profile-steps; nothing unless asked for
         while state.step < last_step:
@@ -374,10 +397,12 @@ def train_loop(
                 if objective is not None:  # GRPO: one prompt's completions and their rewards
                     metrics.write_samples(state.step, objective.take_samples())
             if evaluation_due(cfg, state.step, last_step):
-                if data.validation is not None:
-                    result = validate(bundle, objective, data.validation, cfg, d)
+                if data.validation is not None and (
+                    result := validate(bundle, objective, data.validation, cfg, d, stop)
+                ):
                     metrics.write({"step": state.step, "epoch": metrics.epoch_progress(state), **result})
-                write_samples(bundle, prompts, data, cfg, d, metrics, state.step)
+                if not all_ranks_agree(stop.requested, d):  # samples wait for the next run
+                    write_samples(bundle, prompts, data, cfg, d, metrics, state.step)
 
             interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
             if interrupted or checkpointer.due(state.step):
@@ -413,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(str(exc), 2)
     except ExperimentLockedError as exc:
         return report_error(str(exc), 1)
+    except KeyboardInterrupt:
+        log("stopped by Ctrl-C while checking the run's settings; nothing was written")
+        return 130
+    at_once = False
     try:
         if cfg.dry_run:
             describe_datasets(cfg)
@@ -420,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         if ENV_RANK == 0:  # before any process group, so a refused launch touches nothing
             lock.acquire()
         return run(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one (StopRequest lets it through): stop now
+        at_once = True
+        log("stopped at once by Ctrl-C, without saving; rerun the same command to resume from the newest checkpoint")
+        return 130
     except (TrainError, FileNotFoundError) as exc:
         return report_error(str(exc), 1)
     except OSError as exc:  # e.g. a read-only or full --save-dir: the OS error in words, with the path
@@ -428,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         lock.release()
-        if dist.is_initialized():
+        if dist.is_initialized() and not at_once:  # after a second Ctrl-C the peers may be gone mid-collective
             dist.destroy_process_group()
 
 

@@ -24,8 +24,10 @@ from fsdp_lib.config import (
     parse_data_weights,
     parse_profile_steps,
 )
+from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, unreadable
-from fsdp_lib.markers import EXPERIMENT_STATE, TOKEN_CACHE, folder_kind, foreign_entries, lost_checkpoint
+from fsdp_lib.experiment_dir import experiment_dir_problems
+from fsdp_lib.markers import TOKEN_CACHE, folder_kind
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
@@ -36,7 +38,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += _peft_problems(cfg)
     problems += _dpo_problems(cfg)
     problems += _grpo_problems(cfg)
-    problems += _context_problems(cfg, world_size)
+    problems += context_problems(cfg, world_size)
     problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
@@ -128,28 +130,8 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
             f"--experiment-name '{cfg.experiment_name}': names starting with '.' are the project's own folders under "
             f"--save-dir ({TOKEN_CACHE}, temporaries); choose a plain name"
         )
-    elif cfg.experiment_name and (kind := folder_kind(cfg.experiment_dir)) and kind.kind != "experiment":
-        problems.append(
-            f"--experiment-name {cfg.experiment_name}: {kind.describe(cfg.experiment_dir)}, not an experiment; "
-            "choose another --experiment-name or --save-dir"
-        )
-    elif (
-        cfg.experiment_name and (foreign := foreign_entries(cfg.experiment_dir)) and not folder_kind(cfg.experiment_dir)
-    ):
-        listed = ", ".join(foreign[:5]) + (" and more" if len(foreign) > 5 else "")
-        problems.append(
-            f"--experiment-name {cfg.experiment_name}: {cfg.experiment_dir} exists and holds {listed}, which "
-            "fsdp_train.py did not write (a run replaces what it writes there): choose another --experiment-name "
-            "or --save-dir"
-        )
-    elif cfg.experiment_name and not cfg.export_only and (evidence := lost_checkpoint(cfg.experiment_dir)):
-        problems.append(
-            f"--experiment-name {cfg.experiment_name}: {evidence}, but no complete checkpoint is left in "
-            f"{cfg.experiment_dir / 'checkpoint'}, so this run would start again from step 0 and replace its final/ "
-            f"and metrics.jsonl. To continue, put the checkpoint back; to keep it and start over, choose a new "
-            f"--experiment-name (or -m {cfg.experiment_dir / 'final'} to train on from its export); to train this "
-            f"experiment again from step 0, delete {cfg.experiment_dir / EXPERIMENT_STATE} and its final/ yourself"
-        )
+    elif cfg.experiment_name:
+        problems += experiment_dir_problems(cfg)
     return problems + _save_dir_problems(Path(cfg.save_dir))
 
 
@@ -286,28 +268,6 @@ def _float8_problems(cfg: TrainConfig) -> list[str]:
         problems.append("--fp8 with --precision fp16: float8 scales and the fp16 loss scale do not mix; use bf16")
     elif cfg.fp8 == "on" and cfg.precision not in ("auto", "bf16"):
         problems.append(f"--fp8 on computes the rest of the model in bf16: use --precision bf16 (not {cfg.precision})")
-    return problems
-
-
-def _context_problems(cfg: TrainConfig, world_size: int) -> list[str]:
-    """--context-parallel N: what can be checked before the model (its heads: model/build.py)."""
-    n = cfg.context_parallel
-    if n == 1:
-        return []
-    if n < 1:
-        return [f"--context-parallel must be 1 or more (got {n}); 1 = each sequence on one process"]
-    problems = []
-    if world_size % n:
-        problems.append(
-            f"--context-parallel {n} does not divide the {world_size} processes; use a divisor of {world_size}"
-        )
-    if cfg.seq_length % n:
-        problems.append(f"--context-parallel {n} does not divide --seq-length {cfg.seq_length}; use a multiple of {n}")
-    if cfg.attn_implementation not in ("auto", "varlen"):
-        problems.append(
-            f"--context-parallel {n} runs attention through the varlen kernel (each process attends over whole "
-            f"sequences for its heads); --attn-implementation {cfg.attn_implementation} cannot: use auto or varlen"
-        )
     return problems
 
 

@@ -439,7 +439,10 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     if config_file:
         path = Path(config_file)
         try:
-            loaded = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader) or {}
+        except UnicodeDecodeError as exc:
+            byte = f"byte {exc.start} is {exc.object[exc.start]:#04x}"
+            raise ConfigError([f"--config {config_file}: not UTF-8 text ({byte}); save it as UTF-8 YAML"]) from exc
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError([f"--config {config_file}: cannot read it as YAML ({exc})"]) from exc
         if not isinstance(loaded, dict):

@@ -6,6 +6,7 @@ set; production code only names the points where a fault may be injected.
   again (TORCHELASTIC_RESTART_COUNT > 0) has inherited the variable but is the recovery under test.
 - FSDP_TRAIN_NAN_AT_STEPS=3,4: the training loss of those (1-based) optimizer steps is NaN on rank 0.
 - FSDP_TRAIN_STEP_DELAY_S=0.25: every optimizer step sleeps this long, so a test can interrupt a run mid-way.
+- FSDP_TRAIN_EVAL_DELAY_S=1: every evaluation micro-batch sleeps this long, so a test can interrupt an evaluation.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def fault_point(name: str, d: Dist | None = None, step: int | None = None) -> No
 
 
 def install_step_hooks(train_forward: nn.Module, optimizer: Any, state: TrainState, d: Dist) -> None:
-    """The per-step hooks: NaN losses (a forward hook on the training forward) and a delay after each optimizer
-    step (an optimizer step hook). Installs nothing when their variables are unset."""
+    """The per-step hooks: NaN losses (a forward hook on the training forward), a delay after each optimizer step
+    (an optimizer step hook) and one after each evaluation forward. Installs nothing when their variables are
+    unset."""
     nan_steps = {int(s) for s in os.environ.get("FSDP_TRAIN_NAN_AT_STEPS", "").split(",") if s.strip()}
     if nan_steps and d.rank == 0:
 
@@ -52,3 +54,6 @@ def install_step_hooks(train_forward: nn.Module, optimizer: Any, state: TrainSta
     delay_s = float(os.environ.get("FSDP_TRAIN_STEP_DELAY_S", "0") or 0)
     if delay_s:
         optimizer.register_step_post_hook(lambda *_: time.sleep(delay_s))
+    eval_delay_s = float(os.environ.get("FSDP_TRAIN_EVAL_DELAY_S", "0") or 0)
+    if eval_delay_s:
+        train_forward.register_forward_hook(lambda module, *_: None if module.training else time.sleep(eval_delay_s))

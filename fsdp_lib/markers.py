@@ -90,28 +90,3 @@ def _kind_by_markers(folder: Path) -> FolderKind | None:
     ):
         return FolderKind("model", "config.json")
     return None
-
-
-def foreign_entries(experiment: Path) -> list[str]:
-    """What an experiment folder holds that fsdp_train.py did not write ([] for none, or no folder)."""
-    try:
-        names = sorted(p.name for p in experiment.iterdir()) if experiment.is_dir() else []
-    except OSError:
-        return []
-    ours = re.compile(r"\.(.+)\.(tmp.*|old)")
-    return [n for n in names if n not in EXPERIMENT_ENTRIES and not ours.fullmatch(n)]
-
-
-def lost_checkpoint(experiment: Path) -> str | None:
-    """What shows that an experiment trained before (its state.json naming a checkpoint, or final/) when no complete
-    checkpoint is left in checkpoint/: a rerun would start from step 0 and replace final/ and metrics.jsonl."""
-    root = experiment / "checkpoint"
-    if root.is_dir() and any(STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir()):
-        return None
-    state = experiment / EXPERIMENT_STATE
-    if "latest_checkpoint" in _json_keys(state):
-        saved = json.loads(state.read_text(encoding="utf-8"))
-        return f"{state} names checkpoint {saved['latest_checkpoint']} (step {saved.get('step', '?')})"
-    if (experiment / "final").is_dir():
-        return f"{experiment / 'final'} holds a finished run's export"
-    return None

@@ -567,6 +567,12 @@ TRAINER_INPUT_CASES = [
 CONFIG_CASES = [
     flag_case("--config that does not exist", ("--config", "@nope.yaml"), "--config", "cannot read it as YAML"),
     flag_case("--config a folder", ("--config", "@raw"), "--config", "cannot read it as YAML", "Is a directory"),
+    flag_case(
+        "--config that is not UTF-8",
+        ("--config", "@latin1_prompts.txt"),
+        "--config",
+        "not UTF-8 text (byte 18 is 0xe9); save it as UTF-8 YAML",
+    ),
     flag_case("--config that is not YAML", ("--config", "@trainer/broken.yaml"), "--config", "cannot read it as YAML"),
     flag_case(
         "--config that is a list", ("--config", "@trainer/list.yaml"), "expected a mapping of flag names to values"
@@ -760,6 +766,20 @@ def test_folders_without_permission_are_said_in_words_with_the_path(
     assert snapshot(root) == before
 
 
+def refused_after_tokenising(python_exe: str, repo_root: Path, argv: list) -> str:
+    """One process of fsdp_train.py (no torchrun, whose own report would add a traceback) refused with exit 1 and
+    one message, no traceback: what it said."""
+    import subprocess
+
+    proc = subprocess.run(
+        [python_exe, repo_root / "fsdp_train.py", *argv, "--seq-length", "64", "--max-steps", "1"],
+        capture_output=True, text=True, cwd=repo_root, timeout=300,
+    )  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in said, said
+    return said
+
+
 def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
     inputs, tmp_path: Path, python_exe: str, repo_root: Path
 ) -> None:
@@ -767,7 +787,6 @@ def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
     hold it); data that holds it is refused after tokenising, naming the id, the token and the fix, before any step
     (it was an IndexError at the first forward, a device-side assert on a GPU)."""
     import shutil
-    import subprocess
 
     from transformers import AutoTokenizer
 
@@ -781,12 +800,7 @@ def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
     (tmp_path / "raw" / "tools.txt").write_text("\n\n".join(f"Call {i}: <|tool_result|> {i}." for i in range(40)))
     assert data_hf.main(["--data_folder", str(tmp_path / "raw"), "--save_dir", str(tmp_path / "dataset")]) == 0
     argv = ["-e", "run", "-d", tmp_path / "dataset", "-m", model, "--save-dir", tmp_path / "outputs"]
-    proc = subprocess.run(
-        [python_exe, repo_root / "fsdp_train.py", *argv, "--seq-length", "64", "--max-steps", "1"],
-        capture_output=True, text=True, cwd=repo_root, timeout=300,
-    )  # fmt: skip
-    said = proc.stdout + proc.stderr
-    assert proc.returncode == 1 and "Traceback" not in said, said
+    said = refused_after_tokenising(python_exe, repo_root, argv)
     assert f"the data holds token id {rows:,} ('<|tool_result|>'), an added token of the tokenizer" in said
     assert f"embedding has {rows:,} rows" in said and "resize_token_embeddings(len(tokenizer))" in said
     assert not (tmp_path / "outputs" / "run" / "checkpoint").exists()
@@ -810,3 +824,25 @@ def test_a_sample_prompt_too_long_for_the_model_is_refused_before_training(input
     said = str(refused.value)
     assert f"--sample-prompts {tmp_path / 'prompts.txt'}, prompt 2:" in said and "+ --sample-max-new-tokens 64" in said
     assert "exceed the model's max_position_embeddings 128; shorten the prompt or lower --sample-max-new-tokens" in said
+
+
+def test_a_config_that_does_not_match_its_weights_is_refused_by_tensor(
+    inputs, tmp_path: Path, python_exe: str, repo_root: Path
+) -> None:
+    """config.json edited by hand (or copied from another model) passes the folder check but builds tensors of
+    other shapes: refused when the weights are read, naming the tensor, both shapes and the fix (it was a bare size
+    mismatch from the checkpoint reader, with a traceback). A size below 1 is refused before any process group."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(inputs[1], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    argv = ["-e", "run", "-d", inputs[0], "-m", model, "--save-dir", tmp_path / "outputs"]
+    said = refused_after_tokenising(python_exe, repo_root, argv)
+    rows, cols = config["hidden_size"], config["intermediate_size"]
+    assert f"--model-name {model}: config.json does not match the weights: model.layers.0.mlp." in said, said
+    down = f"model.layers.0.mlp.down_proj.weight is [{rows}, {cols}] in model.safetensors, [{rows}, {cols + 8}] by"
+    assert down in said and "(and 3 more)" in said and "restore it, or fetch the model again" in said, said
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": -8}))
+    assert fsdp_train.main([str(a) for a in argv]) == 2

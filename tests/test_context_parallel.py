@@ -5,6 +5,7 @@ process group, naming the flag."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -92,15 +93,25 @@ def test_context_parallel_chat_with_another_family(tmp_path):
 def test_a_degree_must_divide_the_query_heads_and_divide_or_be_a_multiple_of_the_key_value_heads(
     tmp_path, heads, kv_heads, degree, largest
 ):
-    """(largest: the degree the refusal proposes; None: the degree works.)"""
+    """(largest: the degree the refusal proposes; None: the degree works.) Refused from config.json before any
+    process group (validate_config), and again by the built model."""
+    from fsdp_lib.checks import validate_config
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.context_degree import context_degree_fits
     from fsdp_lib.errors import TrainError
-    from fsdp_lib.model.build import build_model_skeleton, check_context_parallel, context_degree_fits
+    from fsdp_lib.model.build import build_model_skeleton, check_context_parallel
 
     assert context_degree_fits(heads, kv_heads, degree) == (largest is None)
     if largest is None:
         return
     sizes = {**DECODER, "hidden_size": 8 * heads, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
-    model = build_model_skeleton(make_model(tmp_path / "m", sizes=sizes), "varlen", True)
+    folder = make_model(tmp_path / "m", sizes=sizes)
+    proposal = f"largest that works (and divides the processes and --seq-length) is {largest}: use --context-parallel"
+    cfg = TrainConfig(experiment_name="e", dataset_name=["d"], model_name=str(folder), seq_length=64)
+    problems = validate_config(dataclasses.replace(cfg, context_parallel=degree), 8)
+    assert any(f"has {heads} attention and {kv_heads} key/value heads" in p for p in problems)
+    assert any(proposal in p for p in problems), problems
+    model = build_model_skeleton(folder, "varlen", True)
     with pytest.raises(TrainError, match=f"largest that works .* is {largest}: use --context-parallel {largest}"):
         check_context_parallel(model, degree, world=8, seq_length=64)
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.fsdp_helpers import (
+    TRAIN_SCRIPT,
     killed_at_step,
     losses_by_step,
     make_model,
@@ -125,6 +127,47 @@ def test_sigterm_saves_at_the_interrupted_step_and_rerun_finishes(inputs, refere
     assert f"at step {stopped}" in output_of(rerun)
     resumed = losses_by_step(tmp_path / "run")
     assert all(resumed[s] == reference[s] for s in range(stopped + 1, STEPS + 1))
+
+
+def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_once(inputs, tmp_path):
+    """Ctrl-C (or a preemption's SIGTERM) while the validation pass runs: the pass stops at its next micro-batch
+    rather than at its end, the run saves and exits 0; on the rerun a second Ctrl-C ends it at once, in one line
+    (exit 130, no traceback). One process without torchrun, so the signals reach the trainer itself."""
+    import subprocess
+    import sys
+
+    from fsdp_lib.testing import launch_env
+
+    def launch(env: dict[str, str]) -> subprocess.Popen[str]:
+        argv = [sys.executable, str(TRAIN_SCRIPT), *flags(inputs, tmp_path), "--eval-freq", "100"]
+        return subprocess.Popen(
+            argv, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+        )
+
+    def read_until(proc: subprocess.Popen[str], text: str) -> str:
+        seen = ""
+        for line in proc.stdout:
+            seen += line
+            if text in line:
+                return seen
+        raise AssertionError(f"{text!r} never printed:\n{seen}")
+
+    proc = launch({"FSDP_TRAIN_EVAL_DELAY_S": "2"})  # every evaluation micro-batch: 2 s more
+    said = read_until(proc, "training steps 1..")  # the step-0 evaluation starts
+    proc.send_signal(signal.SIGINT)
+    said += proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "Traceback" not in said, said
+    assert "evaluation cut short by the stop request" in said and "stopped at step 1" in said, said
+    assert '"val_loss"' not in (tmp_path / "run" / "metrics.jsonl").read_text(), "no figures from a partial pass"
+
+    proc = launch({"FSDP_TRAIN_STEP_DELAY_S": "3"})
+    said = read_until(proc, "training steps 2..")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # "now": inside the step
+    said += proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "Traceback" not in said, said
+    assert "stopped at once by Ctrl-C, without saving; rerun the same command to resume" in said
 
 
 def _constant_lr_run(inputs, nproc: int, steps: int, save: Path):

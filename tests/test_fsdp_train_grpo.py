@@ -198,6 +198,10 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
     assert "has no function 'nope' (it has: chat, distinct, fails_on_rank_1" in problems[2]
     assert "importing" in problems[3] and "ModuleNotFoundError" in problems[3]
     assert "expected FILE.py:FUNCTION" in problems[4] and "accuracy, format" in problems[4]
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")  # was a silent exit 3 of the whole run
+    (problem,) = reward_problems([f"{exits}:f"], "", ".*")
+    assert f"importing {exits} failed (SystemExit: 3)" in problem
 
     def reward(spec: str, body: str):
         path = tmp_path / f"{spec}.py"
@@ -210,6 +214,7 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
         "word": ("def f(prompts, completions, **kw):\n    return ['a', 1]\n", "returned 'a' for completion 0"),
         "scalar": ("def f(prompts, completions, **kw):\n    return 1.0\n", "returned float, not a list"),
         "nan": ("def f(prompts, completions, **kw):\n    return [float('nan'), 1]\n", "rewards must be finite"),
+        "quits": ("import sys\ndef f(prompts, completions, **kw):\n    sys.exit('no')\n", "raised SystemExit: no"),
     }  # fmt: skip
     for name, (body, message) in cases.items():
         with pytest.raises(RewardError, match="--reward .*" + name) as err:

@@ -232,6 +232,7 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     assert resolve_objective(TrainConfig(objective="kto"), pairs, "p") == "kto"  # pairs, unpaired
     for objective, columns, message, extra in [
         ("lm", unpaired, "train them with --objective kto", {}),
+        ("lm", ["prompt", "answer"], "holds prompts only .* train them with --objective grpo and --reward", {}),
         ("dpo", unpaired, "train them with --objective kto", {}),
         ("kto", ["text"], "it needs prompt, completion and label", {}),
         # auto choosing kto: another objective's flags are refused, not ignored (simpo would have no reference)
@@ -242,3 +243,14 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     ]:
         with pytest.raises(TrainError, match=message):
             resolve_objective(TrainConfig(objective=objective, **extra), columns, "d")
+
+
+def test_a_text_column_of_conversations_is_refused_by_name():
+    import datasets
+
+    from fsdp_lib.records.dataset import use_as_text
+
+    split = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "2+2?"}]], "answer": ["4"]})
+    with pytest.raises(ValueError, match="--text-column prompt: the column 'prompt' of d's train split holds lists"):
+        use_as_text(split, "prompt", "train", "d")
+    assert use_as_text(split, "answer", "train", "d")["text"] == ["4"]

@@ -311,6 +311,21 @@ def test_chat_data_without_a_template_names_the_flag(tmp_path, chat_dataset):
     model = make_chat_model(tmp_path / "no_template", template=None)
     result = run_trainer(trainer_args("nt", chat_dataset, model, tmp_path) + ["--max-steps", "1"], nproc=1)
     assert result.returncode != 0 and "--chat-template" in output_of(result)
+    users_only = tmp_path / "users_only.jinja"  # renders no assistant turn: nothing would carry loss
+    users_only.write_text("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}\n{% endif %}{% endfor %}")
+    silent = trainer_args("nt", chat_dataset, model, tmp_path) + [
+        "--max-steps",
+        "1",
+        "--chat-template",
+        str(users_only),
+    ]
+    result = run_trainer(silent, nproc=1)
+    said = output_of(result)
+    assert result.returncode == 1, said  # (torchrun adds its own report of the failed worker)
+    assert (
+        f"ERROR: --dataset-name {chat_dataset}: no token carries loss: the chat template (--chat-template {users_only}) renders no assistant"
+        in said
+    )
     fixed = trainer_args("nt", chat_dataset, model, tmp_path)
     fixed += ["--max-steps", "2", "--chat-template", str(CHAT_TEMPLATES / "llama3.jinja")]
     result = run_trainer(fixed, nproc=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -155,7 +156,11 @@ def run_tasks(tasks: list[Task], options: Options, num_proc: int) -> Iterator[Ta
 
 def _exit_with_parent(parent_pid: int) -> None:
     """Worker initializer: if the parent is killed (kill -9 skips every cleanup), the workers would wait for tasks
-    forever, because each of them holds the task queue open; a watcher thread ends the worker instead."""
+    forever, because each of them holds the task queue open; a watcher thread ends the worker instead. Workers
+    ignore Ctrl-C (the terminal sends it to every process of the group): the parent alone reports it, in one line,
+    and shuts the pool down, each worker finishing its task (ended mid-write, a worker could leave the pool's
+    result pipe half-written and the shutdown waiting on it forever)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent_pid:

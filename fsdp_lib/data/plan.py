@@ -297,6 +297,14 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
         )
     if chat is not None:
         share = float(np.mean(train_blocks.trained)) if len(train_blocks.trained) else 0.0
+        if share == 0.0:
+            template = f"--chat-template {cfg.chat_template}" if cfg.chat_template else "the tokenizer's own"
+            raise TrainError(
+                f"--dataset-name {name}: no token carries loss: the chat template "
+                f"({template}) renders no assistant turn that --loss-on "
+                f"{cfg.loss_on} can find (its output lacks the assistant replies, or its generation markers); fix the "
+                "template, or pass --loss-on all"
+            )
         log(
             f"SFT on conversations (a 'messages' column) of {name}: chat template {chat_template_hash(tokenizer)}, "
             f"loss on {cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
@@ -427,6 +435,12 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
         raise TrainError(
             f"--objective dpo: --dataset-name {name} has the columns {columns}, not prompt, chosen and "
             f"rejected; convert preference pairs with: python data_hf.py --format preference ..."
+        )
+    if cfg.objective == "lm" and kind == "prompts":
+        raise TrainError(
+            f"--objective lm: --dataset-name {name} holds prompts only (the columns {columns}: no 'text' or "
+            "'messages'), nothing to train a language model on; train them with --objective grpo and --reward, or "
+            "pass --text-column NAME to train on a column of text"
         )
     if cfg.objective == "lm" and preference:
         raise TrainError(

@@ -20,6 +20,7 @@ import torch.nn as nn
 import yaml
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.context_degree import context_heads_problem
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model import varlen
 from fsdp_lib.model.activations import ActivationOffload, tile_mlps
@@ -260,12 +261,6 @@ def flops_per_token(model: nn.Module, config: Any, adapter_params: int | None = 
     return lambda span: dense + per_position * span
 
 
-def context_degree_fits(heads: int, kv_heads: int, n: int) -> bool:
-    """Whether N processes can each attend with 1/N of the query heads (Ulysses): N divides the query heads, and
-    the key/value heads split evenly or, fewer than N, are each replicated to N / kv_heads processes (varlen.py)."""
-    return heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
-
-
 def check_context_parallel(model: nn.Module, n: int, world: int, seq_length: int) -> None:
     """--context-parallel N: the model runs varlen attention, its query heads split into N groups (Ulysses; the
     key/value heads split too, or are replicated where there are fewer than N), and it has no router loss
@@ -285,16 +280,8 @@ def check_context_parallel(model: nn.Module, n: int, world: int, seq_length: int
             f"--context-parallel {n}: {type(model).__name__} has a router load-balancing loss, which is not exact "
             "when each process sees part of a sequence; use --context-parallel 1"
         )
-    if not context_degree_fits(heads, kv_heads, n):
-        fits = [
-            m for m in range(n, 0, -1) if context_degree_fits(heads, kv_heads, m) and not (world % m or seq_length % m)
-        ]
-        raise TrainError(
-            f"--context-parallel {n}: each process attends with 1/{n} of the heads, and {type(model).__name__} has "
-            f"{heads} attention and {kv_heads} key/value heads (the degree must divide the attention heads, and "
-            f"divide or be a multiple of the key/value heads); the largest that works (and divides the processes "
-            f"and --seq-length) is {fits[0]}: use --context-parallel {fits[0]}"
-        )
+    if problem := context_heads_problem(n, heads, kv_heads, type(model).__name__, world, seq_length):
+        raise TrainError(problem)
 
 
 def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:

@@ -129,6 +129,13 @@ def _vocabulary_problems(folder: Path, flag: str) -> list[str]:
             "the files, or fetch the model again"
         ]
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    bad = {name: value for name in sizes if isinstance(value := getattr(text, name, None), int) and value < 1}
+    if bad:
+        return [
+            f"{flag} {folder}: config.json has {', '.join(f'{k} {v}' for k, v in bad.items())}; sizes are 1 or "
+            "more: restore config.json, or fetch the model again"
+        ]
     rows = getattr(text, "vocab_size", None)
     inserted = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
     highest = max([tokenizer.vocab_size - 1, *inserted])

@@ -23,7 +23,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.float8 import high_precision
-from fsdp_lib.model.hf_files import hf_weight_files
+from fsdp_lib.model.hf_files import hf_weight_files, read_safetensors_header
 from fsdp_lib.model.quantize import fill_nf4_rows, fill_nf4_shard, is_nf4, shard_rows
 from fsdp_lib.runtime import Dist, log
 
@@ -208,6 +208,7 @@ def load_pretrained_sharded(
     whole = {k for k, v in state.items() if is_nf4(v) and k in plan.renamed}
     by_file_key = {plan.renamed[k]: v for k, v in state.items() if k in plan.renamed and k not in whole}
     if fmt == "safetensors":
+        _check_shapes(by_file_key, plan.files, model_dir)
         dcp.load(by_file_key, storage_reader=hf_reader(model_dir, threads))
     else:
         _load_bin_slices(by_file_key, model_dir)
@@ -222,6 +223,26 @@ def load_pretrained_sharded(
                 copy_into_shard(target, _read_whole_tensor(plan.files, open_files, handles, key))
     _load_converted(model, plan, state)
     model._weight_conversions = plan.conversions  # what from_pretrained records; save/export revert these
+
+
+def _check_shapes(targets: dict[str, Any], files: dict[str, Path], model_dir: Path) -> None:
+    """Every tensor read slice by slice has the shape the model built from config.json gives it: a config edited
+    by hand, or another model's, is refused by name (DCP's reader would fail with a bare size mismatch)."""
+    headers: dict[Path, dict[str, Any]] = {}
+    wrong = []
+    for key, target in targets.items():
+        path = files[key]
+        if path not in headers:
+            headers[path] = read_safetensors_header(path)
+        info = headers[path].get(key)
+        if info is not None and tuple(info.shape) != tuple(target.shape):
+            wrong.append(f"{key} is {list(info.shape)} in {path.name}, {list(target.shape)} by the config")
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise TrainError(
+            f"--model-name {model_dir}: config.json does not match the weights: {'; '.join(wrong[:3])}{more}. "
+            "It was edited, or belongs to another model: restore it, or fetch the model again"
+        )
 
 
 def hf_reader(model_dir: Path, threads: int) -> Any:

@@ -76,6 +76,14 @@ def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
             f"--text-column {column}: {source} has no column {column!r} in its {name} split "
             f"(columns: {split.column_names})"
         )
+    dtype = getattr(split.features[column], "dtype", None)
+    if dtype not in ("string", "large_string"):
+        kind = "lists of messages" if dtype is None else f"{dtype} values"
+        raise ValueError(
+            f"--text-column {column}: the column {column!r} of {source}'s {name} split holds {kind}, not text; "
+            "name a column of strings (a column of conversations trains as chat: data_hf.py --format chat writes it "
+            "as 'messages')"
+        )
     if column == "text":
         return split
     if "text" in split.column_names:

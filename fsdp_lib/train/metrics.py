@@ -385,7 +385,9 @@ def start_wandb(cfg: TrainConfig) -> Any:
 
 def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
     """loss.png: train loss, validation loss (per token, or per pair for DPO) and the learning rate by step. Never
-    fails the run."""
+    fails the run; nothing to draw (a run stopped before its first metric line) draws nothing."""
+    if not metrics_path.is_file():
+        return
     try:
         import matplotlib
 

@@ -141,7 +141,8 @@ def load_reward(spec: str, weight: float, pattern: str) -> RewardFunction:
     function = getattr(module, function_name, None)
     if not callable(function):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
-        raise ValueError(f"--reward {spec}: {path} has no function {function_name!r} (it has: {', '.join(found)})")
+        has = f"it has: {', '.join(found)}" if found else "it defines no function"
+        raise ValueError(f"--reward {spec}: {path} has no function {function_name!r} ({has})")
     return RewardFunction(spec, function, weight, f"{path.name}:{function_name}:{digest}")
 
 
@@ -158,7 +159,7 @@ def _import_reward_file(spec: str, path: Path, digest: str) -> ModuleType:
             loader = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(loader)  # type: ignore[arg-type]
             loader.loader.exec_module(module)  # type: ignore[union-attr]
-        except Exception as exc:  # noqa: BLE001 - the user's file: any error in it is theirs to fix, named here
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's file: any error (or exit) in it is theirs
             raise ValueError(f"--reward {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
         _IMPORTED[key] = module
     return _IMPORTED[key]
@@ -204,7 +205,7 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, col
     for k, reward in enumerate(functions):
         try:
             values = reward.function(prompts=prompts, completions=completions, **columns)
-        except Exception as exc:  # noqa: BLE001 - the user's function: stop naming it, whatever it raised
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function: stop naming it, whatever it raised
             raise RewardError(f"--reward {reward.name} raised {type(exc).__name__}: {exc}") from exc
         try:
             values = list(values)

@@ -1,0 +1,66 @@
+"""What a run may do with its experiment folder (--save-dir/--experiment-name), checked before any process group:
+never write into another tool's folder or a folder of the user's own files, and never start an experiment over by
+itself (a rerun whose checkpoints are gone would train from step 0 and replace final/ and metrics.jsonl). No
+torch."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from fsdp_lib.config import TrainConfig
+from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_STATE, STEP_DIR, folder_kind
+
+
+def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
+    """The experiment folder's problems (at most one), each naming the flag and the fix."""
+    folder = cfg.experiment_dir
+    if (kind := folder_kind(folder)) and kind.kind != "experiment":
+        return [
+            f"--experiment-name {cfg.experiment_name}: {kind.describe(folder)}, not an experiment; "
+            "choose another --experiment-name or --save-dir"
+        ]
+    if kind is None and (foreign := foreign_entries(folder)):
+        listed = ", ".join(foreign[:5]) + (" and more" if len(foreign) > 5 else "")
+        return [
+            f"--experiment-name {cfg.experiment_name}: {folder} exists and holds {listed}, which fsdp_train.py did "
+            "not write (a run replaces what it writes there): choose another --experiment-name or --save-dir"
+        ]
+    if not cfg.export_only and (evidence := lost_checkpoint(folder)):
+        return [
+            f"--experiment-name {cfg.experiment_name}: {evidence}, but no complete checkpoint is left in "
+            f"{folder / 'checkpoint'}, so this run would start again from step 0 and replace its final/ and "
+            "metrics.jsonl. To continue, put the checkpoint back; to keep it and start over, choose a new "
+            f"--experiment-name (or -m {folder / 'final'} to train on from its export); to train this experiment "
+            f"again from step 0, delete {folder / EXPERIMENT_STATE} and its final/ yourself"
+        ]
+    return []
+
+
+def foreign_entries(experiment: Path) -> list[str]:
+    """What an experiment folder holds that fsdp_train.py did not write ([] for none, or no folder)."""
+    try:
+        names = sorted(p.name for p in experiment.iterdir()) if experiment.is_dir() else []
+    except OSError:
+        return []
+    ours = re.compile(r"\.(.+)\.(tmp.*|old)")
+    return [n for n in names if n not in EXPERIMENT_ENTRIES and not ours.fullmatch(n)]
+
+
+def lost_checkpoint(experiment: Path) -> str | None:
+    """What shows that an experiment trained before (its state.json naming a checkpoint, or final/) when no complete
+    checkpoint is left in checkpoint/: a rerun would start from step 0 and replace final/ and metrics.jsonl."""
+    root = experiment / "checkpoint"
+    if root.is_dir() and any(STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir()):
+        return None
+    state = experiment / EXPERIMENT_STATE
+    try:
+        saved = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = None
+    if isinstance(saved, dict) and "latest_checkpoint" in saved:
+        return f"{state} names checkpoint {saved['latest_checkpoint']} (step {saved.get('step', '?')})"
+    if (experiment / "final").is_dir():
+        return f"{experiment / 'final'} holds a finished run's export"
+    return None
