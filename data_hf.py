@@ -390,6 +390,11 @@ def _convert_and_publish(argv: list[str] | None) -> int:
         refusals = _refusals(summary, args, unusable)
         if refusals:
             raise DataHfError("; ".join(refusals))
+        if len(writers) > 1 and writers["train"].rows == 0 and writers["validation"].rows:
+            raise DataHfError(
+                f"--val-fraction {args.val_fraction} put all {writers['validation'].rows:,} rows in the validation "
+                "split and none in train: use a smaller --val-fraction, e.g. 0.01"
+            )
         for split, writer in writers.items():
             if len(writers) > 1 and writer.rows == 0:
                 print(

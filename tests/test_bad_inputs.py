@@ -803,7 +803,7 @@ def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
     said = refused_after_tokenising(python_exe, repo_root, argv)
     assert f"the data holds token id {rows:,} ('<|tool_result|>'), an added token of the tokenizer" in said
     assert f"embedding has {rows:,} rows" in said and "resize_token_embeddings(len(tokenizer))" in said
-    assert not (tmp_path / "outputs" / "run" / "checkpoint").exists()
+    assert not (tmp_path / "outputs" / "run").exists(), "a refused run leaves no empty experiment folder"
 
 
 def test_a_sample_prompt_too_long_for_the_model_is_refused_before_training(inputs, tmp_path: Path) -> None:
@@ -844,5 +844,6 @@ def test_a_config_that_does_not_match_its_weights_is_refused_by_tensor(
     assert f"--model-name {model}: config.json does not match the weights: model.layers.0.mlp." in said, said
     down = f"model.layers.0.mlp.down_proj.weight is [{rows}, {cols}] in model.safetensors, [{rows}, {cols + 8}] by"
     assert down in said and "(and 3 more)" in said and "restore it, or fetch the model again" in said, said
+    assert not (tmp_path / "outputs" / "run").exists()
     (model / "config.json").write_text(json.dumps({**config, "hidden_size": -8}))
     assert fsdp_train.main([str(a) for a in argv]) == 2

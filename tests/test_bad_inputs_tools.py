@@ -424,6 +424,13 @@ MODEL_DOWNLOAD_CASES = [
         "python data_hf.py",
     ),
     model_download_case(
+        "--tokenizer-from the user's raw files",
+        lambda r: [INIT, "tiny", T, r / "raw", L, r / "m"],
+        "is not a saved dataset",
+        "convert them first (python data_hf.py --data_folder",
+        "--save_dir <a new folder>) and pass that folder",
+    ),
+    model_download_case(
         "--tokenizer-from a model folder",
         lambda r: [INIT, "tiny", T, r / "model", L, r / "m"],
         "is a model folder",

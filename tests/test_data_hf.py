@@ -455,6 +455,14 @@ def test_val_fraction_warns_when_validation_is_empty(tmp_path: Path, capsys) -> 
     assert list(train["text"]) == ["only one row"] and len(validation) == 0
 
 
+def test_a_val_fraction_that_leaves_no_train_row_is_refused(tmp_path: Path, capsys) -> None:
+    held_out = [t for t in (f"row {i}" for i in range(50)) if assign_split(t, 0.99) == "validation"][:3]
+    data = write_files(tmp_path / "data", {"rows.jsonl": "".join(json.dumps({"t": t}) + "\n" for t in held_out)})
+    assert len(held_out) == 3 and convert(data, tmp_path / "out", "--val-fraction", "0.99") == 1
+    assert "--val-fraction 0.99 put all 3 rows in the validation split and none in train" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_strict_fails_on_any_skip_and_writes_nothing(tmp_path: Path, capsys) -> None:
     data = write_files(tmp_path / "data", {"good.txt": "fine", "bad.jsonl": '{"t": "ok"}\nnot json\n'})
     assert convert(data, tmp_path / "out", "--strict") == 1

@@ -257,6 +257,11 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
         raise TrainError(f"--dataset-name: {exc}") from exc
     if cfg.data_slice:
         train_split = slice_rows(train_split, cfg.data_slice)
+    if len(train_split) == 0:
+        raise TrainError(
+            f"--dataset-name {name}: the train split has 0 rows; make it again with data_hf.py (a smaller "
+            "--val-fraction leaves rows to train on)"
+        )
     objective = resolve_objective(cfg, train_split.column_names, name)
     if objective in ("dpo", "kto", "grpo") and len(cfg.dataset_name) > 1:
         what = "prompts" if objective == "grpo" else "preference data"

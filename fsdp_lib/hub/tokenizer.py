@@ -31,6 +31,12 @@ def load_tokenizer_corpus(path: Path) -> Any:
             f"--tokenizer-from {kind.describe(path)}, not a dataset: pass a folder data_hf.py wrote (python data_hf.py"
             " --data_folder <your files> --save_dir <a new folder>)"
         )
+    if kind is None and path.is_dir():  # not a dataset: maybe the user's raw files, which data_hf.py converts
+        raise ToolError(
+            f"--tokenizer-from {path} is not a saved dataset (no state.json or dataset_dict.json); if it holds your "
+            f"files, convert them first (python data_hf.py --data_folder {path} --save_dir <a new folder>) and pass "
+            "that folder"
+        )
     try:
         dataset, _ = load_text_dataset(path)
     except ValueError as exc:
