@@ -24,6 +24,7 @@ one concern per module (docs/layout.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -397,11 +398,12 @@ def train_loop(
                 if objective is not None:  # GRPO: one prompt's completions and their rewards
                     metrics.write_samples(state.step, objective.take_samples())
             if evaluation_due(cfg, state.step, last_step):
+                final = state.step == last_step  # its figures and samples are never made up later: not cut short
                 if data.validation is not None and (
-                    result := validate(bundle, objective, data.validation, cfg, d, stop)
+                    result := validate(bundle, objective, data.validation, cfg, d, None if final else stop)
                 ):
                     metrics.write({"step": state.step, "epoch": metrics.epoch_progress(state), **result})
-                if not all_ranks_agree(stop.requested, d):  # samples wait for the next run
+                if final or not all_ranks_agree(stop.requested, d):  # else the samples wait for the next evaluation
                     write_samples(bundle, prompts, data, cfg, d, metrics, state.step)
 
             interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
@@ -461,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         lock.release()
+        if ENV_RANK == 0:  # a run refused before it wrote anything leaves no empty experiment folder
+            with contextlib.suppress(OSError):
+                cfg.experiment_dir.rmdir()
         if dist.is_initialized() and not at_once:  # after a second Ctrl-C the peers may be gone mid-collective
             dist.destroy_process_group()
 

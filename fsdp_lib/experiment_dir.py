@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_STATE, STEP_DIR, folder_kind
+from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, STEP_DIR, folder_kind
 
 
 def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
@@ -32,10 +32,19 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             f"--experiment-name {cfg.experiment_name}: {evidence}, but no complete checkpoint is left in "
             f"{folder / 'checkpoint'}, so this run would start again from step 0 and replace its final/ and "
             "metrics.jsonl. To continue, put the checkpoint back; to keep it and start over, choose a new "
-            f"--experiment-name (or -m {folder / 'final'} to train on from its export); to train this experiment "
-            f"again from step 0, delete {folder / EXPERIMENT_STATE} and its final/ yourself"
+            f"--experiment-name{_train_on_hint(folder / 'final')}; to train this experiment again from step 0, "
+            f"delete {folder / EXPERIMENT_STATE} and its final/ yourself"
         ]
     return []
+
+
+def _train_on_hint(final: Path) -> str:
+    """How to go on from an experiment's export: a model folder (-m), an adapter (--adapter), or nothing."""
+    if (final / "adapter_config.json").is_file():
+        return f" (--adapter {final} with the same -m trains on from its adapter)"
+    if (final / "config.json").is_file():
+        return f" (-m {final} trains on from its export)"
+    return ""
 
 
 def foreign_entries(experiment: Path) -> list[str]:
@@ -44,15 +53,22 @@ def foreign_entries(experiment: Path) -> list[str]:
         names = sorted(p.name for p in experiment.iterdir()) if experiment.is_dir() else []
     except OSError:
         return []
-    ours = re.compile(r"\.(.+)\.(tmp.*|old)")
-    return [n for n in names if n not in EXPERIMENT_ENTRIES and not ours.fullmatch(n)]
+    return [n for n in names if n not in EXPERIMENT_ENTRIES and not _HARMLESS.fullmatch(n)]
+
+
+# Beside fsdp_train.py's own entries: its temporaries (.NAME.tmp..., .NAME.old, the lock's .run.lock.HOST.PID), the
+# launch's logs (tee, Slurm's --output) and file-system debris; none of them is replaced by a run.
+_HARMLESS = re.compile(rf"\..+\.(tmp.*|old)|\.{re.escape(EXPERIMENT_LOCK)}\..+|.+\.(log|out|err)|\.nfs.*|\.DS_Store")
 
 
 def lost_checkpoint(experiment: Path) -> str | None:
     """What shows that an experiment trained before (its state.json naming a checkpoint, or final/) when no complete
     checkpoint is left in checkpoint/: a rerun would start from step 0 and replace final/ and metrics.jsonl."""
     root = experiment / "checkpoint"
-    if root.is_dir() and any(STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir()):
+    try:
+        if root.is_dir() and any(STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir()):
+            return None
+    except OSError:  # unreadable: the run's own reads say so, with the path
         return None
     state = experiment / EXPERIMENT_STATE
     try:

@@ -143,6 +143,4 @@ class ExperimentLock:
         self._stop_refresh.set()
         if self.record is not None and self._read() == self.record:
             self.path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # a run refused before it wrote anything leaves no empty folder
-                self.path.parent.rmdir()
         self.record = None

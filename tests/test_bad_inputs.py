@@ -847,3 +847,24 @@ def test_a_config_that_does_not_match_its_weights_is_refused_by_tensor(
     assert not (tmp_path / "outputs" / "run").exists()
     (model / "config.json").write_text(json.dumps({**config, "hidden_size": -8}))
     assert fsdp_train.main([str(a) for a in argv]) == 2
+
+
+def test_an_experiment_folder_s_own_temporaries_and_launch_logs_are_not_the_user_s(tmp_path: Path) -> None:
+    """What a run or its launch leaves in outputs/EXP before the folder reads as an experiment does not block it:
+    the trainer's temporaries (the lock's too), logs a launch writes there (tee, Slurm's --output), file-system
+    debris; anything else is named. An unreadable checkpoint folder is left to the run's own reads."""
+    from fsdp_lib.experiment_dir import foreign_entries, lost_checkpoint
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    for name in ("config.yaml", ".run.lock.host.123", ".state.json.tmp77", ".final.old", "train.log", "9.out"):
+        (folder / name).write_text("")
+    (folder / ".nfs000123").write_text("")
+    assert foreign_entries(folder) == []
+    (folder / "report.txt").write_text("mine")
+    assert foreign_entries(folder) == ["report.txt"]
+    (folder / "state.json").write_text('{"latest_checkpoint": "checkpoint/step_00000004", "step": 4}')
+    (folder / "checkpoint").mkdir()
+    assert "names checkpoint checkpoint/step_00000004 (step 4)" in lost_checkpoint(folder)
+    (folder / "checkpoint" / "step_00000004").mkdir()
+    assert lost_checkpoint(folder) is None

@@ -251,6 +251,9 @@ def test_a_text_column_of_conversations_is_refused_by_name():
     from fsdp_lib.records.dataset import use_as_text
 
     split = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "2+2?"}]], "answer": ["4"]})
-    with pytest.raises(ValueError, match="--text-column prompt: the column 'prompt' of d's train split holds lists"):
+    with pytest.raises(
+        ValueError,
+        match=r"--text-column prompt: the column 'prompt' of d's train split holds lists \(conversations\?\)",
+    ):
         use_as_text(split, "prompt", "train", "d")
     assert use_as_text(split, "answer", "train", "d")["text"] == ["4"]

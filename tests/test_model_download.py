@@ -627,14 +627,16 @@ def test_overwrite_refuses_a_model_folder_that_holds_more_than_a_model(tiny_mode
     (target / "ds").mkdir()
     (target / "ds" / "data.arrow").write_bytes(b"rows")  # e.g. the dataset its tokenizer was trained on
     (target / "run.log").write_text("mine")
+    (target / "notes.txt").write_text("mine too")
     argv = ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target), "--overwrite"]
     assert md.main(argv) == 1
     err = capsys.readouterr().err
-    assert "also holds ds/, run.log, which --overwrite would delete with it" in err, err
+    assert "also holds ds/, notes.txt, run.log, which --overwrite would delete with it" in err, err
     assert (target / "ds" / "data.arrow").read_bytes() == b"rows" and (target / "run.log").is_file()
     shutil.rmtree(target / "ds")
     (target / "run.log").unlink()
-    (target / "NOTES.md").write_text("a model card's kind of file")
+    (target / "notes.txt").unlink()
+    (target / "README.md").write_text("a model card")
     assert md.main(argv) == 0, capsys.readouterr().err
 
 

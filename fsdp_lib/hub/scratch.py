@@ -95,7 +95,8 @@ def check_init_target(path: Path, overwrite: bool) -> None:
 
 
 # What a model folder holds (hub downloads, save_pretrained, --init): anything else in it is the user's.
-_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".md", ".py", ".tiktoken")
+_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".jinja", ".tiktoken")
+_MODEL_FILE_NAMES = ("merges.txt", "vocab.txt", "README.md", "LICENSE", ".gitattributes")
 _MODEL_SUBFOLDERS = (".cache", "original")
 
 
@@ -106,7 +107,7 @@ def not_model_files(folder: Path) -> list[str]:
         if entry.is_dir() and not entry.is_symlink():
             if entry.name not in _MODEL_SUBFOLDERS:
                 foreign.append(f"{entry.name}/")
-        elif not (entry.name.endswith(_MODEL_FILE_SUFFIXES) or entry.name in ("LICENSE", ".gitattributes")):
+        elif not (entry.name.endswith(_MODEL_FILE_SUFFIXES) or entry.name in _MODEL_FILE_NAMES):
             foreign.append(entry.name)
     return foreign
 

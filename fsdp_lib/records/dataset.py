@@ -78,7 +78,8 @@ def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
         )
     dtype = getattr(split.features[column], "dtype", None)
     if dtype not in ("string", "large_string"):
-        kind = "lists of messages" if dtype is None else f"{dtype} values"
+        listed = type(split.features[column]).__name__ in ("List", "Sequence", "LargeList", "list")
+        kind = "lists (conversations?)" if listed else (f"{dtype} values" if dtype else "structured values")
         raise ValueError(
             f"--text-column {column}: the column {column!r} of {source}'s {name} split holds {kind}, not text; "
             "name a column of strings (a column of conversations trains as chat: data_hf.py --format chat writes it "

@@ -40,7 +40,7 @@ def latest_intact_checkpoint(root: Path, d: Dist) -> Path | None:
         raise CheckpointError(
             f"no intact checkpoint in {root}; damaged files:\n{details}\nNothing was resumed or moved. "
             f"Restore those files; or, to start over from step 0, move the damaged checkpoints aside and delete "
-            f"{root.parent / EXPERIMENT_STATE}; or use a new --experiment-name."
+            f"{root.parent / EXPERIMENT_STATE} and {root.parent / 'final'}; or use a new --experiment-name."
         )
     return None
 
