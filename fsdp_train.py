@@ -322,6 +322,26 @@ def export(bundle: ModelBundle, data: TrainData, cfg: TrainConfig, d: Dist) -> N
         )
 
 
+def evaluation_point(
+    bundle: ModelBundle,
+    objective: Objective | None,
+    data: TrainData,
+    cfg: TrainConfig,
+    d: Dist,
+    metrics: Metrics,
+    prompts: list[SamplePrompt],
+    step: int,
+    epoch: float,
+    stop: StopRequest | None,
+) -> None:
+    """The validation figures and the samples of this step; a stop request (stop: None = never) cuts the pass
+    short, leaves out its figures and skips the samples, which wait for the next evaluation."""
+    if data.validation is not None and (result := validate(bundle, objective, data.validation, cfg, d, stop)):
+        metrics.write({"step": step, "epoch": epoch, **result})
+    if prompts and (stop is None or not all_ranks_agree(stop.requested, d)):
+        write_samples(bundle, prompts, data, cfg, d, metrics, step)
+
+
 def train_loop(
     cfg: TrainConfig,
     d: Dist,
@@ -358,10 +378,7 @@ def train_loop(
                 f"reach step {cfg.max_steps}"
             )
     if state.step == 0 and cfg.eval_at_start == "on":  # step 0: the base model, to compare the fine-tuned one with
-        if data.validation is not None and (result := validate(bundle, objective, data.validation, cfg, d, stop)):
-            metrics.write({"step": 0, "epoch": 0.0, **result})
-        if not all_ranks_agree(stop.requested, d):
-            write_samples(bundle, prompts, data, cfg, d, metrics, 0)
+        evaluation_point(bundle, objective, data, cfg, d, metrics, prompts, 0, 0.0, stop)
     grad_norm = torch.zeros(())
     with StepProfiler(cfg, d, state.step + 1, last_step) as profiler:  # --profile-steps; nothing unless asked for
         while state.step < last_step:
@@ -399,12 +416,10 @@ def train_loop(
                     metrics.write_samples(state.step, objective.take_samples())
             if evaluation_due(cfg, state.step, last_step):
                 final = state.step == last_step  # its figures and samples are never made up later: not cut short
-                if data.validation is not None and (
-                    result := validate(bundle, objective, data.validation, cfg, d, None if final else stop)
-                ):
-                    metrics.write({"step": state.step, "epoch": metrics.epoch_progress(state), **result})
-                if final or not all_ranks_agree(stop.requested, d):  # else the samples wait for the next evaluation
-                    write_samples(bundle, prompts, data, cfg, d, metrics, state.step)
+                epoch = metrics.epoch_progress(state)
+                evaluation_point(
+                    bundle, objective, data, cfg, d, metrics, prompts, state.step, epoch, None if final else stop
+                )
 
             interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
             if interrupted or checkpointer.due(state.step):

@@ -25,7 +25,7 @@ from fsdp_lib.config import (
     parse_profile_steps,
 )
 from fsdp_lib.context_degree import context_problems
-from fsdp_lib.errors import file_above, unreadable
+from fsdp_lib.errors import file_above, not_utf8, unreadable
 from fsdp_lib.experiment_dir import experiment_dir_problems
 from fsdp_lib.markers import TOKEN_CACHE, folder_kind
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
@@ -102,7 +102,7 @@ def _text_file_problems(flag: str, path: Path) -> list[str]:
     try:
         path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        return [f"{flag} {path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); save it as UTF-8"]
+        return [f"{flag} {path}: {not_utf8(exc)}; save it as UTF-8"]
     except OSError as exc:
         return [f"{flag} {path}: cannot be read ({exc.strerror})"]
     return []

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import yaml
 
-from fsdp_lib.errors import ConfigError
+from fsdp_lib.errors import ConfigError, not_utf8
 
 ON_OFF = ("on", "off")
 
@@ -441,8 +441,7 @@ def load_config(argv: list[str] | None) -> TrainConfig:
         try:
             loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader) or {}
         except UnicodeDecodeError as exc:
-            byte = f"byte {exc.start} is {exc.object[exc.start]:#04x}"
-            raise ConfigError([f"--config {config_file}: not UTF-8 text ({byte}); save it as UTF-8 YAML"]) from exc
+            raise ConfigError([f"--config {config_file}: {not_utf8(exc)}; save it as UTF-8 YAML"]) from exc
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError([f"--config {config_file}: cannot read it as YAML ({exc})"]) from exc
         if not isinstance(loaded, dict):

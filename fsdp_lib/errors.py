@@ -1,5 +1,6 @@
 """The errors a user can fix. main() reports each as one message (no traceback) and exits non-zero:
-ConfigError 2, the others 1. Also what a failed read or write says: the OS error in words, with the path."""
+ConfigError 2, the others 1. Also what a failed read or write says: the OS error in words, with the path, and a
+sample of the names a message lists."""
 
 from __future__ import annotations
 
@@ -75,3 +76,14 @@ def explain_write_error(error: BaseException, folder: Path) -> str:
             f"; only {usage.free / 2**20:,.0f} MiB are free on the file system of {folder}: no space left on device?"
         )
     return text
+
+
+def name_sample(names: list[str], limit: int = 5) -> str:
+    """The first `limit` names, and how many more there are."""
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where a file stops being UTF-8, in words: "not UTF-8 text (byte 18 is 0xe9)"."""
+    return f"not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"

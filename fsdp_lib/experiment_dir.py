@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, STEP_DIR, folder_kind
 
 
@@ -22,10 +23,10 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             "choose another --experiment-name or --save-dir"
         ]
     if kind is None and (foreign := foreign_entries(folder)):
-        listed = ", ".join(foreign[:5]) + (" and more" if len(foreign) > 5 else "")
         return [
-            f"--experiment-name {cfg.experiment_name}: {folder} exists and holds {listed}, which fsdp_train.py did "
-            "not write (a run replaces what it writes there): choose another --experiment-name or --save-dir"
+            f"--experiment-name {cfg.experiment_name}: {folder} exists and holds {name_sample(foreign)}, which "
+            "fsdp_train.py did not write (a run replaces what it writes there): choose another --experiment-name or "
+            "--save-dir"
         ]
     if not cfg.export_only and (evidence := lost_checkpoint(folder)):
         return [

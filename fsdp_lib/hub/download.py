@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_lib.errors import file_above
+from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import VERIFICATION_RECORD, remove_verification_record
-from fsdp_lib.hub.weights import name_sample
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_lib.errors import file_above
+from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.download import free_disk_bytes
 from fsdp_lib.hub.presets import (
@@ -88,8 +88,8 @@ def check_init_target(path: Path, overwrite: bool) -> None:
         )
     if foreign := not_model_files(path):
         raise ToolError(
-            f"--local-dir {path} is a model folder that also holds {', '.join(foreign[:5])}"
-            f"{' and more' if len(foreign) > 5 else ''}, which --overwrite would delete with it: move them out"
+            f"--local-dir {path} is a model folder that also holds {name_sample(foreign)}, which --overwrite would"
+            " delete with it: move them out"
             " or pick a new folder"
         )
 

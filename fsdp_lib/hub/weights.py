@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_lib.errors import name_sample
 from fsdp_lib.hub.console import ToolError
 from fsdp_lib.model.hf_files import TensorInfo, read_safetensors_header
 
@@ -96,12 +97,6 @@ def _align_prefix(found: dict[str, TensorInfo], expected: set[str], prefix: str)
     if not prefix or any(name in expected for name in found):
         return found
     return {f"{prefix}.{name}" if f"{prefix}.{name}" in expected else name: info for name, info in found.items()}
-
-
-def name_sample(names: list[str], limit: int = 5) -> str:
-    """The first `limit` names, and how many more there are."""
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def weights_dtype_summary(found: dict[str, TensorInfo]) -> str:

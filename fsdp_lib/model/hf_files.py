@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import VERIFICATION_RECORD
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -78,8 +79,8 @@ def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]
     problems = [f"{flag} {folder}: {problem}; {redownload}" for problem in problems]
     if not names and (recorded := _recorded_weight_files(folder)):  # else: trained from random weights, silently
         problems.append(
-            f"{flag} {folder}: no weight files, but {VERIFICATION_RECORD} lists {', '.join(recorded[:3])}"
-            f"{' and more' if len(recorded) > 3 else ''}: they were moved or deleted; {redownload}"
+            f"{flag} {folder}: no weight files, but {VERIFICATION_RECORD} lists {name_sample(recorded, 3)}: they "
+            f"were moved or deleted; {redownload}"
         )
     for name in names:
         if name.endswith(".safetensors"):
