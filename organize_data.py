@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fsdp_lib.errors import file_above, unreadable
+from fsdp_lib.errors import file_above, name_sample, unreadable
 from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
@@ -55,7 +55,6 @@ from fsdp_lib.organize.plan import (
     overlap_problem,
     parse_extensions,
     plan_split,
-    some_examples,
 )
 
 # --------------------------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ def gather_files(src_dir: Path, dst_root: Path, settings: Settings, earlier: dic
     scan = find_source_files(src_dir, settings.extensions)
     if scan.skipped:
         print(
-            f"organize_data.py: note: skipped {len(scan.skipped)} path(s): {some_examples(scan.skipped)}",
+            f"organize_data.py: note: skipped {len(scan.skipped)} path(s): {name_sample(scan.skipped, 3)}",
             file=sys.stderr,
         )
     files = scan.files

@@ -10,13 +10,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_lib.errors import name_sample
 from fsdp_lib.organize.plan import (
     MANIFEST_NAME,
     SPLIT_DIR_PATTERN,
     TMP_SUFFIX,
     OrganizeError,
     describe_mismatch,
-    some_examples,
 )
 
 
@@ -102,12 +102,12 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
         if not overwrite:
             raise OrganizeError(
                 f"--dst-root {dst_root} is not empty and has no {MANIFEST_NAME} from an earlier split "
-                f"(it holds {some_examples(entries)}); choose an empty or new --dst-root, or pass --overwrite to "
+                f"(it holds {name_sample(entries, 3)}); choose an empty or new --dst-root, or pass --overwrite to "
                 "write the split beside those files (they are left untouched)"
             )
         if split_dirs:
             raise OrganizeError(
-                f"--dst-root {dst_root} holds {some_examples(split_dirs)} but no {MANIFEST_NAME}, so nothing records "
+                f"--dst-root {dst_root} holds {name_sample(split_dirs, 3)} but no {MANIFEST_NAME}, so nothing records "
                 "what they contain (they may be the only copies of moved files); --overwrite does not delete "
                 "them: remove or rename them yourself, or choose another --dst-root"
             )
@@ -131,7 +131,7 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
         shown = [p.relative_to(dst_root).as_posix() for p in strays]
         raise OrganizeError(
             f"--dst-root {dst_root} holds {len(strays)} file(s) in its split folders that are not part of the "
-            f"split in {MANIFEST_NAME}: {some_examples(shown)}; the next tool would read them as data. Remove them, "
+            f"split in {MANIFEST_NAME}: {name_sample(shown, 3)}; the next tool would read them as data. Remove them, "
             "or pass --overwrite to delete them"
         )
     return DestinationState(resuming=True, to_delete=strays + stale)

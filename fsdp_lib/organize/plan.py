@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import SPLITS_MANIFEST
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
@@ -147,11 +148,6 @@ def build_manifest(settings: Settings, plan: Sequence[Sequence[SourceFile]], com
     }
 
 
-def some_examples(items: Sequence[str], limit: int = 3) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
-
-
 def describe_mismatch(earlier: dict, planned: dict) -> list[str]:
     """Why an earlier manifest is not the plan of this run; empty when it is the same plan."""
     if earlier.get("format") != planned["format"]:
@@ -168,7 +164,7 @@ def describe_mismatch(earlier: dict, planned: dict) -> list[str]:
     resized = sorted(s for s in set(sources_now) & set(sources_before) if sources_now[s] != sources_before[s])
     for label, items in (("added to", added), ("gone from", removed), ("changed size in", resized)):
         if items:
-            problems.append(f"{len(items)} file(s) {label} --src-dir since: {some_examples(items)}")
+            problems.append(f"{len(items)} file(s) {label} --src-dir since: {name_sample(items, 3)}")
     if not problems and earlier["files"] != planned["files"]:
         problems.append("its files are assigned to different split folders")
     return problems
