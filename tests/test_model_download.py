@@ -628,14 +628,17 @@ def test_overwrite_refuses_a_model_folder_that_holds_more_than_a_model(tiny_mode
     (target / "ds" / "data.arrow").write_bytes(b"rows")  # e.g. the dataset its tokenizer was trained on
     (target / "run.log").write_text("mine")
     (target / "notes.txt").write_text("mine too")
+    (target / "eval_results.json").write_text("{}")  # JSON by name: a model save writes no such file
     argv = ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target), "--overwrite"]
     assert md.main(argv) == 1
     err = capsys.readouterr().err
-    assert "also holds ds/, notes.txt, run.log, which --overwrite would delete with it" in err, err
+    assert "also holds ds/, eval_results.json, notes.txt, run.log, which --overwrite would delete with it" in err, err
     assert (target / "ds" / "data.arrow").read_bytes() == b"rows" and (target / "run.log").is_file()
     shutil.rmtree(target / "ds")
-    (target / "run.log").unlink()
-    (target / "notes.txt").unlink()
+    for name in ("run.log", "notes.txt", "eval_results.json"):
+        (target / name).unlink()
+    (target / "model.safetensors.index.json").write_text("{}")  # what a sharded save or a hub download holds
+    (target / "quantize_config.json").write_text("{}")
     (target / "README.md").write_text("a model card")
     assert md.main(argv) == 0, capsys.readouterr().err
 

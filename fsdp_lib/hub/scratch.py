@@ -14,6 +14,7 @@ from typing import Any
 from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.download import free_disk_bytes
+from fsdp_lib.hub.plan import TOKENIZER_FILES
 from fsdp_lib.hub.presets import (
     SIZE_PRESETS,
     SizePreset,
@@ -24,7 +25,7 @@ from fsdp_lib.hub.presets import (
 )
 from fsdp_lib.hub.tokenizer import build_tokenizer, save_tokenizer
 from fsdp_lib.hub.verify import VerifiedModel, verify_model, write_verification_record
-from fsdp_lib.markers import folder_kind
+from fsdp_lib.markers import VERIFICATION_RECORD, folder_kind
 from fsdp_lib.model.memory_plan import format_bytes, format_count
 
 MAX_SHARD_SIZE = "5GB"  # --with-weights shard size; also bounds the extra memory needed while saving
@@ -94,9 +95,18 @@ def check_init_target(path: Path, overwrite: bool) -> None:
         )
 
 
-# What a model folder holds (hub downloads, save_pretrained, --init): anything else in it is the user's.
-_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".jinja", ".tiktoken")
-_MODEL_FILE_NAMES = ("merges.txt", "vocab.txt", "README.md", "LICENSE", ".gitattributes")
+# What a model folder holds (hub downloads, save_pretrained, --init): anything else in it is the user's. JSON files
+# by name (a *config.json, a weight index, a tokenizer's files, our verification record), not by suffix: a user's
+# results.json beside the weights is theirs.
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".model", ".jinja", ".tiktoken", "config.json", ".index.json")
+_MODEL_FILE_NAMES = (
+    *TOKENIZER_FILES,
+    VERIFICATION_RECORD,
+    "params.json",  # Meta's original checkpoints
+    "README.md",
+    "LICENSE",
+    ".gitattributes",
+)
 _MODEL_SUBFOLDERS = (".cache", "original")
 
 
