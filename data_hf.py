@@ -238,10 +238,10 @@ def _save_dir_problems(args: argparse.Namespace) -> list[str]:
     if occupied(save_dir):
         if not save_dir.is_dir():
             return [f"--save_dir {save_dir} exists and is not a folder; choose another --save_dir"]
+        if problem := replace_problem(save_dir):  # before suggesting --overwrite: it would be refused too
+            return [problem]
         if not args.overwrite:
             return [f"--save_dir {save_dir} already exists; pass --overwrite to replace it, or choose another path"]
-        if problem := replace_problem(save_dir):
-            return [problem]
         if args.data_folder.exists() and args.data_folder.resolve().is_relative_to(save_dir.resolve()):
             return [f"--data_folder {args.data_folder} is inside --save_dir {save_dir}, which --overwrite replaces"]
     if blocker := file_above(save_dir.absolute()):

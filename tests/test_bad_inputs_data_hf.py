@@ -321,8 +321,8 @@ FOLDER_CASES = [
     data_hf_case(
         "--save_dir equal to --data_folder",
         lambda r: ["--data_folder", r / "raw", "--save_dir", r / "raw"],
-        "--save_dir",
-        "already exists; pass --overwrite to replace it, or choose another path",
+        "is not a dataset written by data_hf.py",  # not "pass --overwrite": that would be refused as well
+        "choose another --save_dir",
     ),
     data_hf_case(
         "--save_dir equal to --data_folder with --overwrite",
