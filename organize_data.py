@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ from fsdp_lib.organize.plan import (
     overlap_problem,
     parse_extensions,
     plan_split,
+    settings_flags,
 )
 
 # --------------------------------------------------------------------------------------------------------
@@ -212,7 +214,8 @@ def gather_files(src_dir: Path, dst_root: Path, settings: Settings, earlier: dic
         if earlier is not None and earlier["settings"].get("mode") == "move":
             message += (
                 f". Note: --dst-root {dst_root} holds an earlier --mode move split of "
-                f"{earlier['settings'].get('src_dir')}, which moved its files out; rerun with that split's flags"
+                f"{earlier['settings'].get('src_dir')}, which moved its files out; to finish or check it, rerun with "
+                f"that split's flags: {settings_flags(earlier['settings'])} --dst-root {shlex.quote(str(dst_root))}"
             )
         raise OrganizeError(message)
     return files

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -435,6 +436,18 @@ def test_move_rerun_finishes_an_interrupted_move(
     manifest = manifest_of(dst)
     assert {entry["source"]: (dst / dest).read_bytes() for dest, entry in manifest["files"].items()} == sources
     assert expected_sources(src) == []
+
+
+def test_after_a_move_a_rerun_with_other_flags_is_told_the_split_s_flags(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    dst = tmp_path / "the splits"  # a space: the quoted command still runs as it is
+    assert run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "3", "--mode", "move")[0] == 0
+    code, _, err = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2", "--mode", "move")
+    assert code == 2 and "which moved its files out" in err, err
+    quoted = err.split("that split's flags: ")[1].strip()
+    assert "--num-dirs 3" in quoted and "--extensions .json .jsonl .md .txt .yaml .yml" in quoted, quoted
+    assert run(capsys, *shlex.split(quoted))[0] == 0  # the quoted flags are the split's: nothing left to do
 
 
 # --------------------------------------------------------------------------------------------------------

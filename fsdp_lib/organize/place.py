@@ -17,6 +17,7 @@ from fsdp_lib.organize.plan import (
     TMP_SUFFIX,
     OrganizeError,
     describe_mismatch,
+    settings_flags,
 )
 
 
@@ -117,7 +118,8 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
         if not overwrite:
             raise OrganizeError(
                 f"--dst-root {dst_root} holds a different earlier split: {'; '.join(problems)}. Rerun with the "
-                "earlier flags to keep it, pass --overwrite to replace it, or choose another --dst-root"
+                f"earlier flags ({settings_flags(earlier['settings'])}) to keep it, pass --overwrite to replace it, "
+                "or choose another --dst-root"
             )
         if earlier["settings"].get("mode") == "move":
             raise OrganizeError(

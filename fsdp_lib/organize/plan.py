@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import os
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,6 +149,16 @@ def build_manifest(settings: Settings, plan: Sequence[Sequence[SourceFile]], com
     }
 
 
+def flag_value(value: object) -> str:
+    """A setting as it is typed on the command line (--extensions .txt .md, not a list; a path with a space quoted)."""
+    return " ".join(shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value]))
+
+
+def settings_flags(settings: dict) -> str:
+    """The flags that make a split with these (a manifest's) settings, for a message to quote."""
+    return " ".join(f"{flag} {flag_value(settings[key])}" for key, flag in FLAG_NAMES.items() if key in settings)
+
+
 def describe_mismatch(earlier: dict, planned: dict) -> list[str]:
     """Why an earlier manifest is not the plan of this run; empty when it is the same plan."""
     if earlier.get("format") != planned["format"]:
@@ -156,7 +167,7 @@ def describe_mismatch(earlier: dict, planned: dict) -> list[str]:
     for key, flag in FLAG_NAMES.items():
         before, now = earlier["settings"].get(key), planned["settings"][key]
         if before != now:
-            problems.append(f"it used {flag} {before} (this run: {now})")
+            problems.append(f"it used {flag} {flag_value(before)} (this run: {flag_value(now)})")
     sources_before = {entry["source"]: entry["bytes"] for entry in earlier["files"].values()}
     sources_now = {entry["source"]: entry["bytes"] for entry in planned["files"].values()}
     added = sorted(set(sources_now) - set(sources_before))
