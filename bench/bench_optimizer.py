@@ -112,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_table, write_results
 
+    from fsdp_lib.testing import torchrun_command
+
     parser = bench_arg_parser(__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     reps = 5 if args.quick else 40
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        cmd += [__file__, "--worker", str(reps), str(out)]
+        cmd = torchrun_command(__file__, ["--worker", str(reps), str(out)])
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:

@@ -188,17 +188,31 @@ def make_model(
 # --- launching and ending processes ---------------------------------------------------------------------------
 
 
+# torchrun's own main (torch.distributed.run), unchanged, then os._exit with its exit status: the launcher skips the
+# interpreter's teardown with torch loaded, ~0.45 s of each of the suite's ~230 launches (2 cores, 2026-11-27).
+# Output, signals, restarts and exit status are torchrun's: an exception it raises is printed and exits 1.
+TORCHRUN = """
+import os, sys, traceback
+from torch.distributed.run import main
+try:
+    main()
+    code = 0
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    if isinstance(exc.code, str):
+        print(exc.code, file=sys.stderr)
+except BaseException:
+    traceback.print_exc()
+    code = 1
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
 def torchrun_command(script: Path | str, args: list[str], nproc: int = 2) -> list[str]:
-    """`torchrun --standalone` of `script` with `nproc` processes, through this interpreter."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
+    """`torchrun --standalone` of `script` with `nproc` processes, through this interpreter (TORCHRUN above)."""
+    return [sys.executable, "-c", TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -8,6 +8,7 @@ import json
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,8 +77,10 @@ def run_trainer(
     cwd: Path = REPO_ROOT,
     script: Path = TRAIN_SCRIPT,
 ):
-    """torchrun --standalone of fsdp_train.py (or a worker script that wraps it) with these flags."""
-    cmd = torchrun_command(script, args, nproc)
+    """torchrun --standalone of fsdp_train.py (or a worker script that wraps it) with these flags; one process
+    runs as `python fsdp_train.py ...` (the README's single-process mode, no launcher: torchrun's start and end
+    are ~2.5 s of a launch here, and the tests of torchrun itself launch two processes)."""
+    cmd = torchrun_command(script, args, nproc) if nproc > 1 else [sys.executable, str(script), *args]
     full_env = launch_env(env)
     if background:
         return subprocess.Popen(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,15 @@ from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import build_model_skeleton
 from fsdp_lib.model.loss import CausalLMLoss, chunked_loss_problem
 from fsdp_lib.train.metrics import PhaseTimer
-from tests.fsdp_helpers import REPO_ROOT, losses_by_step, make_dataset, make_model, read_metrics, trainer_args
+from tests.fsdp_helpers import (
+    REPO_ROOT,
+    losses_by_step,
+    make_dataset,
+    make_model,
+    read_metrics,
+    torchrun_command,
+    trainer_args,
+)
 
 MATRIX = [
     ("llama", True),
@@ -53,8 +60,7 @@ def test_load_train_export(tmp_path, matrix_dataset, arch, tied):
     model = make_model(tmp_path / "model", arch=arch, with_weights=True, tied=tied)  # fp32: the export is exact
     args = [*trainer_args("run", matrix_dataset, model, tmp_path), "--max-steps", "3", "-b", "2", "--lr", "1e-2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["tests/workers/fsdp_arch_check.py", *args],
+        torchrun_command("tests/workers/fsdp_arch_check.py", args),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -27,6 +27,7 @@ from tests.fsdp_helpers import (
     output_of,
     read_metrics,
     run_trainer,
+    torchrun_command,
     trainer_args,
 )
 
@@ -468,18 +469,8 @@ def test_too_many_bad_steps_stop_the_run(tmp_path, dataset_dir, scratch_model):
 @pytest.mark.parametrize("sharding", ["full", "hybrid"])
 def test_sharded_loading_gives_exactly_the_from_pretrained_weights(pretrained_model, sharding):
     import subprocess
-    import sys
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "tests/workers/fsdp_load_check.py",
-        str(pretrained_model),
-        sharding,
-    ]
+    cmd = torchrun_command("tests/workers/fsdp_load_check.py", [str(pretrained_model), sharding])
     proc = subprocess.run(
         cmd,
         cwd=REPO_ROOT,
