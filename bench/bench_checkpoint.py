@@ -320,7 +320,9 @@ def _reps(values: list[float]) -> str:
 
 
 if __name__ == "__main__":
+    from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
     if sys.argv[1:3] == ["--worker", "throughput"]:  # launched by torchrun from main
         throughput_worker(sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
-        sys.exit(0)
+        exit_without_teardown(0)
     sys.exit(main())

@@ -632,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
     if sys.argv[1:2] == ["--worker"]:  # ours, launched by torchrun from run_ours
-        sys.exit(trainer_worker(sys.argv[2], sys.argv[3:]))
+        exit_without_teardown(trainer_worker(sys.argv[2], sys.argv[3:]))
     sys.exit(main())

@@ -668,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
     if sys.argv[1:2] == ["--worker"]:  # ours, launched by torchrun from run_ours
-        sys.exit(worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
+        exit_without_teardown(worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
     sys.exit(main())

@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":  # launched by torchrun from load_once
         loading_worker(sys.argv[2], sys.argv[3], sys.argv[4])
-        sys.exit(0)
+        exit_without_teardown(0)
     sys.exit(main())

@@ -281,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":  # launched by run_worker
         spec = json.loads(sys.argv[2])
         print(json.dumps(loss_worker(spec["p"], spec["seq"], spec["side"])))
-        sys.exit(0)
+        exit_without_teardown(0)
     sys.exit(main())

@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":  # run with PYTHONPATH at the repository root
+        from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
         worker(int(sys.argv[2]), sys.argv[3])
-        sys.exit(0)
+        exit_without_teardown(0)
     sys.exit(main())

@@ -269,10 +269,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fsdp_lib.interrupts import exit_without_teardown  # a worker skips the interpreter teardown
+
     if sys.argv[1:3] == ["--worker", "minimal"]:  # launched by torchrun from run_minimal
         model_dir, token_file, seq, batch, steps, out = sys.argv[3:9]
         minimal_loop(model_dir, token_file, int(seq), int(batch), int(steps), out)
-        sys.exit(0)
+        exit_without_teardown(0)
     if sys.argv[1:3] == ["--worker", "trainer"]:  # launched by torchrun from run_fsdp_train
-        sys.exit(trainer_worker(sys.argv[3], sys.argv[4:]))
+        exit_without_teardown(trainer_worker(sys.argv[3], sys.argv[4:]))
     sys.exit(main())

@@ -188,11 +188,12 @@ def make_model(
 # --- launching and ending processes ---------------------------------------------------------------------------
 
 
-# torchrun's own main (torch.distributed.run), unchanged, then os._exit with its exit status: the launcher skips the
-# interpreter's teardown with torch loaded, ~0.45 s of each of the suite's ~230 launches (2 cores, 2026-11-27).
+# torchrun's own main (torch.distributed.run), unchanged, then its atexit handlers and os._exit with its exit status,
+# as fsdp_lib.interrupts.exit_without_teardown ends the tools: the launcher skips the interpreter's teardown with
+# torch loaded, ~0.45 s of each of the suite's ~230 launches (2 cores, 2026-11-27).
 # Output, signals, restarts and exit status are torchrun's: an exception it raises is printed and exits 1.
 TORCHRUN = """
-import os, sys, traceback
+import atexit, os, sys, traceback
 from torch.distributed.run import main
 try:
     main()
@@ -204,6 +205,7 @@ except SystemExit as exc:
 except BaseException:
     traceback.print_exc()
     code = 1
+atexit._run_exitfuncs()
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)

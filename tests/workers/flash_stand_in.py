@@ -62,5 +62,6 @@ def install() -> None:
 if __name__ == "__main__":
     install()
     import fsdp_train
+    from fsdp_lib.interrupts import exit_without_teardown
 
-    sys.exit(fsdp_train.main(sys.argv[1:]))
+    exit_without_teardown(fsdp_train.main(sys.argv[1:]))

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config
+from fsdp_lib.interrupts import exit_without_teardown
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.runtime import ENV_RANK, Dist
@@ -105,4 +106,4 @@ if __name__ == "__main__":
         compare_export(str(cfg.experiment_dir / "final"), cfg.model_name)
     for failure in failures:
         print(failure, flush=True)
-    sys.exit(code or (1 if failures else 0))
+    exit_without_teardown(code or (1 if failures else 0))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.interrupts import exit_without_teardown
 from fsdp_lib.model import hf_weights
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.build import build_model, check_still_tied
@@ -51,4 +52,4 @@ def main(model_dir: str, sharding: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    exit_without_teardown(main(sys.argv[1], sys.argv[2]))

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # fsdp_train.py, a
 import fsdp_train  # noqa: E402
 from fsdp_lib.config import load_config, resolve_precision  # noqa: E402
 from fsdp_lib.data.plan import build_data  # noqa: E402
+from fsdp_lib.interrupts import exit_without_teardown  # noqa: E402
 from fsdp_lib.model.anatomy import clean_fqn  # noqa: E402
 from fsdp_lib.model.build import build_model  # noqa: E402
 from fsdp_lib.offline import resolve_model_dir  # noqa: E402
@@ -120,3 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)

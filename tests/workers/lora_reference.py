@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from fsdp_lib.checks import validate_config  # noqa: E402
 from fsdp_lib.config import load_config  # noqa: E402
 from fsdp_lib.data.plan import build_data, total_steps  # noqa: E402
+from fsdp_lib.interrupts import exit_without_teardown  # noqa: E402
 from fsdp_lib.model.adapters import adapter_key, init_adapters  # noqa: E402
 from fsdp_lib.offline import resolve_model_dir  # noqa: E402
 from fsdp_lib.runtime import setup_distributed  # noqa: E402
@@ -61,4 +62,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_without_teardown(main(sys.argv[1:]))

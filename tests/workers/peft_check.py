@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # fsdp_train.py, a script at the repository root
 import fsdp_train  # noqa: E402
 from fsdp_lib.data.batch import Batch  # noqa: E402
+from fsdp_lib.interrupts import exit_without_teardown  # noqa: E402
 from fsdp_lib.model import hf_weights  # noqa: E402
 from fsdp_lib.model.quantize import BLOCK, SCALER_BLOCK, is_nf4, resident_bytes  # noqa: E402
 
@@ -109,4 +110,4 @@ def checked_loop(cfg, d, bundle, data, optimizer, *rest):
 fsdp_train.train_loop = checked_loop
 
 if __name__ == "__main__":
-    sys.exit(fsdp_train.main(sys.argv[1:]))
+    exit_without_teardown(fsdp_train.main(sys.argv[1:]))
