@@ -282,14 +282,13 @@ def test_async_checkpoints_give_the_same_run(inputs, reference, reference_run, t
             assert (tmp_path / "run" / "checkpoint" / step / shard.name).read_bytes() == shard.read_bytes(), shard
 
 
-def test_export_round_trip_reproduces_the_trained_model(inputs, tmp_path):
+def test_export_round_trip_reproduces_the_trained_model(inputs, reference_run, tmp_path):
+    """The reference run's export (the run of flags(), read only here) against its last DCP checkpoint."""
     from safetensors import safe_open
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    proc = run_trainer(flags(inputs, tmp_path))
-    assert proc.returncode == 0, output_of(proc)
-    final = tmp_path / "run" / "final"
+    final = reference_run / "run" / "final"
     exported = AutoModelForCausalLM.from_pretrained(final, local_files_only=True, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(final, local_files_only=True)
     names = set()
@@ -300,7 +299,7 @@ def test_export_round_trip_reproduces_the_trained_model(inputs, tmp_path):
     assert "lm_head.weight" not in names, "tied head is not duplicated"
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
     # Independent path: the last DCP checkpoint, consolidated on one process, into a plain HF model.
-    dcp_to_torch_save(str(tmp_path / "run" / "checkpoint" / "step_00000010"), str(tmp_path / "full.pt"))
+    dcp_to_torch_save(str(reference_run / "run" / "checkpoint" / "step_00000010"), str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
     trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(final), dtype=torch.float32)
     trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in full.items()}, strict=False)
@@ -360,8 +359,8 @@ def flip_bytes(path: Path, count: int = 8) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_bytes_are_detected_and_the_previous_checkpoint_is_used(inputs, reference, tmp_path):
-    assert run_trainer(flags(inputs, tmp_path)).returncode == 0
+def test_flipped_bytes_are_detected_and_the_previous_checkpoint_is_used(inputs, reference, reference_run, tmp_path):
+    copy_run(reference_run, tmp_path)  # the finished run of flags(), damaged here in a copy
     assert checkpoints(tmp_path) == ["step_00000004", "step_00000008", "step_00000010"]
     damaged = tmp_path / "run" / "checkpoint" / "step_00000010" / "__1_0.distcp"
     flip_bytes(damaged)

@@ -277,21 +277,6 @@ def chat_dataset(tmp_path_factory) -> Path:
     return make_chat_dataset(tmp_path_factory.mktemp("chat_data") / "conversations")
 
 
-def test_sft_run_trains_on_assistant_tokens_and_reports_them(tmp_path, chat_dataset, chat_models):
-    args = trainer_args("sft", chat_dataset, chat_models["llama3"], tmp_path) + ["-b", "2", "--max-steps", "12"]
-    result = run_trainer(args)
-    out = output_of(result)
-    assert result.returncode == 0, out
-    assert "SFT on conversations" in out and "loss on assistant tokens" in out
-    rows = read_metrics(tmp_path / "sft")
-    assert rows[-1]["loss"] < rows[0]["loss"]
-    assert all(0 < r["trained_tokens"] < 2 * 2 * 32 for r in rows)  # a window of one step: 128 targets
-    assert all(r["trained_tokens_per_s"] < r["tokens_per_s"] for r in rows)
-    val = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
-    assert any("val_loss" in r for r in val)
-    assert (tmp_path / "sft" / "final" / "tokenizer_config.json").is_file()
-
-
 def test_masked_loss_is_the_same_at_any_split_of_the_global_batch(tmp_path, chat_dataset, chat_models):
     """1 process x accum 2 == 2 processes x accum 1: the mean is over the global batch's trained tokens."""
     losses = {}
@@ -351,11 +336,29 @@ def sft_flags(dataset: Path, model: Path, save: Path, nproc: int = 2) -> list[st
 
 
 @pytest.fixture(scope="module")
-def sft_reference(chat_dataset, chat_models, tmp_path_factory) -> dict[int, float]:
+def sft_reference_run(chat_dataset, chat_models, tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted SFT run the resumed ones must reproduce: (its experiment folder, what it printed)."""
     save = tmp_path_factory.mktemp("sft_reference")
     proc = run_trainer(sft_flags(chat_dataset, chat_models["llama3"], save))
     assert proc.returncode == 0, output_of(proc)
-    return losses_by_step(save / "run")
+    return save / "run", output_of(proc)
+
+
+@pytest.fixture(scope="module")
+def sft_reference(sft_reference_run) -> dict[int, float]:
+    return losses_by_step(sft_reference_run[0])
+
+
+def test_sft_run_trains_on_assistant_tokens_and_reports_them(sft_reference_run):
+    experiment, out = sft_reference_run
+    assert "SFT on conversations" in out and "loss on assistant tokens" in out
+    rows = read_metrics(experiment)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert all(0 < r["trained_tokens"] < 2 * 2 * 32 for r in rows)  # a window of one step: 128 targets
+    assert all(r["trained_tokens_per_s"] < r["tokens_per_s"] for r in rows)
+    val = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in r for r in val)
+    assert (experiment / "final" / "tokenizer_config.json").is_file()
 
 
 def test_sft_kill9_then_rerun_is_bit_identical(chat_dataset, chat_models, sft_reference, tmp_path):
