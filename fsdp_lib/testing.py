@@ -188,27 +188,20 @@ def make_model(
 # --- launching and ending processes ---------------------------------------------------------------------------
 
 
-# torchrun's own main (torch.distributed.run), unchanged, then its atexit handlers and os._exit with its exit status,
-# as fsdp_lib.interrupts.exit_without_teardown ends the tools: the launcher skips the interpreter's teardown with
-# torch loaded, ~0.45 s of each of the suite's ~230 launches (2 cores, 2026-11-27).
-# Output, signals, restarts and exit status are torchrun's: an exception it raises is printed and exits 1.
-TORCHRUN = """
-import atexit, os, sys, traceback
+# torchrun's own main (torch.distributed.run), unchanged, ended as the tools end (exit_without_teardown: atexit
+# handlers, flush, os._exit with its status): the launcher skips the interpreter's teardown with torch loaded,
+# ~0.45 s of each of the suite's ~230 launches (2 cores, 2026-11-27). Output, signals, restarts and exit status are
+# torchrun's; an exception it raises propagates as under torchrun itself.
+TORCHRUN = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from fsdp_lib.interrupts import exit_without_teardown
 from torch.distributed.run import main
 try:
     main()
-    code = 0
 except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    if isinstance(exc.code, str):
-        print(exc.code, file=sys.stderr)
-except BaseException:
-    traceback.print_exc()
-    code = 1
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+    exit_without_teardown(exc.code)
+exit_without_teardown(0)
 """
 
 

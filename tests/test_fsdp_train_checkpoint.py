@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.fsdp_helpers import (
-    TRAIN_SCRIPT,
     killed_at_step,
     losses_by_step,
     make_model,
@@ -132,17 +131,12 @@ def test_sigterm_saves_at_the_interrupted_step_and_rerun_finishes(inputs, refere
 def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_once(inputs, tmp_path):
     """Ctrl-C (or a preemption's SIGTERM) while the validation pass runs: the pass stops at its next micro-batch
     rather than at its end, the run saves and exits 0; on the rerun a second Ctrl-C ends it at once, in one line
-    (exit 130, no traceback). One process without torchrun, so the signals reach the trainer itself."""
+    (exit 130, no traceback). One process (no torchrun), so the signals reach the trainer itself."""
     import subprocess
-    import sys
-
-    from fsdp_lib.testing import launch_env
 
     def launch(env: dict[str, str]) -> subprocess.Popen[str]:
-        argv = [sys.executable, str(TRAIN_SCRIPT), *flags(inputs, tmp_path), "--eval-freq", "100"]
-        return subprocess.Popen(
-            argv, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
-        )
+        args = [*flags(inputs, tmp_path), "--eval-freq", "100"]
+        return run_trainer(args, nproc=1, env=env, background=True, cwd=tmp_path)
 
     def read_until(proc: subprocess.Popen[str], text: str) -> str:
         seen = ""
