@@ -69,7 +69,7 @@ from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers, unpair_into
 from fsdp_lib.errors import file_above, unreadable
 from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
-from fsdp_lib.markers import folder_kind
+from fsdp_lib.markers import enclosing_folder, folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import DATASET_COLUMNS
 
@@ -246,12 +246,11 @@ def _save_dir_problems(args: argparse.Namespace) -> list[str]:
             return [f"--data_folder {args.data_folder} is inside --save_dir {save_dir}, which --overwrite replaces"]
     if blocker := file_above(save_dir.absolute()):
         return [f"--save_dir {save_dir}: {blocker} is a file, not a folder; choose a --save_dir under a folder"]
-    for parent in save_dir.absolute().parents:
-        if (kind := folder_kind(parent)) is not None:
-            return [
-                f"--save_dir {save_dir} is inside {kind.describe(parent)}, whose tool would delete or misread it; "
-                "give the dataset a folder of its own: choose another --save_dir, e.g. hf_datasets/NAME"
-            ]
+    if inside := enclosing_folder(save_dir):
+        return [
+            f"--save_dir {save_dir} is {inside}, whose tool would delete or misread it; "
+            "give the dataset a folder of its own: choose another --save_dir, e.g. hf_datasets/NAME"
+        ]
     return []
 
 

@@ -30,20 +30,31 @@ EXPERIMENT_ENTRIES = frozenset(
 )  # fmt: skip
 
 
+# Folders their tool owns whole (it replaces, prunes or rewrites them): no other tool's output may live inside one.
+WHOLE_FOLDER_KINDS = ("dataset", "split folders", "experiment", "token cache")
+
+
 @dataclass(frozen=True)
 class FolderKind:
     kind: str  # "dataset", "split folders", "experiment", "model" or "token cache"
     evidence: str  # the file or folder that says so
 
-    def describe(self, folder: Path) -> str:
-        what = {
+    @property
+    def what(self) -> str:
+        return {
             "dataset": "a dataset (data_hf.py or save_to_disk)",
             "split folders": "split folders of organize_data.py",
             "experiment": "a training experiment of fsdp_train.py",
             "model": "a model folder",
             "token cache": "fsdp_train.py's token cache",
         }[self.kind]
-        return f"{folder} is {what} ({self.evidence})"
+
+    def describe(self, folder: Path) -> str:
+        return f"{folder} is {self.what} ({self.evidence})"
+
+    def describe_inside(self, folder: Path) -> str:
+        """For a path under `folder`: "inside FOLDER, a dataset (...) (evidence)"."""
+        return f"inside {folder}, {self.what} ({self.evidence})"
 
 
 def _json_keys(path: Path) -> set[str]:
@@ -61,6 +72,15 @@ def folder_kind(folder: Path) -> FolderKind | None:
         return _kind_by_markers(folder)
     except OSError:  # a folder without read or search permission
         return None
+
+
+def enclosing_folder(path: Path, kinds: tuple[str, ...] | None = None) -> str | None:
+    """ "inside FOLDER, a dataset (...)" for the nearest folder above `path` that a tool of ours wrote (of one of
+    `kinds`, default any), or None: that tool would delete or misread what another tool put inside it."""
+    for parent in path.absolute().parents:
+        if (kind := folder_kind(parent)) is not None and (kinds is None or kind.kind in kinds):
+            return kind.describe_inside(parent)
+    return None
 
 
 def _kind_by_markers(folder: Path) -> FolderKind | None:

@@ -144,6 +144,12 @@ def make_inputs(root: Path) -> None:
     (base / "with_dataset").mkdir()
     (base / "with_dataset" / "notes.txt").write_text("raw text beside an old dataset\n")
     assert data_hf.main(["--data_folder", str(root / "raw"), "--save_dir", str(base / "with_dataset" / "old")]) == 0
+    kept = base / "dataset_and_notes"  # a dataset the user put their own files in, e.g. notes and a backup
+    assert data_hf.main(["--data_folder", str(root / "raw"), "--save_dir", str(kept), "--val_fraction", "0.5"]) == 0
+    (kept / "NOTES.md").write_text("precious\n")
+    (kept / "backup").mkdir()
+    (kept / "backup" / "a.txt").write_text("older rows\n")
+    (kept / "train" / "scratch.py").write_text("print('mine')\n")
     (base / "with_model").mkdir()
     (base / "with_model" / "notes.txt").write_text("raw text beside a downloaded model\n")
     os.symlink(root / "model", base / "with_model" / "model")
@@ -337,10 +343,16 @@ FOLDER_CASES = [
         "already exists; pass --overwrite",
     ),
     data_hf_case(
+        "--save_dir a dataset that holds the user's files, with --overwrite",
+        lambda r: ["--data_folder", r / "raw", "--save_dir", r / "in" / "dataset_and_notes", "--overwrite"],
+        "is a dataset that also holds NOTES.md, backup/, train/scratch.py, which --overwrite would delete with it",
+        "move them out or choose another --save_dir",
+    ),
+    data_hf_case(
         "--save_dir inside a dataset",
         lambda r: ["--data_folder", r / "raw", "--save_dir", r / "dataset" / "more"],
         "is inside",
-        "is a dataset",
+        ", a dataset (data_hf.py or save_to_disk)",
         "choose another --save_dir",
     ),
     data_hf_case(

@@ -607,6 +607,27 @@ def test_init_is_seeded_and_overwrite_is_explicit(corpus: Path, tiny_model: Path
     assert not list(tmp_path.glob(".again.init-incomplete"))
 
 
+def test_local_dir_inside_an_experiment_or_a_dataset_is_refused(corpus: Path, tiny_model: Path, tmp_path, capsys):
+    """An experiment's exported model (EXP/final) is the experiment's: --init --overwrite must not replace it with a
+    fresh model; a model put inside a dataset folder would go with the dataset at data_hf.py's next --overwrite."""
+    final = tmp_path / "outputs" / "exp" / "final"
+    shutil.copytree(tiny_model, final)
+    (final.parent / "checkpoint" / "step_00000004").mkdir(parents=True)
+    trained = (final / "model.safetensors").read_bytes()
+    argv = ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(final), "--overwrite"]
+    assert md.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"--local-dir {final} is inside {final.parent}, a training experiment of fsdp_train.py" in err, err
+    assert "give the model a folder of its own" in err and (final / "model.safetensors").read_bytes() == trained
+    for argv in (
+        ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(corpus / "model")],
+        ["--model-name", "org/model", "--local-dir", str(corpus / "train" / "model")],
+    ):
+        assert md.main(argv) == 1
+        assert ", a dataset (data_hf.py or save_to_disk)" in capsys.readouterr().err
+    assert sorted(p.name for p in corpus.iterdir()) == ["dataset_dict.json", "test", "train"]
+
+
 def test_overwrite_refuses_a_folder_that_is_not_a_model(corpus: Path, tmp_path: Path, capsys):
     target = tmp_path / "notes"
     target.mkdir()

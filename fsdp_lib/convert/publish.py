@@ -5,11 +5,13 @@ removes unfinished outputs, leaving alone the folders of runs still alive or mad
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 from pathlib import Path
 
+from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import DATASET_SUMMARY, folder_kind
 
 SUMMARY_NAME = DATASET_SUMMARY  # the run summary, saved in the dataset folder: it marks the folder as ours
@@ -29,7 +31,14 @@ def replace_problem(save_dir: Path) -> str | None:
     """Why --overwrite may not replace the folder `save_dir`, or None when it is empty or a dataset (data_hf.py's or
     save_to_disk's). An experiment, a model, split folders or an unknown folder are never replaced."""
     kind = folder_kind(save_dir)
-    if (kind is not None and kind.kind == "dataset") or not any(save_dir.iterdir()):
+    if not any(save_dir.iterdir()):
+        return None
+    if kind is not None and kind.kind == "dataset":
+        if foreign := not_dataset_files(save_dir):
+            return (
+                f"--save_dir {save_dir} is a dataset that also holds {name_sample(foreign)}, which --overwrite would "
+                "delete with it: move them out or choose another --save_dir"
+            )
         return None
     if kind is not None:
         return (
@@ -40,6 +49,30 @@ def replace_problem(save_dir: Path) -> str | None:
         f"--save_dir {save_dir} is not a dataset written by data_hf.py (no {SUMMARY_NAME}, dataset_dict.json or "
         "datasets' state.json); refusing to delete it even with --overwrite: choose another --save_dir"
     )
+
+
+# What a saved dataset holds (save_to_disk's files, a DatasetDict's split folders, data_hf.py's summary): anything
+# else in the folder is the user's.
+_DATASET_FILES = frozenset({"state.json", "dataset_info.json", "dataset_dict.json", SUMMARY_NAME})
+
+
+def not_dataset_files(folder: Path, prefix: str = "") -> list[str]:
+    """The entries of the dataset folder `folder` (and of its split folders) that are not the dataset's, as paths
+    relative to it; a folder is named with a trailing slash."""
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+    except (OSError, ValueError, AttributeError):
+        splits = []
+    foreign = []
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            if entry.name in splits:
+                foreign += not_dataset_files(entry, f"{prefix}{entry.name}/")
+            else:
+                foreign.append(f"{prefix}{entry.name}/")
+        elif entry.is_symlink() or not (entry.name in _DATASET_FILES or entry.suffix == ".arrow"):
+            foreign.append(f"{prefix}{entry.name}")
+    return foreign
 
 
 def _owner_pid(name: str, prefix: str, host: str) -> int | None:

@@ -18,7 +18,7 @@ from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import VERIFICATION_RECORD, remove_verification_record
-from fsdp_lib.markers import folder_kind
+from fsdp_lib.markers import WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind
 from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes
 
@@ -269,6 +269,11 @@ def check_download_target(local_dir: Path, repo_id: str) -> None:
     it, which would corrupt another tool's folder or mix two models' files."""
     if blocker := file_above(local_dir):
         raise ToolError(f"--local-dir {local_dir} is under {blocker}, which is a file; choose a folder path")
+    if inside := enclosing_folder(local_dir, WHOLE_FOLDER_KINDS):
+        raise ToolError(
+            f"--local-dir {local_dir} is {inside}, whose tool would delete or misread a model "
+            "in it; give the model a folder of its own, e.g. models/NAME"
+        )
     if not local_dir.exists():
         return
     if not local_dir.is_dir():
