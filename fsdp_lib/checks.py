@@ -76,6 +76,8 @@ def _chat_template_problems(path: Path) -> list[str]:
     problems = _input_file_problems("--chat-template", path, "a Jinja chat template")
     if problems:
         return problems
+    if not path.read_text(encoding="utf-8").strip():
+        return [f"--chat-template {path}: the file is empty; write the Jinja chat template in it"]
     import jinja2
 
     try:  # transformers' own environment ({% generation %}, loop controls); private, so its absence skips the check

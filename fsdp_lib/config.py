@@ -488,10 +488,10 @@ def changed_dpo_flags(cfg: TrainConfig) -> list[str]:
 
 def parse_data_slice(text: str) -> tuple[int, int | None] | None:
     """'START:END' -> (start, end or None); None when malformed."""
-    start, sep, end = text.partition(":")
-    if not sep or not all(part.strip().isdecimal() for part in (start, end) if part.strip()):
+    start, sep, end = (part.strip() for part in text.partition(":"))
+    if not sep or not all(part.isdecimal() for part in (start, end) if part):
         return None
-    return int(start or 0), (int(end) if end.strip() else None)
+    return int(start or 0), (int(end) if end else None)
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:

@@ -373,6 +373,12 @@ TRAINER_FLAG_CASES = [
         "fix it",
     ),
     flag_case(
+        "--chat-template that is empty",
+        ("--chat-template", "@trainer/empty.jinja"),
+        "--chat-template",
+        "empty.jinja: the file is empty; write the Jinja chat template in it",
+    ),
+    flag_case(
         "--sample-prompts that does not exist", ("--sample-prompts", "@nope.txt"), "--sample-prompts", "no such file"
     ),
     flag_case(
@@ -612,6 +618,7 @@ def trainer_inputs(root: Path, model: Path) -> None:
     for path in (folder / "no_tokenizer").glob("tokenizer*"):
         path.unlink()
     (folder / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
+    (folder / "empty.jinja").write_text("\n")
     (folder / "blank_prompts.txt").write_text("\n  \n\n")
     (folder / "prompts.txt").write_text("The capital of Norland is\n")
     (folder / "broken.yaml").write_text("lr: [1, 2\nseed: :\n")

@@ -325,6 +325,13 @@ MODEL_DOWNLOAD_CASES = [
         exit_code=2,
     ),
     model_download_case(
+        "--dataset a local dataset folder",
+        lambda r: ["--dataset", r / "dataset"],
+        "is a local path; --dataset takes a hub id. A dataset folder needs no download",
+        "train on it with fsdp_train.py -d",
+        exit_code=2,
+    ),
+    model_download_case(
         "no --model-name and no --init",
         lambda r: [L, r / "new_model"],
         "pass --model-name NAME (download)",

@@ -133,3 +133,26 @@ def test_prompts_tokenised_in_batches_equal_one_at_a_time_and_skips_are_counted(
     assert got.ids == [tokenizer(texts[i])["input_ids"] for i in kept]
     assert any("skipped 2 (an empty prompt; first: row 1)" in line for line in logged), logged
     assert any("skipped 1 (longer than 40 tokens" in line and "first: row 2" in line for line in logged), logged
+
+
+@pytest.mark.parametrize(
+    "columns,message",
+    [
+        ({"columns_json": ['{"answer": "2"}', "{bad"]}, "row 1 of the train split's columns_json column is '{bad'"),
+        ({"columns_json": ["[1, 2]", "{}"]}, "row 0 of the train split's columns_json column is '[1, 2]'"),
+        ({"completions": ["old", "older"]}, "have a column 'completions', the name of a reward function's own"),
+        ({"columns_json": ['{"prompts": 1}', "{}"]}, "have a column 'prompts'"),
+    ],
+)
+def test_reward_columns_that_cannot_reach_the_reward_functions_are_refused_at_load(columns, message) -> None:
+    """A columns_json that is not a JSON object, or a column named like a reward function's own argument, stops the
+    run when the prompts load (before the model), naming the row or the column; not at the first reward call."""
+    import datasets
+
+    from fsdp_lib.data.prompts import load_prompts
+    from fsdp_lib.errors import TrainError
+
+    split = datasets.Dataset.from_dict({"prompt": ["What is 1 plus 1?", "And 2 plus 2?"], **columns})
+    with pytest.raises(TrainError, match="^--dataset-name d: ") as refused:
+        load_prompts(split, None, 40, "d", "train")
+    assert message in str(refused.value), refused.value

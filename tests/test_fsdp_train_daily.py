@@ -34,6 +34,7 @@ def test_global_batch_size_sets_the_accumulation():
     cfg = TrainConfig(global_batch_size=16, batch_size=2)
     assert _batch_problems(cfg, 4) == [] and cfg.grad_accum_steps == 2
     assert parse_data_slice("5:") == (5, None) and parse_data_slice(":7") == (0, 7)
+    assert parse_data_slice(" : ") == (0, None) and parse_data_slice(" 2 : 9 ") == (2, 9)  # spaces, as typed in YAML
 
 
 def test_same_command_resumes_on_one_process_with_global_batch_size(inputs, tmp_path):

@@ -76,6 +76,32 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
 
 
 TOKENIZE_BATCH = 1024  # prompts per tokenizer call
+REWARD_ARGUMENTS = ("prompts", "completions")  # a reward function's own arguments: no column may take their names
+
+
+def check_reward_columns(split: Any, name: str, what: str) -> None:
+    """The columns the reward functions get, checked before the model loads: `columns_json` holds a JSON object on
+    every row (data_hf.py --format prompts writes one), and no column, kept or from that JSON, is named like a
+    reward function's own argument (it would reach the function twice)."""
+    names = set(split.column_names) - {PROMPT_COLUMN, COLUMNS_JSON}
+    if COLUMNS_JSON in split.column_names:
+        for row, text in enumerate(split[COLUMNS_JSON]):
+            try:
+                fields = json.loads(text or "{}")
+            except (TypeError, ValueError) as exc:
+                fields = exc
+            if not isinstance(fields, dict):
+                raise TrainError(
+                    f"--dataset-name {name}: row {row} of the {what} split's {COLUMNS_JSON} column is "
+                    f"{str(text)[:60]!r}, not a JSON object of the record's other fields (as data_hf.py --format "
+                    "prompts writes it); fix that column or convert the records again with data_hf.py"
+                )
+            names.update(fields)
+    if clash := sorted(names & set(REWARD_ARGUMENTS)):
+        raise TrainError(
+            f"--dataset-name {name}: the {what} prompts have a column {clash[0]!r}, the name of a reward function's "
+            "own argument (f(prompts, completions, **columns)); rename that column in the data"
+        )
 
 
 def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str) -> PromptSet:
@@ -86,6 +112,7 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             f"--dataset-name {name}: --objective grpo needs a 'prompt' column (columns: {split.column_names}); "
             "convert prompts with: python data_hf.py --format prompts ..."
         )
+    check_reward_columns(split, name, what)
     rendered: dict[bool, list[tuple[int, str]]] = {False: [], True: []}  # templated -> (row, text)
     skipped: dict[str, list[int]] = {}
     for row, prompt in enumerate(split[PROMPT_COLUMN]):

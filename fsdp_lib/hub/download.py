@@ -47,10 +47,17 @@ def hub_id_problem(flag: str, value: str | None, example: str, parts: tuple[int,
         shown = f" ({flag} {guess})" if guess and hub_id_problem(flag, guess, example, parts) is None else ""
         return f"{flag} {value} is a URL; pass the hub id, the part after huggingface.co/{shown}, e.g. {example}"
     if Path(value).expanduser().exists():
-        return (
-            f"{flag} {value} is a local path; {flag} takes a hub id. A model folder needs no download: train with"
-            f" fsdp_train.py -m {value} (-d for a dataset), check a model folder with --verify-only --local-dir {value}"
-        )
+        kind = folder_kind(Path(value).expanduser())
+        if kind is not None and kind.kind == "dataset":
+            use = f"A dataset folder needs no download: train on it with fsdp_train.py -d {value}"
+        elif kind is not None and kind.kind == "model":
+            use = (
+                f"A model folder needs no download: train with fsdp_train.py -m {value}, check it with"
+                f" --verify-only --local-dir {value}"
+            )
+        else:
+            use = "A local folder needs no download: a model folder trains with fsdp_train.py -m, a dataset with -d"
+        return f"{flag} {value} is a local path; {flag} takes a hub id. {use}"
     if value.startswith((".", "/", "~")):
         return f"{flag} {value} looks like a local path and does not exist; pass a hub id such as {example}"
     names = value.split("/")
