@@ -30,6 +30,20 @@ def test_bad_batch_and_slice_flags_name_the_flag(inputs, tmp_path, flags, world,
     assert any(message in p for p in validate_config(cfg, world)), validate_config(cfg, world)
 
 
+def test_too_few_blocks_for_one_batch_names_the_fix_of_its_objective():
+    """Fewer train blocks than one global batch: a shorter --seq-length adds blocks of text, not of pairs (packed
+    whole) nor of prompts (a longer one fits more of them); the batch flag named is the one the user set."""
+    from fsdp_lib.data.plan import too_few_blocks_fix
+
+    assert too_few_blocks_fix(TrainConfig(), "text") == "lower --seq-length or --batch-size or --grad-accum-steps"
+    pairs = too_few_blocks_fix(TrainConfig(global_batch_size=4, data_slice="0:2"), "dpo")
+    assert pairs.startswith("lower --global-batch-size (each pair or example is packed whole") and pairs.endswith(
+        "or a wider --data-slice than 0:2"
+    )
+    assert "raise --seq-length or lower --max-new-tokens" in too_few_blocks_fix(TrainConfig(), "grpo")
+    assert too_few_blocks_fix(TrainConfig(), "kto") == too_few_blocks_fix(TrainConfig(), "dpo")
+
+
 def test_global_batch_size_sets_the_accumulation():
     cfg = TrainConfig(global_batch_size=16, batch_size=2)
     assert _batch_problems(cfg, 4) == [] and cfg.grad_accum_steps == 2

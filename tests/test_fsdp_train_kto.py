@@ -103,6 +103,25 @@ def test_examples_unpair_pairs_and_borrow_another_prompts_completion(kto_inputs)
     assert skipped == {"the label is not true or false (nor 1/0)": 1} and list(first.values()) == [12]
 
 
+def test_skips_are_counted_in_examples_two_per_pair(kto_inputs, tmp_path):
+    """A paired dataset unpairs into two examples per pair: the skip report counts examples of examples (it said
+    240 of 120, 200%, when every example was too long for the block)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.data.cache import stream_paths
+    from fsdp_lib.data.preference import tokenize_pairs_to_file
+
+    tokenizer = AutoTokenizer.from_pretrained(kto_inputs[0])
+    encoder = ExampleEncoder(PairEncoder(ChatEncoder(tokenizer, "assistant"), 24))
+    pairs = datasets.load_from_disk(str(kto_inputs[1]))["train"].select(range(6))
+    paths = stream_paths(tmp_path / "train.tokens")
+    kept = tokenize_pairs_to_file(pairs, encoder, paths, np.dtype(np.uint16))
+    skips = json.loads(paths["skips"].read_text())
+    assert skips["conversations"] == 12 == kept + sum(skips["skipped"].values()), skips
+    assert sum(skips["skipped"].values()) > 0 and skips["unit"] == "examples"
+
+
 @pytest.mark.slow
 def test_loss_and_gradients_equal_the_formula_on_the_unsharded_model(kto_inputs, tmp_path):
     """The worker runs the trainer's first step (2 processes, its data plan, packing, stored reference shifted by

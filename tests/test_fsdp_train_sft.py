@@ -199,9 +199,17 @@ def test_skipped_conversations_warn_above_one_percent_and_stop_above_the_limit(c
     assert "skipped 10 conversation(s) of train: refused (first: row 17)" in out and "WARNING" not in out
     report_skipped(skips(30), "train", 0.05)
     assert "WARNING: 30 of 1000 conversations (3.0%) of the train split are skipped" in capsys.readouterr().out
-    with pytest.raises(TrainError, match="--max-skipped-fraction 0.05"):
+    with pytest.raises(TrainError, match="--max-skipped-fraction 0.05") as refused:
         report_skipped(skips(60), "train", 0.05)
+    assert "the most common reason (60): refused" in str(refused.value)
+    assert "raise --max-skipped-fraction to train on the rest" in str(refused.value)
     report_skipped(skips(60), "train", 0.1)
+    with pytest.raises(TrainError) as refused:  # every one skipped: raising the limit trains on nothing
+        report_skipped(skips(1000), "train", 0.5)
+    assert "1000 of 1000 conversations (100.0%)" in str(refused.value) and "none is left to train on" in str(
+        refused.value
+    )
+    assert "raise --max-skipped-fraction" not in str(refused.value)
 
 
 def test_a_run_that_would_skip_too_many_conversations_stops_naming_the_flag(tmp_path, chat_dataset, chat_models):

@@ -271,8 +271,15 @@ def report_skipped(skips: dict, split_name: str, max_fraction: float, unit: str 
         return
     summary = f"{skipped} of {total} {unit} ({fraction:.1%}) of the {split_name} split are skipped"
     if fraction > max_fraction:
+        reason = max(skips["skipped"], key=skips["skipped"].get)
+        rest = (
+            "; none is left to train on"
+            if skipped >= total
+            else ", or raise --max-skipped-fraction to train on the rest"
+        )
         raise TrainError(
-            f"{summary}, more than --max-skipped-fraction {max_fraction} (reasons above). Fix the data or the chat "
-            f"template (--chat-template), or raise --max-skipped-fraction to train on the rest."
+            f"{summary}, more than --max-skipped-fraction {max_fraction}; the most common reason "
+            f"({skips['skipped'][reason]}): {reason}. Fix what it names (the data, the chat template "
+            f"(--chat-template) or the flag){rest}."
         )
     log(f"WARNING: {summary}; they are not trained (reasons and first rows above)")

@@ -206,13 +206,13 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         plan, validation = mixture_plan(cfg, sources, global_batch, d)
         fingerprint = "|".join(source.fingerprint for source in sources)
         data_format = f"mixture[{'; '.join(s.data_format for s in sources)}]:weights-{plan.mixture.weights}"
+    unit = f"prompts (x {cfg.num_generations} completions)" if sources[0].objective == "grpo" else "blocks"
     if plan.steps_per_epoch == 0:
         raise TrainError(
-            f"--dataset-name {cfg.datasets_label}: {plan.epoch_blocks} packed blocks of {cfg.seq_length} tokens per "
-            f"epoch are fewer than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
-            f"lower --seq-length, --batch-size or --grad-accum-steps"
+            f"--dataset-name {cfg.datasets_label}: {plan.epoch_blocks} train {unit.split()[0]} per epoch are fewer "
+            f"than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
+            f"{too_few_blocks_fix(cfg, sources[0].objective)}"
         )
-    unit = f"prompts (x {cfg.num_generations} completions)" if sources[0].objective == "grpo" else "blocks"
     log(
         f"data: {plan.epoch_blocks:,} train {unit} of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
         f"({d.data_world} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
@@ -220,6 +220,20 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     )
     data_format += f":document-masking-{cfg.document_masking}"
     return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
+
+
+def too_few_blocks_fix(cfg: TrainConfig, objective: str) -> str:
+    """What gives a run with fewer train blocks (prompts) than one global batch at least one step."""
+    smaller = "--global-batch-size" if cfg.global_batch_size else "--batch-size or --grad-accum-steps"
+    wider = f", or a wider --data-slice than {cfg.data_slice}" if cfg.data_slice else ""
+    if objective == "grpo":  # a prompt is skipped when it leaves no room for --max-new-tokens
+        return (
+            "raise --seq-length or lower --max-new-tokens (a prompt longer than the difference is skipped), or lower "
+            f"{smaller}{wider}"
+        )
+    if objective in PREFERENCE_OBJECTIVES:  # a pair (KTO: an example) is packed whole
+        return f"lower {smaller} (each pair or example is packed whole: a shorter --seq-length adds none){wider}"
+    return f"lower --seq-length or {smaller}{wider}"
 
 
 def check_ids_fit(sources: list[Source], tokenizer: Any, model_dir: Path) -> None:

@@ -147,7 +147,14 @@ def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], d
                 (total + np.cumsum([len(ids) for ids, _ in sequences], dtype=np.int64)).tofile(handles["docs"])
                 total += sum(len(ids) for ids, _ in sequences)
                 pairs += len(encoded)
-    skips = {"conversations": rows, "expanded": 0, "skipped": skipped, "first_row": first_skipped, "unit": encoder.unit}
+    # each unit (a pair; for KTO an example, two per pair of a paired dataset) is kept or skipped once
+    skips = {
+        "conversations": pairs + sum(skipped.values()),
+        "expanded": 0,
+        "skipped": skipped,
+        "first_row": first_skipped,
+        "unit": encoder.unit,
+    }
     tmp["skips"] = staged(paths["skips"])
     tmp["skips"].write_text(json.dumps(skips, indent=1))
     commit_files({tmp[k]: paths[k] for k in ("skips", "docs", "mask", "tokens")}, paths["sums"])  # tokens last
