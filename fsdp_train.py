@@ -65,7 +65,7 @@ from fsdp_lib.runtime import (
     setup_distributed,
 )
 from fsdp_lib.state import TrainState
-from fsdp_lib.train.checkpoint import Checkpointer, resume_fingerprint
+from fsdp_lib.train.checkpoint import WRITE_FAILURES, Checkpointer, resume_fingerprint
 from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.train.dpo import step_flops_per_token
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (TrainError, FileNotFoundError) as exc:
         return report_error(str(exc), 1)
-    except OSError as exc:  # e.g. a read-only or full --save-dir: the OS error in words, with the path
+    except WRITE_FAILURES as exc:  # e.g. a read-only or full --save-dir: the OS error in words, with the path
         return report_error(
             f"{explain_write_error(exc, cfg.experiment_dir.parent)}; fix it and rerun the same command", 1
         )

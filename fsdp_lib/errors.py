@@ -57,21 +57,46 @@ def file_above(path: Path) -> Path | None:
     return None
 
 
-def explain_write_error(error: BaseException, folder: Path) -> str:
-    """A failed write in words: the OS error anywhere in the exception's chain as its strerror and path ("No space
-    left on device: /ckpt/x"), and, when the file system of `folder` is nearly full, that as the likely cause;
-    libraries that lose the errno (torch's zip writer says "unexpected pos 704 vs 598") are still explained."""
-    text, cause = f"{type(error).__name__}: {error}", error
+def underlying_errors(error: BaseException) -> list[BaseException]:
+    """The errors the ranks hit, from torch.distributed.checkpoint's CheckpointException (its `failures`, in rank
+    order; its str() is every rank's traceback, not a message), else the error itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        found = [pair[0] for _, pair in sorted(failures.items()) if pair and isinstance(pair[0], BaseException)]
+        if found:
+            return found
+    return [error]
+
+
+def describe_error(error: BaseException) -> str:
+    """An exception as "Type: message", one per distinct error the ranks hit (see underlying_errors)."""
+    return "; ".join(dict.fromkeys(f"{type(e).__name__}: {e}" for e in underlying_errors(error)))
+
+
+def _os_error_in_chain(error: BaseException) -> OSError | None:
+    """The first OSError with an errno in the exception's chain (causes and contexts)."""
+    cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, OSError) and cause.errno:
-            text = f"{os.strerror(cause.errno)}: {cause.filename or folder} ({type(error).__name__}: {error})"
-            break
+            return cause
         cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def explain_write_error(error: BaseException, folder: Path) -> str:
+    """A failed write in words: the OS error anywhere in the exception's chain (or in a rank's error that a
+    checkpoint exception gathered) as its strerror and path ("No space left on device: /ckpt/x"); a library that
+    lost the errno (torch's zip writer says "unexpected pos 704 vs 598") is explained by the free space of `folder`'s
+    file system when it is nearly full."""
+    for root in underlying_errors(error):
+        if (os_error := _os_error_in_chain(root)) is not None:
+            return f"{os.strerror(os_error.errno)}: {os_error.filename or folder} ({type(root).__name__}: {root})"
+    text = describe_error(error)
     try:
         usage = shutil.disk_usage(folder)
     except OSError:
         return text
-    if usage.free < max(LOW_DISK_BYTES, LOW_DISK_FRACTION * usage.total) and "No space left" not in text:
+    if usage.free < max(LOW_DISK_BYTES, LOW_DISK_FRACTION * usage.total):
         text += (
             f"; only {usage.free / 2**20:,.0f} MiB are free on the file system of {folder}: no space left on device?"
         )

@@ -660,6 +660,18 @@ def test_a_full_disk_is_named_even_when_the_library_lost_the_errno(tmp_path: Pat
     assert explain_write_error(wrapped, tmp_path) == (
         f"Read-only file system: {tmp_path / 'x.distcp'} (RuntimeError: write failed)"
     )
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 2**30, 100 * 2**30 - 2**20, 2**20))
+    assert "no space left on device?" not in explain_write_error(wrapped, tmp_path)  # the errno says what it was
+    # torch.distributed.checkpoint gathers each rank's error into one exception whose str() is every traceback
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise OSError(28, "No space left on device", str(tmp_path / "__1_0.distcp"))
+    except OSError as exc:
+        full = CheckpointException("write failed", {1: _wrap_exception(exc)})
+    said = explain_write_error(full, tmp_path)
+    assert said.startswith(f"No space left on device: {tmp_path / '__1_0.distcp'} (OSError: [Errno 28]"), said
+    assert "Traceback" not in said
 
 
 @pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -228,6 +228,15 @@ def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, four_
     assert "cannot be loaded into this one, even with --force-resume. The checkpoint is intact" in said
     assert "fsdp_lib" not in said, "a traceback of our code"  # (torchrun prints its own)
     assert checkpoints(tmp_path) == ["step_00000004"]
+    # adapters forced onto a full-weights checkpoint: DCP finds no adapter tensors; the checkpoint is intact (it
+    # advised moving the healthy checkpoint aside, and quoted DCP's per-rank traceback)
+    forced_peft = run_trainer([*args, "--max-steps", "6", "--peft", "lora", "--force-resume"], nproc=1)
+    said = output_of(forced_peft)
+    assert forced_peft.returncode == 1 and "was saved with other settings (" in said
+    assert "peft: checkpoint 'none' vs now {'mode': 'lora', 'rank': 16," in said
+    assert "even with --force-resume (RuntimeError: Missing key in checkpoint state_dict: " in said, said
+    assert "The checkpoint is intact" in said and "Move that folder aside" not in said and "Traceback" not in said
+    assert checkpoints(tmp_path) == ["step_00000004"]
     # forced, the pinned change is named; what may change (length of the run, logging, checkpoint frequency) is not
     forced = run_trainer([*changed, "--force-resume", "--log-freq", "2", "--ckpt-freq", "3"])
     said = output_of(forced)
@@ -244,7 +253,7 @@ def test_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(inputs,
     out = output_of(proc)
     assert proc.returncode != 0
     assert "writing checkpoint .tmp_step_00000008 failed" in out and "(step_00000004) is intact" in out
-    assert "No space left on device" in out
+    assert "No space left on device" in out and "(RANK " not in out, "DCP's per-rank traceback in the message"
     assert checkpoints(tmp_path) == ["step_00000004"]
     rerun = run_trainer(flags(inputs, tmp_path))
     assert rerun.returncode == 0 and losses_by_step(tmp_path / "run")[STEPS] == reference[STEPS]
@@ -312,6 +321,11 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_step
     import shutil
 
     shutil.rmtree(tmp_path / "run" / "final")
+    # a full disk inside DCP's Hugging Face writer on rank 1: one message (it was DCP's per-rank traceback), no final
+    full = run_trainer([*args, "--export-only"], env={"FSDP_TRAIN_FAULT": "export_write@1"})
+    said = output_of(full)
+    assert full.returncode != 0 and "No space left on device" in said and "fix it and rerun the same command" in said
+    assert "(RANK 1)" not in said and not (tmp_path / "run" / "final").exists(), said
     proc = run_trainer([*args, "--export-only"])
     assert proc.returncode == 0, output_of(proc)
     assert (tmp_path / "run" / "final" / "model.safetensors.index.json").is_file()

@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.faults import fault_point
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.float8 import high_precision
 from fsdp_lib.model.hf_files import hf_weight_files, read_safetensors_header
@@ -193,7 +195,6 @@ def load_pretrained_sharded(
     expert's gate and up projection of one layer), lets transformers' ops build the full target, and
     keeps its slice, so the extra memory is about twice one layer's fused tensor.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -249,8 +250,6 @@ def hf_reader(model_dir: Path, threads: int) -> Any:
     """DCP's Hugging Face reader over model_dir, reading `threads` files at once (its thread_count; a torch whose
     reader has none reads one file at a time)."""
     import inspect
-
-    import torch.distributed.checkpoint as dcp
 
     if "thread_count" in inspect.signature(dcp.HuggingFaceStorageReader).parameters:
         return dcp.HuggingFaceStorageReader(str(model_dir), thread_count=threads)
@@ -354,7 +353,6 @@ def export_hf_model(
     source_dir (the model folder trained from) is copied. `state`: the sharded tensors by the model's names
     (default: the model's state dict; adapters.merged_state_dict for a merged LoRA export).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     tied = _tied_parameter_names(model)
@@ -373,9 +371,7 @@ def export_hf_model(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=d.cpu_group)
-    writer = dcp.HuggingFaceStorageWriter(
-        str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
-    )
+    writer = _ExportWriter(d, str(tmp), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True)
     dcp.save(state, storage_writer=writer, process_group=d.cpu_group)
     _write_converted(model, converted_by_layer, tmp, max_bytes, d)
     if d.is_main:
@@ -389,6 +385,18 @@ def export_hf_model(
         replace_folder(tmp, out_dir)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
     dist.barrier(group=d.cpu_group)
+
+
+class _ExportWriter(dcp.HuggingFaceStorageWriter):
+    """DCP's Hugging Face writer with the fault-injection point inside its write phase ("export_write")."""
+
+    def __init__(self, d: Dist, path: str, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self._dist = d
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fault_point("export_write", self._dist)
+        return super().write_data(plan, planner)
 
 
 def replace_folder(tmp: Path, out_dir: Path) -> None:

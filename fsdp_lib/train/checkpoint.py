@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
-from fsdp_lib.errors import CheckpointError, explain_write_error
+from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, STEP_DIR
@@ -139,6 +139,9 @@ def step_dirs(root: Path) -> list[Path]:
 
 # DCP's CheckpointException derives from BaseException, not Exception.
 CHECKPOINT_FAILURES = (Exception, dcp.api.CheckpointException)
+# What a failed write raises: an OSError, or DCP's CheckpointException gathering the ranks' (e.g. a full disk while
+# exporting final/ through DCP's Hugging Face writer)
+WRITE_FAILURES = (OSError, dcp.api.CheckpointException)
 
 
 def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
@@ -277,14 +280,22 @@ class Checkpointer:
                     model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.load_options
                 )
         except CHECKPOINT_FAILURES as exc:
-            if "model" in self.changed_settings(payload, model.config):  # --force-resume across architectures
+            changed = self.changed_settings(payload, model.config)
+            if "model" in changed:  # --force-resume across architectures
                 raise CheckpointError(
                     f"checkpoint {path} holds another model ({self._difference('model', payload)}); its weights "
                     "cannot be loaded into this one, even with --force-resume. The checkpoint is intact: rerun with "
                     "its --model-name, or use a new --experiment-name to start this model from scratch."
                 ) from exc
+            if changed:  # --force-resume across settings that change what is saved (--peft, --lora-rank, ...)
+                details = "; ".join(self._difference(k, payload) for k in changed)
+                raise CheckpointError(
+                    f"checkpoint {path} was saved with other settings ({details}), and its state does not fit this "
+                    f"run even with --force-resume ({describe_error(exc)}). The checkpoint is intact, as are the "
+                    "earlier ones: rerun with its settings, or use a new --experiment-name for these."
+                ) from exc
             raise CheckpointError(
-                f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}). "
+                f"checkpoint {path} could not be loaded ({describe_error(exc)}). "
                 f"Move that folder aside to resume from the previous checkpoint."
             ) from exc
         rng_file = path / f"rng_rank{self.d.rank:05d}.pt"
