@@ -24,6 +24,16 @@ one concern per module (docs/layout.md).
 
 from __future__ import annotations
 
+from fsdp_lib.interrupts import (  # isort: skip  (no torch)
+    exit_without_teardown,
+    interrupt_exit_code,
+    loading_done,
+    stop_while_loading,
+)
+
+if __name__ == "__main__":  # Ctrl-C in the seconds torch and transformers take to load: one line, not a traceback
+    stop_while_loading("fsdp_train.py")
+
 import contextlib
 import dataclasses
 import math
@@ -42,7 +52,6 @@ from fsdp_lib.data.mixture import MixedBlocks
 from fsdp_lib.data.plan import Prefetcher, TrainData, build_data, describe_datasets, evaluation_shares, total_steps
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError, explain_write_error
 from fsdp_lib.faults import install_step_hooks
-from fsdp_lib.interrupts import exit_without_teardown
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
@@ -291,6 +300,7 @@ def run(cfg: TrainConfig) -> int:
         for path in (metrics.path, metrics.path.with_name(SAMPLES_FILE)):  # from scratch: no line, not even step 0
             trim_metrics_file(path, state.step if state.step else -1)
     try:
+        stop.training = True  # from here a signal stops at the next step boundary, after a checkpoint
         finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop, objective, prompts)
     finally:
         metrics.close()
@@ -437,6 +447,7 @@ def train_loop(
 
 
 def main(argv: list[str] | None = None) -> int:
+    loading_done()
     die_with_launcher()
     try:
         cfg = load_config(argv)
@@ -466,10 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         if ENV_RANK == 0:  # before any process group, so a refused launch touches nothing
             lock.acquire()
         return run(cfg)
-    except KeyboardInterrupt:  # Ctrl-C before training, or a second one (StopRequest lets it through): stop now
+    except KeyboardInterrupt as interrupt:  # a signal before training, or a second Ctrl-C (StopRequest): stop now
         at_once = True
-        log("stopped at once by Ctrl-C, without saving; rerun the same command to resume from the newest checkpoint")
-        return 130
+        by = "SIGTERM" if interrupt.args == ("SIGTERM",) else "Ctrl-C"
+        log(f"stopped at once by {by}, without saving; rerun the same command to resume from the newest checkpoint")
+        return interrupt_exit_code(interrupt)
     except (TrainError, FileNotFoundError) as exc:
         return report_error(str(exc), 1)
     except WRITE_FAILURES as exc:  # e.g. a read-only or full --save-dir: the OS error in words, with the path

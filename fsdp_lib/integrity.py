@@ -7,11 +7,14 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import socket
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from fsdp_lib.processes import process_alive
 
 
 def file_checksum(path: Path) -> dict:
@@ -57,14 +60,31 @@ def staged_writes(final: dict[str, Path]) -> Iterator[tuple[dict[str, BinaryIO],
     fsynced when the block ends without an error, closed either way. Publish them with commit_files."""
     tmp = {k: staged(path) for k, path in final.items()}
     handles = {k: open(tmp[k], "wb") for k in final}
+    written = False
     try:
         yield handles, tmp
         for fh in handles.values():
             fh.flush()
             os.fsync(fh.fileno())
+        written = True
     finally:
         for fh in handles.values():
             fh.close()
+        if not written:  # an error or Ctrl-C: the partial files are of no use to anyone (and as large as the data)
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
+
+
+def remove_stale_staged(folder: Path) -> list[str]:
+    """Delete the files in `folder` written under staged names by processes of this host that no longer run (a
+    tokenisation killed with -9: partial streams as large as the corpus). Returns their names."""
+    pattern = re.compile(rf".+\.tmp(\d+)\.{re.escape(socket.gethostname())}")
+    removed = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if (match := pattern.fullmatch(path.name)) and not process_alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 def commit_files(files: dict[Path, Path], sums_path: Path) -> None:

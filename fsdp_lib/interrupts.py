@@ -31,6 +31,29 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+_BEFORE_LOADING: list = []  # SIGINT's handler before stop_while_loading replaced it
+
+
+def stop_while_loading(tool: str) -> None:
+    """Until loading_done(): Ctrl-C ends the process at once with one line and exit 130. Installed before a tool
+    imports torch and transformers (seconds), where a KeyboardInterrupt would print their import traceback; a
+    process started with SIGINT ignored (a background job) keeps ignoring it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        os.write(2, f"{tool}: stopped by Ctrl-C while loading its libraries; nothing was written\n".encode())
+        os._exit(EXIT_CTRL_C)
+
+    _BEFORE_LOADING.append(signal.signal(signal.SIGINT, stop))
+
+
+def loading_done() -> None:
+    """Give Ctrl-C back to the handler it had before stop_while_loading (Python's KeyboardInterrupt)."""
+    if _BEFORE_LOADING:
+        signal.signal(signal.SIGINT, _BEFORE_LOADING.pop())
+
+
 def interrupt_exit_code(interrupt: KeyboardInterrupt) -> int:
     """143 for SIGTERM (sigterm_as_interrupt), 130 for Ctrl-C."""
     return EXIT_SIGTERM if interrupt.args == ("SIGTERM",) else EXIT_CTRL_C

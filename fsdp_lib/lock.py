@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fsdp_lib.errors import ExperimentLockedError
 from fsdp_lib.markers import EXPERIMENT_LOCK
+from fsdp_lib.processes import process_alive, process_start_ticks
 from fsdp_lib.runtime import log
 
 LOCK_FILE = EXPERIMENT_LOCK
@@ -24,29 +25,6 @@ LOCK_REFRESH_S = 30.0  # the holder touches its lock file this often...
 
 
 LOCK_STALE_S = 600.0  # ...so a lock from another host that nobody touched for this long belongs to a dead run
-
-
-def _process_start_ticks(pid: int) -> str | None:
-    """When a process started (field 22 of /proc/PID/stat); None if it is gone or a zombie. A pid reused by
-    an unrelated process has another start time."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _process_alive(pid: int, start_ticks: str | None) -> bool:
-    if Path("/proc/self/stat").is_file():
-        ticks = _process_start_ticks(pid)
-        return ticks is not None and (start_ticks is None or ticks == start_ticks)
-    try:  # no procfs (macOS): existence only
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class ExperimentLock:
@@ -71,7 +49,7 @@ class ExperimentLock:
 
     def _alive(self, holder: dict) -> bool:
         if holder.get("host") == socket.gethostname():
-            return _process_alive(holder["pid"], holder.get("process_start"))
+            return process_alive(holder["pid"], holder.get("process_start"))
         with contextlib.suppress(OSError):
             return time.time() - self.path.stat().st_mtime < LOCK_STALE_S
         return False
@@ -94,7 +72,7 @@ class ExperimentLock:
         self.record = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "process_start": _process_start_ticks(os.getpid()),
+            "process_start": process_start_ticks(os.getpid()),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv),
         }

@@ -275,16 +275,20 @@ def _watch_launcher(launcher: int) -> None:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step boundary, save and exit 0."""
+    """Once training has started (`training`), SIGTERM/SIGINT only set a flag; the ranks agree on it at the next step
+    boundary, save and exit 0. Before (tokenising, loading, a DPO reference pass: minutes, with no step to save
+    at), either stops at once, as a KeyboardInterrupt("SIGINT"/"SIGTERM"): the newest checkpoint is already on disk,
+    and a preemption's SIGTERM would otherwise meet its SIGKILL while the run went on."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.training = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C means now
+        if not self.training or (self.requested and signum == signal.SIGINT):  # a second Ctrl-C means now
+            raise KeyboardInterrupt(signal.Signals(signum).name)
         self.requested = True
         log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
 

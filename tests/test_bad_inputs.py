@@ -887,3 +887,28 @@ def test_an_experiment_folder_s_own_temporaries_and_launch_logs_are_not_the_user
     assert "names checkpoint checkpoint/step_00000004 (step 4)" in lost_checkpoint(folder)
     (folder / "checkpoint" / "step_00000004").mkdir()
     assert lost_checkpoint(folder) is None
+
+
+def test_ctrl_c_while_the_trainer_loads_its_libraries_is_one_line(
+    inputs, tmp_path: Path, python_exe: str, repo_root: Path
+) -> None:
+    """The trainer spends seconds importing torch and transformers before main(); Ctrl-C there printed their import
+    traceback (35-43 lines). Now: one line, exit 130, nothing written."""
+    import subprocess
+    import time
+
+    argv = ["-e", "run", "-d", inputs[0], "-m", inputs[1], "--save-dir", tmp_path / "outputs"]
+    proc = subprocess.Popen(
+        [python_exe, repo_root / "fsdp_train.py", *argv],
+        cwd=repo_root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip  (a terminal's Ctrl-C, also when the suite runs as a background job, which ignores SIGINT)
+    time.sleep(1.0)  # the interpreter is up and torch (~2 s here) is loading
+    proc.send_signal(signal.SIGINT)
+    said, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, said
+    assert said == "fsdp_train.py: stopped by Ctrl-C while loading its libraries; nothing was written\n", said
+    assert not (tmp_path / "outputs").exists()

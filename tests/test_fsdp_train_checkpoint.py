@@ -193,7 +193,7 @@ def test_resume_at_another_world_size_with_the_same_global_batch(
 
 
 def test_keep_last_prunes_old_checkpoints(inputs, tmp_path):
-    proc = run_trainer(flags(inputs, tmp_path, "run", "--ckpt-freq", "2", "--keep-last", "2"))
+    proc = run_trainer(flags(inputs, tmp_path, "run", "--ckpt-freq", "2", "--keep-last", "2"), nproc=1)
     assert proc.returncode == 0, output_of(proc)
     assert checkpoints(tmp_path) == ["step_00000008", "step_00000010"]
     state = json.loads((tmp_path / "run" / "state.json").read_text())

@@ -69,7 +69,7 @@ def test_same_command_resumes_on_one_process_with_global_batch_size(inputs, tmp_
 def test_data_slice_and_export_dtype(inputs, tmp_path):
     args = trainer_args("sl", *inputs, tmp_path) + ["--data-slice", "0:40", "--max-steps", "1000"]
     args += ["--export-dtype", "fp32", "--eval-at-start", "off"]
-    result = run_trainer(args)
+    result = run_trainer(args, nproc=1)  # the rows and the exported dtype, not the processes
     out = output_of(result)
     assert result.returncode == 0, out
     assert "--data-slice 0:40: training on rows 0..39 of 144" in out
@@ -78,5 +78,5 @@ def test_data_slice_and_export_dtype(inputs, tmp_path):
     assert not [r for r in _records(tmp_path / "sl") if r["step"] == 0]
     config = json.loads((tmp_path / "sl" / "final" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "float32"  # the model itself ships in bf16
-    empty = run_trainer(trainer_args("sl2", *inputs, tmp_path) + ["--data-slice", "500:", "--max-steps", "1"])
+    empty = run_trainer(trainer_args("sl2", *inputs, tmp_path) + ["--data-slice", "500:", "--max-steps", "1"], nproc=1)
     assert empty.returncode != 0 and "selects none" in output_of(empty)

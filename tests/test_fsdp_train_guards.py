@@ -216,3 +216,49 @@ def test_missing_transformers_internals_name_the_installed_and_the_tested_versio
         core_model_loading()
     assert f"transformers {transformers.__version__} lacks" in str(refused.value)
     assert "install transformers>=5.17,<6" in str(refused.value)
+
+
+def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_boundary():
+    """Tokenising, loading and a DPO reference pass take minutes with no step to save at: SIGINT or a preemption's
+    SIGTERM there stops the run at once (it only logged "will checkpoint at the end of this step" and went on, so a
+    SIGTERM met its SIGKILL). Once training, the first signal asks for a checkpoint; a second Ctrl-C is now."""
+    from fsdp_lib.runtime import StopRequest
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with pytest.raises(KeyboardInterrupt) as interrupt:
+                stop._handle(sig, None)
+            assert interrupt.value.args == (sig.name,) and not stop.requested
+        stop.training = True
+        stop._handle(signal.SIGTERM, None)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_partial_token_files_are_removed_on_an_error_and_after_a_kill(tmp_path):
+    """A tokenisation stopped by an error or Ctrl-C deletes its staged files; one killed with -9 leaves them, and
+    the next tokenisation deletes those of dead processes of this host (not a live writer's, not another host's)."""
+    import subprocess
+
+    from fsdp_lib.integrity import remove_stale_staged, staged_writes
+
+    final = {"tokens": tmp_path / "train.tokens", "docs": tmp_path / "train.docs"}
+    with pytest.raises(KeyboardInterrupt), staged_writes(final) as (handles, tmp):
+        handles["tokens"].write(b"partial")
+        raise KeyboardInterrupt
+    assert not list(tmp_path.iterdir())
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs
+    dead.wait()
+    host = socket.gethostname()
+    left = [tmp_path / f"train.tokens.tmp{dead.pid}.{host}", tmp_path / f"train.docs.tmp{dead.pid}.{host}"]
+    kept = [tmp_path / f"train.tokens.tmp{os.getpid()}.{host}", tmp_path / f"train.tokens.tmp{dead.pid}.other-host"]
+    for path in left + kept:
+        path.write_bytes(b"x")
+    assert remove_stale_staged(tmp_path) == sorted(p.name for p in left)
+    assert sorted(tmp_path.iterdir()) == sorted(kept)

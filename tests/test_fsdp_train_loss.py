@@ -214,11 +214,13 @@ def small_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return make_dataset(root / "corpus"), make_model(root / "model", with_weights=True)
 
 
-def _losses(inputs, save: Path, exp: str, *extra: str, env: dict[str, str] | None = None) -> dict[int, float]:
+def _losses(
+    inputs, save: Path, exp: str, *extra: str, env: dict[str, str] | None = None, nproc: int = 2
+) -> dict[int, float]:
     from tests.fsdp_helpers import losses_by_step
 
     args = trainer_args(exp, *inputs, save) + ["-b", "2", "--max-steps", "4", *extra]
-    result = run_trainer(args, env=env)
+    result = run_trainer(args, nproc=nproc, env=env)
     assert result.returncode == 0, output_of(result)
     if env and "TORCH_LOGS" in env:  # what torch.compile logged: the caller's to read
         (save / exp / "compile.log").write_text(output_of(result))
@@ -264,8 +266,8 @@ def _prompts(folder: Path) -> Path:
 def test_eager_attention_trains_like_sdpa(small_inputs, tmp_path):
     """The kernels --attn-implementation offers that train on CPU (flex_attention has no CPU backward in torch
     2.13; flash_attention_2 needs CUDA), with document masking on: same losses."""
-    sdpa = _losses(small_inputs, tmp_path, "sdpa", "--attn-implementation", "sdpa")
-    eager = _losses(small_inputs, tmp_path, "eager_attn", "--attn-implementation", "eager")
+    sdpa = _losses(small_inputs, tmp_path, "sdpa", "--attn-implementation", "sdpa", nproc=1)  # the kernel, not FSDP
+    eager = _losses(small_inputs, tmp_path, "eager_attn", "--attn-implementation", "eager", nproc=1)
     for step in sdpa:
         assert eager[step] == pytest.approx(sdpa[step], rel=1e-5)
 

@@ -173,11 +173,11 @@ def test_trainer_runs_offline_on_a_cached_hub_dataset(hf_home: Path, tmp_path: P
         "HF_ENDPOINT": "http://0.0.0.0:9",
     }
     flags = train_flags(tmp_path / "out", model, "org/bodies", "--text-column", "body", "--ckpt-freq", "3")
-    proc = run_trainer(flags, env=env)
+    proc = run_trainer(flags, nproc=1, env=env)  # the offline cache and its fingerprint: one process
     assert proc.returncode == 0, output_of(proc)
     assert sorted(losses_by_step(tmp_path / "out" / "run")) == [1, 2, 3]
     # the same hub dataset has the same fingerprint in a new run: the checkpoint resumes
-    resumed = run_trainer([*flags, "--max-steps", "5"], env=env)
+    resumed = run_trainer([*flags, "--max-steps", "5"], nproc=1, env=env)
     assert resumed.returncode == 0, output_of(resumed)
     assert "at step 3" in output_of(resumed)
     assert sorted(losses_by_step(tmp_path / "out" / "run")) == [1, 2, 3, 4, 5]

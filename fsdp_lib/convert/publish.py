@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import DATASET_SUMMARY, folder_kind
+from fsdp_lib.processes import process_alive
 
 SUMMARY_NAME = DATASET_SUMMARY  # the run summary, saved in the dataset folder: it marks the folder as ours
 # The temporary folders beside --save_dir: .NAME<tag><host>-<pid>-<random>, so a later run can tell whose they are.
@@ -83,16 +84,6 @@ def _owner_pid(name: str, prefix: str, host: str) -> int | None:
     return int(parts[1])
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def clean_stale_temporaries(save_dir: Path) -> list[str]:
     """Deal with the folders a killed run left beside `save_dir`: a dataset that an interrupted --overwrite had
     moved aside is moved back if `save_dir` is missing, and unfinished outputs are deleted. Folders of runs
@@ -104,7 +95,7 @@ def clean_stale_temporaries(save_dir: Path) -> list[str]:
         prefix = f".{save_dir.name}{tag}"
         for name in sorted(n for n in os.listdir(parent) if n.startswith(prefix)):
             pid = _owner_pid(name, prefix, host)
-            if pid is None or _is_running(pid):
+            if pid is None or process_alive(pid):
                 continue
             stale = parent / name
             if tag == OLD_TAG and not (save_dir.exists() or save_dir.is_symlink()):

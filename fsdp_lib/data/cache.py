@@ -19,8 +19,8 @@ from fsdp_lib.data.batch import Batch, stack_blocks
 from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, tokenize_pairs_to_file
 from fsdp_lib.data.unpaired import ExampleEncoder
-from fsdp_lib.errors import TrainError
-from fsdp_lib.integrity import commit_files, recorded_problems, staged, staged_writes
+from fsdp_lib.errors import TrainError, name_sample
+from fsdp_lib.integrity import commit_files, recorded_problems, remove_stale_staged, staged, staged_writes
 from fsdp_lib.markers import TOKEN_CACHE
 from fsdp_lib.runtime import Dist, log
 
@@ -190,6 +190,8 @@ def load_token_stream(
     if d.local_rank == 0 and not paths["tokens"].exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         failed_path.unlink(missing_ok=True)
+        if stale := remove_stale_staged(cache_dir):
+            log(f"removed {len(stale)} partial file(s) a killed tokenisation left in {cache_dir}: {name_sample(stale)}")
         log(f"tokenising {split_name} split ({len(split)} rows) into {paths['tokens']}")
         start = time.perf_counter()
         try:

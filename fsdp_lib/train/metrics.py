@@ -389,17 +389,15 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
     if not metrics_path.is_file():
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # not pyplot: no global figure state, GUI backend lookup or its import
 
         rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
         train = [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         if not train and not val:
             return
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
         if train:
             ax.plot([t[0] for t in train], [t[1] for t in train], label="train loss (global batch)")
         if val:
@@ -417,7 +415,6 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
         ax.legend(loc="upper right")
         fig.tight_layout()
         fig.savefig(out_png.with_name(out_png.name + ".tmp.png"), dpi=120)
-        plt.close(fig)
         os.replace(out_png.with_name(out_png.name + ".tmp.png"), out_png)
     except Exception as exc:  # noqa: BLE001 - a plot is a convenience; the run's results are in metrics.jsonl
         log(f"could not write {out_png} ({type(exc).__name__}: {exc}); the figures are in {metrics_path}")
