@@ -378,7 +378,10 @@ def train_loop(
         precompute_float8_scales(bundle.model)
     sync_last_only = cfg.accum_grad_sync == "last" and cfg.grad_accum_steps > 1
     if state.step >= last_step:
-        log(f"training already reached step {last_step}; nothing to train (raise --max-steps or --num-epochs to go on)")
+        log(
+            f"the checkpoint is at step {state.step}, at or past the last step {last_step}; nothing to train (raise "
+            "--max-steps or --num-epochs to go on)"
+        )
     else:
         log(f"training steps {state.step + 1}..{last_step} ({plan.steps_per_epoch} per epoch)")
         if cfg.max_steps > last_step:  # the data runs out first: said, so a run does not stop short unexplained

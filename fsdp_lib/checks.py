@@ -298,7 +298,8 @@ def _peft_problems(cfg: TrainConfig) -> list[str]:
     """The adapter flags that can be checked without the model (the targets and --adapter: adapters.py)."""
     if cfg.peft == "none":
         changed = changed_flags(cfg, LORA_FLAGS)
-        return [f"{', '.join(changed)} need --peft lora or qlora (got --peft none)"] if changed else []
+        verb = "needs" if len(changed) == 1 else "need"
+        return [f"{', '.join(changed)} {verb} --peft lora or qlora (got --peft none)"] if changed else []
     problems = []
     if cfg.lora_rank < 1:
         problems.append(f"--lora-rank must be at least 1 (got {cfg.lora_rank}); 8-64 is usual")

@@ -421,7 +421,10 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
             pass  # refused below, naming the key
     expected = {"int": int, "float": (int, float), "bool": bool, "str": (str, int, float)}[str(f.type)]
     if not isinstance(value, expected) or (str(f.type) == "int" and isinstance(value, bool)):
-        errors.append(f"{source}: key '{name}' has value {value!r}; expected {str(f.type)}")
+        hint = ""
+        if str(f.type) == "str" and isinstance(value, list):  # a comma-separated flag written as a YAML list
+            hint = f', e.g. {name.replace("_", "-")}: "{",".join(str(item) for item in value)}"'
+        errors.append(f"{source}: key '{name}' has value {value!r}; expected {str(f.type)}{hint}")
         return f.default
     if str(f.type) == "float":
         return float(value)

@@ -286,15 +286,15 @@ TRAINER_FLAG_CASES = [
     flag_case("--lora-rank 0", ("--peft", "lora", "--lora-rank", "0"), "--lora-rank must be at least 1", "8-64"),
     flag_case("--lora-alpha negative", ("--peft", "lora", "--lora-alpha", "-8"), "--lora-alpha must be a positive"),
     flag_case("--lora-dropout 1.5", ("--peft", "lora", "--lora-dropout", "1.5"), "--lora-dropout must be in [0, 1)"),
-    flag_case("--lora-rank without --peft", ("--lora-rank", "8"), "--lora-rank need --peft lora or qlora"),
+    flag_case("--lora-rank without --peft", ("--lora-rank", "8"), "--lora-rank needs --peft lora or qlora"),
     flag_case(
         "--adapter that is not an adapter",
         ("--peft", "lora", "--adapter", "@raw"),
         "--adapter",
         "not a PEFT adapter folder (no adapter_config.json)",
     ),
-    flag_case("--adapter without --peft", ("--adapter", "@raw"), "--adapter need --peft lora or qlora"),
-    flag_case("--export-merged without --peft", ("--export-merged", "on"), "--export-merged need --peft lora"),
+    flag_case("--adapter without --peft", ("--adapter", "@raw"), "--adapter needs --peft lora or qlora"),
+    flag_case("--export-merged without --peft", ("--export-merged", "on"), "--export-merged needs --peft lora"),
     flag_case("--dpo-beta negative", ("--objective", "dpo", "--dpo-beta", "-1"), "--dpo-beta must be a positive"),
     flag_case(
         "--dpo-label-smoothing 0.7", ("--dpo-label-smoothing", "0.7"), "--dpo-label-smoothing must be in [0, 0.5)"
@@ -595,6 +595,11 @@ CONFIG_CASES = [
         "key 'lr' has value 'fast'; expected float",
     ),
     flag_case(
+        "--config with a comma-separated flag written as a list",
+        ("--config", "@trainer/list_value.yaml"),
+        "key 'data_weights' has value [0.7, 0.3]; expected str, e.g. data-weights: \"0.7,0.3\"",
+    ),
+    flag_case(
         "--config with a choice that does not exist",
         ("--config", "@trainer/bad_choice.yaml"),
         "--precision 'fp8' is not one of",
@@ -625,6 +630,7 @@ def trainer_inputs(root: Path, model: Path) -> None:
     (folder / "list.yaml").write_text("- lr\n- 1e-4\n")
     (folder / "unknown_key.yaml").write_text("learning_rate: 1e-4\n")
     (folder / "wrong_type.yaml").write_text("lr: fast\n")
+    (folder / "list_value.yaml").write_text("data-weights: [0.7, 0.3]\n")
     (folder / "bad_choice.yaml").write_text("precision: fp8\n")
 
 

@@ -202,6 +202,8 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
     exits.write_text("import sys\nsys.exit(3)\n")  # was a silent exit 3 of the whole run
     (problem,) = reward_problems([f"{exits}:f"], "", ".*")
     assert f"importing {exits} failed (SystemExit: 3)" in problem
+    (problem,) = reward_problems(["accuracy", "format", "accuracy"], "", ".*")
+    assert problem.startswith("--reward accuracy is given 2 times; give each function once and weigh it with")
 
     def reward(spec: str, body: str):
         path = tmp_path / f"{spec}.py"
@@ -212,6 +214,7 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
         "raises": ("def f(prompts, completions, **kw):\n    raise ValueError('bad answer column')\n", "raised ValueError: bad answer column"),
         "short": ("def f(prompts, completions, **kw):\n    return [1.0]\n", "returned 1 value(s) for 2 completions"),
         "word": ("def f(prompts, completions, **kw):\n    return ['a', 1]\n", "returned 'a' for completion 0"),
+        "digits": ("def f(prompts, completions, **kw):\n    return [1, '1']\n", "returned '1' for completion 1"),
         "scalar": ("def f(prompts, completions, **kw):\n    return 1.0\n", "returned float, not a list"),
         "nan": ("def f(prompts, completions, **kw):\n    return [float('nan'), 1]\n", "rewards must be finite"),
         "quits": ("import sys\ndef f(prompts, completions, **kw):\n    sys.exit('no')\n", "raised SystemExit: no"),

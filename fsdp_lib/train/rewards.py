@@ -186,6 +186,11 @@ def reward_problems(specs: list[str], weights_text: str, pattern: str) -> list[s
     weights = parse_weights(weights_text, len(specs))
     if isinstance(weights, str):
         problems.append(weights)
+    for spec in sorted({spec for spec in specs if specs.count(spec) > 1}):  # it would count twice, one metric
+        problems.append(
+            f"--reward {spec} is given {specs.count(spec)} times; give each function once and weigh it with "
+            "--reward-weights"
+        )
     for spec in specs:
         try:
             load_reward(spec, 1.0, pattern)
@@ -222,6 +227,8 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, col
             if value is None:
                 continue
             try:
+                if isinstance(value, str | bytes):  # float("1") would pass: a string is the function's mistake
+                    raise TypeError(type(value).__name__)
                 out[k, i] = float(value)
             except (TypeError, ValueError):
                 raise RewardError(
