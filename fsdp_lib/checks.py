@@ -70,6 +70,11 @@ def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:
     return _text_file_problems(flag, path)
 
 
+def need(flags: list[str]) -> str:
+    """'--a needs' or '--a, --b need': the start of a message about flags that only apply with another one."""
+    return f"{', '.join(flags)} {'needs' if len(flags) == 1 else 'need'}"
+
+
 def _chat_template_problems(path: Path) -> list[str]:
     """--chat-template: a UTF-8 file that Jinja parses (a syntax error would otherwise surface at the first record,
     or never on a text dataset, and be exported with the tokenizer)."""
@@ -298,8 +303,7 @@ def _peft_problems(cfg: TrainConfig) -> list[str]:
     """The adapter flags that can be checked without the model (the targets and --adapter: adapters.py)."""
     if cfg.peft == "none":
         changed = changed_flags(cfg, LORA_FLAGS)
-        verb = "needs" if len(changed) == 1 else "need"
-        return [f"{', '.join(changed)} {verb} --peft lora or qlora (got --peft none)"] if changed else []
+        return [f"{need(changed)} --peft lora or qlora (got --peft none)"] if changed else []
     problems = []
     if cfg.lora_rank < 1:
         problems.append(f"--lora-rank must be at least 1 (got {cfg.lora_rank}); 8-64 is usual")
@@ -322,7 +326,7 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
     """The preference flags: only with --objective dpo (or auto, where the dataset decides), and in range."""
     if cfg.objective == "lm":
         changed = changed_dpo_flags(cfg) + changed_flags(cfg, KTO_FLAGS)
-        return [f"{', '.join(changed)} need --objective dpo or kto (got --objective lm)"] if changed else []
+        return [f"{need(changed)} --objective dpo or kto (got --objective lm)"] if changed else []
     problems = _kto_problems(cfg)
     if not cfg.dpo_beta > 0 or not math.isfinite(cfg.dpo_beta):
         problems.append(f"--dpo-beta must be a positive number (got {cfg.dpo_beta}); 0.1 is usual")
@@ -353,7 +357,7 @@ def _kto_problems(cfg: TrainConfig) -> list[str]:
     """KTO's weights, and the DPO-only flags it has no use for (it reuses --dpo-beta and --reference)."""
     if cfg.objective not in ("kto", "auto"):
         changed = changed_flags(cfg, KTO_FLAGS)
-        return [f"{', '.join(changed)} need --objective kto (got --objective {cfg.objective})"] if changed else []
+        return [f"{need(changed)} --objective kto (got --objective {cfg.objective})"] if changed else []
     problems = []
     for flag, weight in (("--kto-desirable-weight", cfg.kto_desirable_weight),
                          ("--kto-undesirable-weight", cfg.kto_undesirable_weight)):  # fmt: skip
@@ -375,7 +379,7 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
     files are imported later, in fsdp_train.main (rewards.reward_problems)."""
     if cfg.objective in ("lm", *PREFERENCE_OBJECTIVES):
         changed = changed_flags(cfg, GRPO_FLAGS)
-        return [f"{', '.join(changed)} need --objective grpo (got --objective {cfg.objective})"] if changed else []
+        return [f"{need(changed)} --objective grpo (got --objective {cfg.objective})"] if changed else []
     if cfg.objective == "auto" and not changed_flags(cfg, GRPO_FLAGS):
         return []  # a prompt dataset then stops the run for want of --reward (plan.resolve_objective)
     problems = []
@@ -385,6 +389,8 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
         )
     if cfg.objective == "grpo" and changed_dpo_flags(cfg):
         problems.append(f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo, not grpo")
+    if changed_flags(cfg, ("reward_pattern",)) and "format" not in cfg.reward:  # it would be silently unused
+        problems.append("--reward-pattern is what --reward format checks; add --reward format or drop --reward-pattern")
     if cfg.num_generations < 2:
         problems.append(
             f"--num-generations must be at least 2 (got {cfg.num_generations}): advantages compare the completions "

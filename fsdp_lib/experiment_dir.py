@@ -17,6 +17,11 @@ from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STA
 def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
     """The experiment folder's problems (at most one), each naming the flag and the fix."""
     folder = cfg.experiment_dir
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        return [
+            f"--experiment-name {cfg.experiment_name}: {folder} is a file, not an experiment folder; choose another "
+            "--experiment-name or --save-dir"
+        ]
     if (kind := folder_kind(folder)) and kind.kind != "experiment":
         return [
             f"--experiment-name {cfg.experiment_name}: {kind.describe(folder)}, not an experiment; "

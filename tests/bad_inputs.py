@@ -145,6 +145,7 @@ def make_user_folders(root: Path, model: Path) -> Path:
     lost = make_experiment(root / "outputs" / "lost")  # its checkpoints deleted to free the disk
     shutil.rmtree(lost / "checkpoint")
     make_raw(root / "outputs" / "notes")  # the user's own folder where an experiment would go
+    (root / "outputs" / "summary").write_text("a file where an experiment folder would go\n")
     make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
     make_model_folder(root / "model")
     damaged_models(model, root)

@@ -187,6 +187,12 @@ CASES = [
         "choose another --experiment-name or --save-dir",
     ),
     trainer_case(
+        "fsdp_train with an experiment named like a file under --save-dir",
+        lambda r: trainer_flags(r, "summary"),
+        "--experiment-name summary:",
+        "is a file, not an experiment folder; choose another --experiment-name or --save-dir",
+    ),
+    trainer_case(
         "fsdp_train with an experiment named like a folder of the user's own files under --save-dir",
         lambda r: trainer_flags(r, "notes"),
         "--experiment-name notes",
@@ -341,7 +347,7 @@ TRAINER_FLAG_CASES = [
     flag_case(
         "--num-generations with --objective lm",
         ("--objective", "lm", "--num-generations", "4"),
-        "--num-generations need --objective grpo (got --objective lm)",
+        "--num-generations needs --objective grpo (got --objective lm)",
     ),  # fmt: skip
     flag_case(
         "--reward file that does not exist", ("--reward", "@nowhere.py:score", "--max-new-tokens", "8"), "no file"
@@ -350,6 +356,11 @@ TRAINER_FLAG_CASES = [
         "--reward that is not FILE:FUNCTION",
         ("--reward", "lengthy", "--max-new-tokens", "8"),
         "expected FILE.py:FUNCTION",
+    ),
+    flag_case(
+        "--reward-pattern without --reward format",
+        ("--objective", "grpo", "--reward", "accuracy", "--reward-pattern", "<answer>.*</answer>"),
+        "--reward-pattern is what --reward format checks; add --reward format or drop --reward-pattern",
     ),
     flag_case(
         "--reward-weights not one per --reward",

@@ -521,7 +521,7 @@ def test_bad_dpo_flags_and_data_are_refused(dpo_inputs, tmp_path, capsys):
     for extra, message in [
         (["--dpo-beta", "0"], "--dpo-beta must be a positive number"),
         (["--dpo-loss", "ipo", "--dpo-label-smoothing", "0.1"], "applies to --dpo-loss sigmoid"),
-        (["--objective", "lm", "--dpo-beta", "0.2"], "--dpo-beta need --objective dpo or kto"),
+        (["--objective", "lm", "--dpo-beta", "0.2"], "--dpo-beta needs --objective dpo or kto"),
         (["--objective", "dpo", "--document-masking", "off"], "needs --document-masking on"),
     ]:
         assert fsdp_train.main([*base, *extra]) == 2  # before any process group

@@ -234,7 +234,7 @@ def test_bad_kto_flags_and_data_are_refused(kto_inputs, tmp_path, capsys):
         (["--objective", "kto", "--kto-desirable-weight", "-1"], "--kto-desirable-weight must be a number >= 0"),
         (["--objective", "kto", "--kto-desirable-weight", "0", "--kto-undesirable-weight", "0"], "both 0"),
         (["--objective", "kto", "--dpo-loss", "ipo"], "--dpo-loss apply to --objective dpo"),
-        (["--objective", "dpo", "--kto-undesirable-weight", "2"], "--kto-undesirable-weight need --objective kto"),
+        (["--objective", "dpo", "--kto-undesirable-weight", "2"], "--kto-undesirable-weight needs --objective kto"),
     ]:
         assert fsdp_train.main([*base, *extra]) == 2  # before any process group
         assert message in capsys.readouterr().out, extra

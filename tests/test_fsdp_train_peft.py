@@ -256,7 +256,7 @@ def config_problems(args: list[str]) -> list[str]:
     [
         (["--peft", "lora", "--lora-rank", "0"], "--lora-rank must be at least 1"),
         (["--peft", "lora", "--lora-target-modules", "q_proj,qkv"], "no Linear layer named qkv"),
-        (["--lora-rank", "8"], "--lora-rank need --peft lora or qlora"),
+        (["--lora-rank", "8"], "--lora-rank needs --peft lora or qlora"),
         (["--peft", "qlora", "--sharding", "hybrid", "--hybrid-shard-size", "2"], "1-D mesh only"),
     ],
 )

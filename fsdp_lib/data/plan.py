@@ -218,6 +218,11 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         f"({d.data_world} x {cfg.batch_size} x {cfg.grad_accum_steps}), {plan.steps_per_epoch} steps/epoch, "
         f"{len(validation) if validation else 0} validation {unit.split()[0]}, document masking {cfg.document_masking}"
     )
+    if cfg.eval_freq and not validation:
+        log(
+            f"WARNING: --eval-freq {cfg.eval_freq}: --dataset-name {cfg.datasets_label} has no validation split, so "
+            "nothing is evaluated; make one with data_hf.py --val-fraction 0.01"
+        )
     data_format += f":document-masking-{cfg.document_masking}"
     return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
 
