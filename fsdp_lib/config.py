@@ -402,6 +402,24 @@ def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int | str:
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 
 
+def _mapping_without_repeats(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    """A mapping whose keys are all different flags: YAML keeps the last of two equal keys silently, and
+    `max-steps` and `max_steps` are one flag."""
+    seen: dict[str, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        flag = str(key).replace("-", "_")
+        if flag in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"'{key}' sets the same flag as '{seen[flag]}' above; keep one", key_node.start_mark
+            )
+        seen[flag] = key
+    return loader.construct_mapping(node, deep=True)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:map", _mapping_without_repeats)
+
+
 def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str) -> Any:
     """YAML 1.1 reads on/off as booleans and 1e-4 as a string; map them back, and check types of the file's values."""
     f = {x.name: x for x in dataclasses.fields(TrainConfig)}[name]

@@ -606,6 +606,12 @@ CONFIG_CASES = [
         "key 'lr' has value 'fast'; expected float",
     ),
     flag_case(
+        "--config that sets a flag twice",
+        ("--config", "@trainer/twice.yaml"),
+        "'max_steps' sets the same flag as 'max-steps' above; keep one",
+        "line 3",
+    ),
+    flag_case(
         "--config with a comma-separated flag written as a list",
         ("--config", "@trainer/list_value.yaml"),
         "key 'data_weights' has value [0.7, 0.3]; expected str, e.g. data-weights: \"0.7,0.3\"",
@@ -642,6 +648,7 @@ def trainer_inputs(root: Path, model: Path) -> None:
     (folder / "unknown_key.yaml").write_text("learning_rate: 1e-4\n")
     (folder / "wrong_type.yaml").write_text("lr: fast\n")
     (folder / "list_value.yaml").write_text("data-weights: [0.7, 0.3]\n")
+    (folder / "twice.yaml").write_text("max-steps: 3\nlr: 1.0e-4\nmax_steps: 2\n")
     (folder / "bad_choice.yaml").write_text("precision: fp8\n")
 
 
