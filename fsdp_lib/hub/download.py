@@ -271,16 +271,21 @@ def cached_model_folder(model_name: str, revision: str) -> Path:
     return Path(cached).parent
 
 
-def check_download_target(local_dir: Path, repo_id: str) -> None:
-    """--local-dir must be new, empty, or an earlier download of this same model: a download writes model files into
-    it, which would corrupt another tool's folder or mix two models' files."""
-    if blocker := file_above(local_dir):
-        raise ToolError(f"--local-dir {local_dir} is under {blocker}, which is a file; choose a folder path")
+def refuse_inside_another_tools_folder(local_dir: Path) -> None:
+    """A model folder (download or --init) may not live inside a folder another tool owns whole."""
     if inside := enclosing_folder(local_dir, WHOLE_FOLDER_KINDS):
         raise ToolError(
             f"--local-dir {local_dir} is {inside}, whose tool would delete or misread a model "
             "in it; give the model a folder of its own, e.g. models/NAME"
         )
+
+
+def check_download_target(local_dir: Path, repo_id: str) -> None:
+    """--local-dir must be new, empty, or an earlier download of this same model: a download writes model files into
+    it, which would corrupt another tool's folder or mix two models' files."""
+    if blocker := file_above(local_dir):
+        raise ToolError(f"--local-dir {local_dir} is under {blocker}, which is a file; choose a folder path")
+    refuse_inside_another_tools_folder(local_dir)
     if not local_dir.exists():
         return
     if not local_dir.is_dir():

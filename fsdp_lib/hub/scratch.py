@@ -13,7 +13,7 @@ from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.console import ToolError, log
-from fsdp_lib.hub.download import free_disk_bytes
+from fsdp_lib.hub.download import free_disk_bytes, refuse_inside_another_tools_folder
 from fsdp_lib.hub.plan import TOKENIZER_FILES
 from fsdp_lib.hub.presets import (
     SIZE_PRESETS,
@@ -25,7 +25,7 @@ from fsdp_lib.hub.presets import (
 )
 from fsdp_lib.hub.tokenizer import build_tokenizer, save_tokenizer
 from fsdp_lib.hub.verify import VerifiedModel, verify_model, write_verification_record
-from fsdp_lib.markers import VERIFICATION_RECORD, WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind
+from fsdp_lib.markers import VERIFICATION_RECORD, folder_kind
 from fsdp_lib.model.memory_plan import format_bytes, format_count
 
 MAX_SHARD_SIZE = "5GB"  # --with-weights shard size; also bounds the extra memory needed while saving
@@ -67,11 +67,7 @@ def check_init_target(path: Path, overwrite: bool) -> None:
     """Refuse to clobber a non-empty folder; --overwrite replaces only something that is a model folder."""
     if blocker := file_above(path):
         raise ToolError(f"--local-dir {path} is under {blocker}, which is a file; choose a folder path")
-    if inside := enclosing_folder(path, WHOLE_FOLDER_KINDS):
-        raise ToolError(
-            f"--local-dir {path} is {inside}, whose tool would delete or misread a model "
-            "in it; give the model a folder of its own, e.g. models/NAME"
-        )
+    refuse_inside_another_tools_folder(path)
     if not path.exists():
         return
     if not path.is_dir():
