@@ -35,6 +35,9 @@ BAD = [
     ({"question": "  "}, "empty_prompt"),
     ({"prompt": "a", "Prompt": "b"}, "ambiguous_keys"),
     ({"prompt": [{"role": "wizard", "content": "q"}]}, "unknown_role"),
+    # the trainer calls f(prompts, completions, **columns): a kept field of either name could not reach it
+    ({"question": "q", "completions": ["a", "b"]}, "reward_argument_field"),
+    ({"prompt": "q", "prompts": "p"}, "reward_argument_field"),
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_lib.errors import TrainError
+from fsdp_lib.records.prompts import REWARD_ARGUMENTS
 from fsdp_lib.records.tool_calls import template_messages
 from fsdp_lib.runtime import log
 
@@ -76,7 +77,6 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
 
 
 TOKENIZE_BATCH = 1024  # prompts per tokenizer call
-REWARD_ARGUMENTS = ("prompts", "completions")  # a reward function's own arguments: no column may take their names
 
 
 def check_reward_columns(split: Any, name: str, what: str) -> None:

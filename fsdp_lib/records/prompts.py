@@ -18,6 +18,8 @@ from fsdp_lib.records.schema import Turns
 
 # The keys a prompt is read from, in the order they are tried; the keys that form it are not kept as columns.
 PROMPT_KEYS = ("prompt", "question", "problem", "instruction")
+# A reward function's own arguments, f(prompts, completions, **columns): no kept field may take their names.
+REWARD_ARGUMENTS = ("prompts", "completions")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,12 @@ def parse_prompt_record(record: object) -> PromptRecord:
     if not turns[-1][1].strip():
         raise BadRecord("empty_prompt", f"the {shape!r} text is empty")
     others = {key: value for key, value in record.items() if not (isinstance(key, str) and key.lower() in used)}
+    if clash := sorted(set(others) & set(REWARD_ARGUMENTS)):
+        raise BadRecord(
+            "reward_argument_field",
+            f"a field {clash[0]!r}: the name of a reward function's own argument (f(prompts, completions, "
+            "**columns)), so the trainer could not hand it to one; rename that field",
+        )
     try:
         columns = json.dumps(others, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:  # YAML dates and the like: not JSON

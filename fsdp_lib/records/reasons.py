@@ -50,6 +50,8 @@ RECORD_REASONS = {
     "empty_prompt": "a prompt whose last user turn is empty or whitespace",
     "non_json_field": "a field JSON cannot hold (e.g. a YAML date), so the record's columns cannot be kept",
     "prompt_too_long": "a prompt record (its prompt and other fields) longer than --max-chars characters",
+    "reward_argument_field": "a prompt record with a field named 'prompts' or 'completions', a reward function's "
+    "own arguments (rename the field)",
 }
 
 
