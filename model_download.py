@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model_download.py: error: {describe_os_error(exc)}; fix it and rerun the same command", file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:  # downloads resume file by file; --init builds in a staging folder
-        print("model_download.py: interrupted; rerun the same command to resume, nothing half-written is kept")
+        again = "start again" if args.init else "resume"  # --init builds from scratch each time
+        print(f"model_download.py: interrupted; rerun the same command to {again}, nothing half-written is kept")
         return interrupt_exit_code(interrupt)
 
 

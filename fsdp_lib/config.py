@@ -378,7 +378,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         if f.metadata.get("short"):
             names.insert(0, f.metadata["short"])
         group = required if f.name in REQUIRED_FLAGS else parser
-        help_text = f.metadata["help"] + ("" if f.name in REQUIRED_FLAGS else f" (default: {f.default})")
+        help_text = f.metadata["help"]
+        unset = f.default in ("", None) or f.default is dataclasses.MISSING  # nothing to show (or the help says it)
+        if f.name not in REQUIRED_FLAGS and not unset and "default:" not in help_text:
+            help_text += f" (default: {f.default})"
         if f.type in ("bool", bool):
             group.add_argument(*names, dest=f.name, action="store_true", help=help_text)
         elif str(f.type) == "list[str]":
@@ -474,6 +477,10 @@ def load_config(argv: list[str] | None) -> TrainConfig:
                 errors.append(f"--config {config_file}: unknown key '{key}' (keys are the flag names, e.g. seq-length)")
                 continue
             values[name] = _normalise_yaml_value(name, value, errors, f"--config {config_file}")
+    # --global-batch-size sets the accumulation: the one of the two given on the command line overrides the file's
+    for given, other in (("global_batch_size", "grad_accum_steps"), ("grad_accum_steps", "global_batch_size")):
+        if given in args and other not in args:
+            values.pop(other, None)
     values.update(args)
     if errors:
         raise ConfigError(errors)

@@ -717,8 +717,17 @@ def test_ctrl_c_or_sigterm_ends_data_hf_and_model_download_with_one_line(
     monkeypatch.setattr(model_download, "run_download", interrupted)
     assert model_download.main(["--model-name", "org/name", "--local-dir", str(tmp_path / "m")]) == expected
     said = capsys.readouterr()
-    assert said.out.strip().splitlines()[-1].startswith("model_download.py: interrupted; rerun the same command")
+    assert (
+        said.out.strip().splitlines()[-1].startswith("model_download.py: interrupted; rerun the same command to resume")
+    )
     assert "Traceback" not in said.out + said.err
+    monkeypatch.setattr(model_download, "run_init", interrupted)  # --init has nothing to resume: it starts again
+    assert (
+        model_download.main(["--init", "tiny", "--tokenizer-from", str(raw), "--local-dir", str(tmp_path / "m")])
+        == expected
+    )
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert said.startswith("model_download.py: interrupted; rerun the same command to start again"), said
 
 
 def test_an_os_error_in_the_trainer_is_one_message_with_the_path(inputs, tmp_path: Path, monkeypatch, capsys) -> None:

@@ -112,6 +112,16 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     cfg_file.write_text("profile-steps: 5:6\ndata-slice: 10:20\nmax-steps: 1_000\n")
     cfg = load_config(["--config", str(cfg_file)])
     assert (cfg.profile_steps, cfg.data_slice, cfg.max_steps) == ("5:6", "10:20", 1000)
+    # --global-batch-size sets the accumulation: either one on the command line overrides the other from the file
+    cfg_file.write_text("grad-accum-steps: 4\n")
+    cfg = load_config(["--config", str(cfg_file), "--global-batch-size", "16"])
+    assert (cfg.global_batch_size, cfg.grad_accum_steps) == (16, 1), "the file's accumulation was kept"
+    cfg_file.write_text("global-batch-size: 64\n")
+    cfg = load_config(["--config", str(cfg_file), "--grad-accum-steps", "2"])
+    assert (cfg.global_batch_size, cfg.grad_accum_steps) == (0, 2)
+    cfg_file.write_text("global-batch-size: 64\ngrad-accum-steps: 4\n")  # both in the file: checked as given
+    cfg = load_config(["--config", str(cfg_file)])
+    assert (cfg.global_batch_size, cfg.grad_accum_steps) == (64, 4)
 
 
 def test_lr_schedule_shapes():

@@ -487,6 +487,24 @@ def test_context_parallel_4_with_fewer_completions_than_processes_samples_each_o
     assert [r["step"] for r in steps] == [1, 2] and all(r["completion_length"] > 0 for r in steps)
 
 
+def test_a_resume_refused_for_an_edited_reward_file_names_that_function(tmp_path):
+    """The message after a reward function failed says to fix it and rerun; a fix inside its file changes the
+    content hash a resume pins, and the refusal names the function whose file changed, not two whole fingerprints."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.train.checkpoint import Checkpointer
+
+    saved = {"objective": "grpo", "rewards": [["r.py:score:aaaa", 1.0], ["accuracy", 0.5]], "beta": 0.0}
+    now = {**saved, "rewards": [["r.py:score:bbbb", 1.0], ["accuracy", 0.5]]}
+    ckpt = Checkpointer(TrainConfig(experiment_name="x", save_dir=str(tmp_path)), None, {"objective": now})
+    said = ckpt._difference("objective", {"fingerprint": {"objective": saved}, "config": {}})
+    assert said.startswith("objective.rewards: checkpoint [['r.py:score:aaaa', 1.0]") and "beta" not in said, said
+    assert said.endswith("(the file of --reward r.py:score changed)"), said
+    weights = {**saved, "rewards": [["r.py:score:aaaa", 2.0], ["accuracy", 0.5]]}
+    ckpt.fingerprint = {"objective": weights}
+    said = ckpt._difference("objective", {"fingerprint": {"objective": saved}, "config": {}})
+    assert "changed)" not in said and "2.0" in said, said  # a weight, not a file
+
+
 @pytest.mark.slow
 def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_inputs, tmp_path):
     spec = f"{grpo_inputs['rewards']}:fails_on_rank_1"
@@ -496,6 +514,7 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_i
     log = output_of(proc)
     assert proc.returncode != 0
     assert f"--reward {spec} raised KeyError: 'solution' (rank 1); fix the reward function" in log
+    assert "with --force-resume if you edit its file" in log
 
 
 @pytest.mark.slow

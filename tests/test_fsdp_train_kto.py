@@ -259,6 +259,19 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
         ("auto", unpaired, "--num-iterations do not apply to --objective kto", {"num_iterations": 2}),
         ("auto", unpaired, "needs --document-masking on", {"document_masking": "off"}),
         ("auto", pairs, "--kto-desirable-weight apply to --objective kto", {"kto_desirable_weight": 2.0}),
+        # auto choosing grpo: what an explicit --objective grpo refuses before any process group (checks.py)
+        (
+            "auto",
+            ["prompt", "answer"],
+            "--dpo-beta apply to --objective dpo; .* drop them",
+            {"reward": ["accuracy"], "dpo_beta": 0.5},
+        ),
+        (
+            "auto",
+            ["prompt", "answer"],
+            "--fp8 emulate: .* generation through float8 layers is not built",
+            {"reward": ["accuracy"], "fp8": "emulate"},
+        ),
     ]:
         with pytest.raises(TrainError, match=message):
             resolve_objective(TrainConfig(objective=objective, **extra), columns, "d")

@@ -220,8 +220,9 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     )
     if cfg.eval_freq and not validation:
         log(
-            f"WARNING: --eval-freq {cfg.eval_freq}: --dataset-name {cfg.datasets_label} has no validation split, so "
-            "nothing is evaluated; make one with data_hf.py --val-fraction 0.01"
+            f"WARNING: --eval-freq {cfg.eval_freq}: --dataset-name {cfg.datasets_label} has no validation data (no "
+            "validation split, or one that is empty or shorter than a block), so nothing is evaluated; make one with "
+            "data_hf.py --val-fraction (0.01 is usual; a larger fraction where it came out empty)"
         )
     data_format += f":document-masking-{cfg.document_masking}"
     return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
@@ -448,6 +449,17 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
             raise TrainError(
                 f"--dataset-name {name} holds prompts (--objective auto: grpo), which train with rewards: give "
                 "--reward FILE.py:FUNCTION or a built-in (accuracy, format)"
+            )
+        # what checks.py refuses for an explicit --objective grpo, once auto has become grpo here
+        if changed_dpo_flags(cfg):
+            raise TrainError(
+                f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo; --dataset-name {name} holds prompts "
+                "(--objective auto: grpo): drop them"
+            )
+        if cfg.fp8 != "off":
+            raise TrainError(
+                f"--fp8 {cfg.fp8}: --dataset-name {name} holds prompts (--objective auto: grpo), and generation "
+                "through float8 layers is not built or tested; leave --fp8 off"
             )
         return "grpo"
     if changed_flags(cfg, GRPO_FLAGS):

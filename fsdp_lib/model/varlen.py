@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from fsdp_lib.data.batch import Documents
 
+TORCH_2_13 = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
 NAME = "varlen"
 
 
@@ -53,28 +55,37 @@ def use_documents(documents: Documents, context: Context | None = None) -> None:
     _CURRENT[0] = (documents, context)
 
 
+def _all_to_all(send: torch.Tensor, context: Context) -> torch.Tensor:
+    """Equal parts of dim 0 exchanged over the context group, differentiable (the backward is the reverse exchange).
+    From torch 2.13 the functional collective, waited for here (torch.distributed.nn.functional's warns there that it
+    is deprecated); before, that one, whose wait_tensor may lack a backward."""
+    if TORCH_2_13:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+        return wait_tensor(all_to_all_single_autograd(send, None, None, context.group))
+    from torch.distributed.nn.functional import all_to_all_single
+
+    return all_to_all_single(torch.empty_like(send), send, group=context.group)
+
+
 def _heads_to_sequence(t: torch.Tensor, context: Context) -> torch.Tensor:
     """[B x H x T/N x D], this rank's tokens of every head -> [B x H/N x T x D], every token of this rank's heads
     (Ulysses: one all-to-all; its backward is the reverse all-to-all). The result is a view of a [B x T x H/N x D]
     buffer (at -b 1 the all-to-all's own output), the layout both attention paths flatten to without a copy: one
     copy per tensor (the send buffer) where a [B x H x T x D] result would take three."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     rows, heads, part, dim = t.shape
     n = context.size
     send = t.reshape(rows, n, heads // n, part, dim).permute(1, 0, 3, 2, 4).contiguous()  # head group j -> rank j
-    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [part i, B, T/N, H/N, D]
+    got = _all_to_all(send, context)  # [part i, B, T/N, H/N, D]
     return got.transpose(0, 1).reshape(rows, n * part, heads // n, dim).transpose(1, 2)
 
 
 def _sequence_to_heads(t: torch.Tensor, context: Context) -> torch.Tensor:
     """The way back, in the attention output's layout: [B x T x H/N x D] -> [B x T/N x H x D]."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     rows, length, heads, dim = t.shape
     n = context.size
     send = t.reshape(rows, n, length // n, heads, dim).transpose(0, 1).contiguous()  # part i -> rank i (a view at -b 1)
-    got = all_to_all_single(torch.empty_like(send), send, group=context.group)  # [head group j, B, T/N, H/N, D]
+    got = _all_to_all(send, context)  # [head group j, B, T/N, H/N, D]
     return got.permute(1, 2, 0, 3, 4).reshape(rows, length // n, n * heads, dim)
 
 

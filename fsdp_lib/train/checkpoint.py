@@ -88,6 +88,19 @@ def config_fingerprint(config: Any, with_path: bool = False) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def edited_rewards(was: Any, now: Any) -> str:
+    """' (the file of --reward F:FN changed)' where two GRPO fingerprints' rewards ([[identity, weight], ...], a
+    file's identity being FILE:FUNCTION:CONTENT_HASH) differ in a file's contents only; '' otherwise."""
+    try:
+        pairs = [(a[0].rsplit(":", 1), b[0].rsplit(":", 1)) for a, b in zip(was, now, strict=True)]
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return ""
+    edited = [a[0] for a, b in pairs if a != b and a[0] == b[0] and ".py:" in a[0]]  # a file's, not format:PATTERN
+    if not edited or any(a != b and a[0] != b[0] for a, b in pairs):
+        return ""
+    return f" (the file of --reward {', '.join(edited)} changed)"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -240,6 +253,13 @@ class Checkpointer:
         named = payload.get("config", {}).get(flag) if flag else None
         if flag and named is not None and named != getattr(self.cfg, flag):
             return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
+        if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
+            parts = [
+                f"{key}.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"
+                for k in sorted(set(was) | set(now), key=str)
+                if was.get(k) != now.get(k)
+            ]
+            return "; ".join(parts)
         return f"{key}: checkpoint {was!r} vs now {now!r}"
 
     def check_compatible(self, payload: dict, path: Path, model_config: Any) -> None:

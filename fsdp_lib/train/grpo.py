@@ -337,7 +337,10 @@ class GRPOObjective:
         failed = [(rank, e) for rank, e in enumerate(gathered) if e]
         if failed:
             rank, message = failed[0]
-            raise TrainError(f"{message} (rank {rank}); fix the reward function and rerun the same command to resume")
+            raise TrainError(
+                f"{message} (rank {rank}); fix the reward function and rerun the same command to resume (with "
+                "--force-resume if you edit its file: a resume pins the reward files' contents)"
+            )
 
     def count(self, rows: list[list[int]], done: Any, rewards: np.ndarray, scores: np.ndarray) -> None:
         grouped = rewards.reshape(-1, self.group)
