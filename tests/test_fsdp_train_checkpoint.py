@@ -326,8 +326,13 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_step
     said = output_of(full)
     assert full.returncode != 0 and "No space left on device" in said and "fix it and rerun the same command" in said
     assert "(RANK 1)" not in said and not (tmp_path / "run" / "final").exists(), said
-    proc = run_trainer([*args, "--export-only"])
-    assert proc.returncode == 0, output_of(proc)
+    # on one process and another --seq-length (the global batch and a pinned setting differ): nothing trains, so the
+    # checkpoint is exported as saved, with a note (a resume would refuse these)
+    proc = run_trainer([*args, "--export-only", "--seq-length", "16"], nproc=1)
+    said = output_of(proc)
+    assert proc.returncode == 0, said
+    assert "--export-only: exporting" in said and "seq_length: checkpoint 32 vs now 16" in said, said
+    assert "global_batch_size: checkpoint 4 vs now 2" in said, said
     assert (tmp_path / "run" / "final" / "model.safetensors.index.json").is_file()
     assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
 

@@ -270,6 +270,11 @@ class Checkpointer:
         if self.cfg.force_resume:
             log(f"WARNING: resuming from {path} although settings changed ({details}) because of --force-resume")
             return
+        if self.cfg.export_only:  # nothing trains: the weights are exported as saved (a state that does not fit
+            # this run's model or adapters still fails to load, with load's message)
+            log(f"--export-only: exporting {path} as saved; these settings differ from its run's and change nothing "
+                f"here: {details}")  # fmt: skip
+            return
         raise CheckpointError(
             f"cannot resume from {path}: {details}. These change the math or the data. Restore the original "
             f"settings, pass --force-resume to resume anyway, or use a new --experiment-name."
