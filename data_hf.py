@@ -385,8 +385,10 @@ def _convert_and_publish(argv: list[str] | None) -> int:
         return 1
     try:
         summary, writers, unusable = convert(args, tmp)
-        print_summary(summary)
         refusals = _refusals(summary, args, unusable)
+        if refusals and unusable:  # not "extracted as text" notes above a refusal: nothing is written
+            summary["notes"] = []
+        print_summary(summary)
         if refusals:
             raise DataHfError("; ".join(refusals))
         if len(writers) > 1 and writers["train"].rows == 0 and writers["validation"].rows:

@@ -220,6 +220,11 @@ ORGANIZE_CASES = [
         "--extensions ',' names no extension; use e.g. --extensions txt,md,json",
     ),
     organize(
+        "--extensions as a shell pattern",
+        lambda r: [R, r / "raw", D, r / "new", "--extensions", "*.txt"],
+        "--extensions '*.txt' is not a file ending (no wildcards or paths); use e.g. --extensions txt,md",
+    ),
+    organize(
         "--extensions no file has",
         lambda r: [R, r / "raw", D, r / "new", "--extensions", "pdf"],
         "holds no files ending in .pdf",

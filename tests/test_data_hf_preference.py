@@ -328,6 +328,7 @@ def test_auto_with_pairs_and_other_text_stays_text_and_pairs_with_conversations_
     said = capsys.readouterr()
     assert "mixes 1 conversation(s) and 1 preference pair(s) and holds no plain text" in said.err
     assert "--format chat and --format preference" in said.err and not (tmp_path / "mixed_out").exists()
+    assert "extracted as text" not in said.out + said.err, "a note that contradicts the refusal"
     assert convert(mixed, tmp_path / "mixed_text", "--format", "text") == 0  # asked for: their strings as text
 
 

@@ -89,6 +89,10 @@ def parse_extensions(values: Sequence[str]) -> list[str]:
     extensions = set()
     for value in values:
         for item in re.split(r"[,\s]+", value.strip()):
+            if any(c in item for c in "*?[]/"):  # a shell pattern or a path: it would match no file name ending
+                raise OrganizeError(
+                    f"--extensions {item!r} is not a file ending (no wildcards or paths); use e.g. --extensions txt,md"
+                )
             if item and item != ".":
                 extensions.add("." + item.lower().lstrip("."))
     if not extensions:
