@@ -265,7 +265,7 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, four_steps, tmp_pa
     copy_run(four_steps, tmp_path)
     state_file = tmp_path / "run" / "checkpoint" / "step_00000004" / "train_state.json"
     state_file.write_text(state_file.read_text()[:20])
-    rerun = run_trainer(args)
+    rerun = run_trainer([*args, "--grad-accum-steps", "2"], nproc=1)  # one process: the same global batch
     assert rerun.returncode != 0
     assert str(state_file) in output_of(rerun)
     assert "resumed from" not in output_of(rerun) and "training steps 1.." not in output_of(rerun)
@@ -344,7 +344,7 @@ def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, four_steps, tm
     metrics = tmp_path / "run" / "metrics.jsonl"
     with open(metrics, "a") as fh:
         fh.write('{"time": "2026-01-01T00:00:00", "step": 5, "lo')  # disk full while logging: no newline
-    rerun = run_trainer(flags(inputs, tmp_path))
+    rerun = run_trainer(flags(inputs, tmp_path, "run", "--grad-accum-steps", "2"), nproc=1)  # the same global batch
     out = output_of(rerun)
     assert rerun.returncode == 0, out
     assert "dropped 1 incomplete line(s)" in out and "at step 4" in out
@@ -408,7 +408,7 @@ def test_folders_not_named_like_a_step_are_ignored(inputs, four_steps, tmp_path)
     copy_run(four_steps, tmp_path)
     root = tmp_path / "run" / "checkpoint"
     shutil.copytree(root / "step_00000004", root / "step_00000008.bad")  # a user moved a later checkpoint aside
-    rerun = run_trainer([*args, "--keep-last", "1"])
+    rerun = run_trainer([*args, "--keep-last", "1", "--grad-accum-steps", "2"], nproc=1)  # the same global batch
     assert rerun.returncode == 0, output_of(rerun)
     assert "at step 4" in output_of(rerun)
     assert checkpoints(tmp_path) == ["step_00000008", "step_00000008.bad"], "neither resumed from nor pruned"

@@ -99,25 +99,22 @@ def test_only_adapters_train_and_the_checkpoint_holds_only_them(lora_run):
     assert state["fingerprint"]["peft"]["mode"] == "lora" and state["fingerprint"]["peft"]["base_weights"] != "none"
 
 
-def test_kill9_then_rerun_is_bit_identical(peft_inputs, lora_run, tmp_path):
-    args = lora_args(peft_inputs, tmp_path)
+def test_kill9_rerun_is_bit_identical_and_one_process_continues_it(peft_inputs, lora_run, tmp_path):
+    """kill -9 at step 5 (checkpoints every 2 steps here, which the resume does not pin); the same command resumes at
+    4 and trains steps 5-6 bit for bit as the uninterrupted run, until it is killed right after saving step 6 (a
+    fault point); then one process (--grad-accum-steps 2: the same global batch) continues to the end."""
+    args = lora_args(peft_inputs, tmp_path, "run", "--ckpt-freq", "2")
     killed_at_step(args, tmp_path / "run", 5)
-    rerun = run_trainer(args)
-    assert rerun.returncode == 0, output_of(rerun)
-    assert "at step 4" in output_of(rerun)
+    rerun = run_trainer(args, env={"FSDP_TRAIN_FAULT": "kill_after_rename@0:6"})
+    assert rerun.returncode != 0 and "at step 4" in output_of(rerun), output_of(rerun)
     expected, resumed = losses_by_step(lora_run), losses_by_step(tmp_path / "run")
-    assert all(resumed[s] == expected[s] for s in range(5, STEPS + 1)), (resumed, expected)
-
-
-def test_two_to_one_process_resume_continues_the_run(peft_inputs, lora_run, tmp_path):
-    first = lora_args(peft_inputs, tmp_path)
-    first[first.index("--max-steps") + 1] = "4"
-    assert run_trainer(first).returncode == 0
-    resumed = run_trainer(lora_args(peft_inputs, tmp_path, "run", "--grad-accum-steps", "2"), nproc=1)
-    assert resumed.returncode == 0, output_of(resumed)
-    assert "world size changed (2 -> 1)" in output_of(resumed)
-    expected, got = losses_by_step(lora_run), losses_by_step(tmp_path / "run")
-    for step in range(5, STEPS + 1):
+    assert all(resumed[s] == expected[s] for s in range(5, 7)), (resumed, expected)
+    one = run_trainer([*args, "--grad-accum-steps", "2"], nproc=1)
+    assert one.returncode == 0, output_of(one)
+    assert "world size changed (2 -> 1)" in output_of(one) and "at step 6" in output_of(one)
+    got = losses_by_step(tmp_path / "run")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(7, STEPS + 1):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
