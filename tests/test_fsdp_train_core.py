@@ -377,13 +377,11 @@ def test_one_process_accumulating_equals_two_processes(tmp_path, dataset_dir, sc
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        ["--sharding", "grad-op"],
-        ["--sharding", "none"],
+    [  # a sharding and a recomputation setting per launch (the reference: full sharding, every layer recomputed)
+        ["--sharding", "grad-op", "--activation-checkpointing", "off"],
+        ["--sharding", "none", "--ac-every-n-layers", "2"],
         ["--sharding", "hybrid", "--hybrid-shard-size", "1"],
         ["--cpu-offload", "on"],
-        ["--activation-checkpointing", "off"],
-        ["--ac-every-n-layers", "2"],
     ],
     ids=lambda x: " ".join(x),
 )
@@ -444,36 +442,19 @@ def test_bf16_is_warned_about_where_torch_emulates_it(precision, device, native,
     assert warning is None or ("--precision bf16" in warning and "--precision fp32" in warning)
 
 
-def test_injected_nan_loss_skips_the_step(tmp_path, dataset_dir, scratch_model):
-    proc = run_trainer(
-        [
-            *trainer_args("nan", dataset_dir, scratch_model, tmp_path),
-            "--max-steps",
-            "6",
-        ],
-        env={"FSDP_TRAIN_NAN_AT_STEPS": "3"},
-    )
-    assert proc.returncode == 0, output_of(proc)
+def test_a_nan_loss_skips_its_step_and_too_many_in_a_row_stop_the_run(tmp_path, dataset_dir, scratch_model):
+    """A non-finite loss at step 3: that update is skipped and training goes on (finite losses after it); then three
+    in a row (5, 6, 7) reach --max-bad-steps 3 and stop the run. Step 3 and steps 5-6 are three bad steps too, but
+    not consecutive: the count starts again after the good step 4."""
+    args = [*trainer_args("nan", dataset_dir, scratch_model, tmp_path), "--max-steps", "8", "--max-bad-steps", "3"]
+    proc = run_trainer(args, env={"FSDP_TRAIN_NAN_AT_STEPS": "3,5,6,7"})
+    assert proc.returncode != 0
+    assert "3 consecutive steps had a non-finite loss" in output_of(proc), output_of(proc)
     rows = {r["step"]: r for r in read_metrics(tmp_path / "nan")}
     assert math.isnan(rows[3]["loss"]) and math.isnan(rows[3]["grad_norm"])
-    assert rows[2]["skipped_steps"] == 0 and rows[3]["skipped_steps"] == 1 and rows[6]["skipped_steps"] == 1
+    assert rows[2]["skipped_steps"] == 0 and rows[3]["skipped_steps"] == 1 and rows[4]["skipped_steps"] == 1
     # had the NaN update been applied, every later loss would be NaN
-    assert all(math.isfinite(rows[s]["loss"]) for s in (4, 5, 6))
-
-
-def test_too_many_bad_steps_stop_the_run(tmp_path, dataset_dir, scratch_model):
-    proc = run_trainer(
-        [
-            *trainer_args("bad", dataset_dir, scratch_model, tmp_path),
-            "--max-steps",
-            "8",
-            "--max-bad-steps",
-            "3",
-        ],
-        env={"FSDP_TRAIN_NAN_AT_STEPS": "2,3,4"},
-    )
-    assert proc.returncode != 0
-    assert "3 consecutive steps had a non-finite loss" in output_of(proc)
+    assert math.isfinite(rows[4]["loss"]) and 8 not in rows, sorted(rows)
 
 
 @pytest.mark.parametrize("sharding", ["full", "hybrid"])
