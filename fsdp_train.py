@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     at_once = False
     try:
         if cfg.dry_run:
-            describe_datasets(cfg)
+            describe_datasets(cfg, resolve_model_dir(cfg.model_name))
             return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if ENV_RANK == 0:  # before any process group, so a refused launch touches nothing
             lock.acquire()

@@ -22,6 +22,7 @@ from tests.fsdp_helpers import (
     REPO_ROOT,
     io_args,
     losses_by_step,
+    make_chat_dataset,
     make_dataset,
     make_model,
     output_of,
@@ -489,6 +490,24 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
     assert code == 0
     assert "seq_length: 64" in out and "2 x LlamaDecoderLayer" in out and "16 B/param" in out
     assert "activations per GPU" in out and "longest --seq-length that fits one GPU" in out
+    assert not (tmp_path / "dry").exists()
+    # what the run refuses about the data before tokenising it, the dry run refuses too (it said "nothing trained")
+    import datasets
+
+    chat = make_chat_dataset(tmp_path / "chat", n=8, validation=False)
+    prompts = tmp_path / "prompts"
+    datasets.Dataset.from_dict({"prompt": ["1 plus 1?"], "answer": ["2"]}).save_to_disk(str(prompts))
+    for data, extra, said in [
+        (chat, [], "holds conversations, but the tokenizer of --model-name"),  # no chat template, none passed
+        (
+            prompts,
+            ["--reward", "accuracy", "--max-new-tokens", "16", "--fp8", "emulate"],
+            "(--objective auto: grpo), and generation through",
+        ),
+        (dataset_dir, ["--objective", "dpo"], "--objective dpo: --dataset-name"),
+    ]:
+        code = ft.main([*io_args("dry", data, scratch_model, tmp_path), "--seq-length", "64", "--dry-run", *extra])
+        assert code == 1 and said in capsys.readouterr().out, (data, extra)
     assert not (tmp_path / "dry").exists()
 
 

@@ -282,12 +282,7 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
             f"--dataset-name {name}: the train split has 0 rows; make it again with data_hf.py (a smaller "
             "--val-fraction leaves rows to train on)"
         )
-    objective = resolve_objective(cfg, train_split.column_names, name)
-    if objective in ("dpo", "kto", "grpo") and len(cfg.dataset_name) > 1:
-        what = "prompts" if objective == "grpo" else "preference data"
-        raise TrainError(
-            f"--dataset-name {name} holds {what}, which train alone (--objective {objective}); give -d once"
-        )
+    objective = objective_of(cfg, train_split.column_names, name)
     if objective == "grpo":
         return prompt_source(cfg, name, train_split, val_split, tokenizer)
     preference = objective in PREFERENCE_OBJECTIVES
@@ -399,16 +394,32 @@ def mixture_plan(
     return plan, validation
 
 
-def describe_datasets(cfg: TrainConfig) -> None:
+def objective_of(cfg: TrainConfig, columns: list[str], name: str) -> str:
+    """resolve_objective for dataset `name` of the run, which must then be its only dataset unless it trains lm."""
+    objective = resolve_objective(cfg, columns, name)
+    if objective in ("dpo", "kto", "grpo") and len(cfg.dataset_name) > 1:
+        what = "prompts" if objective == "grpo" else "preference data"
+        raise TrainError(
+            f"--dataset-name {name} holds {what}, which train alone (--objective {objective}); give -d once"
+        )
+    return objective
+
+
+def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
     """--dry-run: each -d dataset's splits, rows and kind, and a mixture's weights (its tokens and blocks are
-    counted when the run tokenises them)."""
+    counted when the run tokenises them); what the run would refuse about the data before tokenising it (the
+    objective the data and flags resolve to, a chat template for conversations and pairs) is refused here too."""
     weights = parse_data_weights(cfg.data_weights) if cfg.data_weights else None
     lines = []
+    templated = None  # a dataset whose rows the chat template renders
     for i, name in enumerate(cfg.dataset_name):
         try:
             train_split, val_split = load_text_dataset(name, cfg.text_column or None)
         except ValueError as exc:
             raise TrainError(f"--dataset-name: {exc}") from exc
+        objective = objective_of(cfg, train_split.column_names, name)
+        if objective in PREFERENCE_OBJECTIVES or dataset_kind(train_split.column_names) == "messages":
+            templated = templated or name
         kind = {
             "preference": "preference pairs",
             "unpaired": "unpaired preference examples",
@@ -420,6 +431,12 @@ def describe_datasets(cfg: TrainConfig) -> None:
         lines.append(f"  {name}: {kind}, {len(train_split):,} train rows{held_out}{share}")
     mixture = " (a mixture: shares by --data-weights, else by size in blocks)" if len(lines) > 1 else ""
     log(f"data{mixture}:\n" + "\n".join(lines))
+    if templated:
+        from transformers import AutoTokenizer
+
+        chat_encoder(
+            cfg, AutoTokenizer.from_pretrained(model_dir, local_files_only=True), ["messages"], False, templated
+        )
 
 
 def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> str:
