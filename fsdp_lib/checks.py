@@ -20,6 +20,7 @@ from fsdp_lib.config import (
     TrainConfig,
     changed_dpo_flags,
     changed_flags,
+    grpo_conflicts,
     parse_data_slice,
     parse_data_weights,
     parse_profile_steps,
@@ -267,10 +268,6 @@ def _float8_problems(cfg: TrainConfig) -> list[str]:
             f"--fp8 {cfg.fp8} trains full weights in float8; with --peft {cfg.peft} the base is frozen (LoRA's float8 "
             "path is not built): leave --fp8 off"
         )
-    if cfg.objective == "grpo":
-        problems.append(
-            "--fp8 with --objective grpo: generation through float8 layers is not built or tested; leave --fp8 off"
-        )
     if cfg.precision == "fp16":  # either mode: one message, not this and the next
         problems.append("--fp8 with --precision fp16: float8 scales and the fp16 loss scale do not mix; use bf16")
     elif cfg.fp8 == "on" and cfg.precision not in ("auto", "bf16"):
@@ -387,8 +384,8 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             "--objective grpo needs at least one --reward: FILE.py:FUNCTION, or a built-in (accuracy, format)"
         )
-    if cfg.objective == "grpo" and changed_dpo_flags(cfg):
-        problems.append(f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo, not grpo")
+    if cfg.objective == "grpo":
+        problems += grpo_conflicts(cfg, "this run is --objective grpo")
     if changed_flags(cfg, ("reward_pattern",)) and "format" not in cfg.reward:  # it would be silently unused
         problems.append("--reward-pattern is what --reward format checks; add --reward format or drop --reward-pattern")
     if cfg.num_generations < 2:

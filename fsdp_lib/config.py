@@ -514,6 +514,19 @@ def changed_dpo_flags(cfg: TrainConfig) -> list[str]:
     return changed_flags(cfg, DPO_FLAGS)
 
 
+def grpo_conflicts(cfg: TrainConfig, why: str) -> list[str]:
+    """What a GRPO run cannot take, one problem each, whether --objective grpo was given or auto chose it from the
+    data (checks.py and plan.resolve_objective); `why` says which ("this run is --objective grpo", ...)."""
+    problems = []
+    if changed_dpo_flags(cfg):
+        problems.append(f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo; {why}: drop them")
+    if cfg.fp8 != "off":
+        problems.append(
+            f"--fp8 {cfg.fp8}: {why}, and generation through float8 layers is not built or tested; leave --fp8 off"
+        )
+    return problems
+
+
 def parse_data_slice(text: str) -> tuple[int, int | None] | None:
     """'START:END' -> (start, end or None); None when malformed."""
     start, sep, end = (part.strip() for part in text.partition(":"))

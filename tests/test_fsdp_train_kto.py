@@ -275,6 +275,13 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     ]:
         with pytest.raises(TrainError, match=message):
             resolve_objective(TrainConfig(objective=objective, **extra), columns, "d")
+    # the same conflicts (config.grpo_conflicts) for an explicit --objective grpo, before any process group
+    from fsdp_lib.checks import validate_config
+
+    explicit = TrainConfig(objective="grpo", reward=["accuracy"], dpo_beta=0.5, fp8="emulate")
+    problems = validate_config(explicit, 1)
+    assert "--dpo-beta apply to --objective dpo; this run is --objective grpo: drop them" in problems, problems
+    assert any(p.startswith("--fp8 emulate: this run is --objective grpo, and generation through") for p in problems)
 
 
 def test_a_text_column_of_conversations_is_refused_by_name():

@@ -19,6 +19,7 @@ from fsdp_lib.config import (
     TrainConfig,
     changed_dpo_flags,
     changed_flags,
+    grpo_conflicts,
     parse_data_slice,
     parse_data_weights,
 )
@@ -468,16 +469,8 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
                 "--reward FILE.py:FUNCTION or a built-in (accuracy, format)"
             )
         # what checks.py refuses for an explicit --objective grpo, once auto has become grpo here
-        if changed_dpo_flags(cfg):
-            raise TrainError(
-                f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo; --dataset-name {name} holds prompts "
-                "(--objective auto: grpo): drop them"
-            )
-        if cfg.fp8 != "off":
-            raise TrainError(
-                f"--fp8 {cfg.fp8}: --dataset-name {name} holds prompts (--objective auto: grpo), and generation "
-                "through float8 layers is not built or tested; leave --fp8 off"
-            )
+        if problems := grpo_conflicts(cfg, f"--dataset-name {name} holds prompts (--objective auto: grpo)"):
+            raise TrainError("; ".join(problems))
         return "grpo"
     if changed_flags(cfg, GRPO_FLAGS):
         raise TrainError(

@@ -34,6 +34,7 @@ from fsdp_lib.markers import EXPERIMENT_STATE, STEP_DIR
 from fsdp_lib.model.adapters import target_names
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
+from fsdp_lib.train.rewards import edited_rewards
 
 # Settings that change the math or the data: a resume with a different value is refused.
 RESUME_PINNED = (
@@ -86,19 +87,6 @@ def config_fingerprint(config: Any, with_path: bool = False) -> str:
     ignored = {"transformers_version", "dtype", "torch_dtype"} | (set() if with_path else {"_name_or_path"})
     settings = {k: v for k, v in config.to_dict().items() if k not in ignored}
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def edited_rewards(was: Any, now: Any) -> str:
-    """' (the file of --reward F:FN changed)' where two GRPO fingerprints' rewards ([[identity, weight], ...], a
-    file's identity being FILE:FUNCTION:CONTENT_HASH) differ in a file's contents only; '' otherwise."""
-    try:
-        pairs = [(a[0].rsplit(":", 1), b[0].rsplit(":", 1)) for a, b in zip(was, now, strict=True)]
-    except (TypeError, ValueError, IndexError, AttributeError):
-        return ""
-    edited = [a[0] for a, b in pairs if a != b and a[0] == b[0] and ".py:" in a[0]]  # a file's, not format:PATTERN
-    if not edited or any(a != b and a[0] != b[0] for a, b in pairs):
-        return ""
-    return f" (the file of --reward {', '.join(edited)} changed)"
 
 
 def _fsync_dir(path: Path) -> None:

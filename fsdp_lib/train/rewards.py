@@ -40,6 +40,20 @@ class RewardFunction:
     label: str = ""  # in metric names (rewards/LABEL): the built-in's or the function's name, else the whole spec
 
 
+def edited_rewards(was: Any, now: Any) -> str:
+    """' (the file of --reward F:FN changed)' where two GRPO fingerprints' rewards ([[identity, weight], ...], a
+    file's RewardFunction.identity being FILE:FUNCTION:CONTENT_HASH) differ in a file's contents only; '' otherwise
+    (what checkpoint.py's refusal of a resume adds to the difference)."""
+    try:
+        pairs = [(a[0].rsplit(":", 1), b[0].rsplit(":", 1)) for a, b in zip(was, now, strict=True)]
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return ""
+    edited = [a[0] for a, b in pairs if a != b and a[0] == b[0] and ".py:" in a[0]]  # a file's, not format:PATTERN
+    if not edited or any(a != b and a[0] != b[0] for a, b in pairs):
+        return ""
+    return f" (the file of --reward {', '.join(edited)} changed)"
+
+
 def _boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (nested braces allowed), or None."""
     start = text.rfind("\\boxed{")
