@@ -77,6 +77,7 @@ from fsdp_lib.state import TrainState
 from fsdp_lib.train.checkpoint import WRITE_FAILURES, Checkpointer, resume_fingerprint
 from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.train.dpo import step_flops_per_token
+from fsdp_lib.train.grpo import check_reward_fit
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
 from fsdp_lib.train.objective import Objective, build_objective
 from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer, global_grad_norm, lr_at
@@ -266,6 +267,7 @@ def run(cfg: TrainConfig) -> int:
     stop = StopRequest()
     seed_everything(cfg.seed + d.rank)
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
+    check_reward_fit(cfg, data)  # --objective grpo: the rewards take the prompts' columns, before the model loads
     bundle = build_model(cfg, precision, d)
     prompts = load_sample_prompts(cfg, data.tokenizer, getattr(bundle.config, "max_position_embeddings", None))
     objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, GRPO or None
@@ -461,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
         problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         problems = problems or peft_problems(cfg)  # the adapter flags against the model, built on meta
-        problems = problems or reward_problems(cfg.reward, cfg.reward_weights, cfg.reward_pattern)  # files imported
+        if not cfg.export_only:  # the reward files are imported here; an export needs none
+            problems = problems or reward_problems(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
         problems = problems or model_folder_problems(resolve_model_dir(cfg.model_name))  # files whole, vocab fits
         if problems:
             raise ConfigError(problems)

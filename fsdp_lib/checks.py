@@ -20,6 +20,7 @@ from fsdp_lib.config import (
     TrainConfig,
     changed_dpo_flags,
     changed_flags,
+    flags_apply,
     grpo_conflicts,
     parse_data_slice,
     parse_data_weights,
@@ -365,27 +366,32 @@ def _kto_problems(cfg: TrainConfig) -> list[str]:
     dpo_only = [flag for flag in changed_dpo_flags(cfg) if flag not in ("--dpo-beta", "--reference")]
     if cfg.objective == "kto" and dpo_only:
         problems.append(
-            f"{', '.join(dpo_only)} apply to --objective dpo; --objective kto takes --dpo-beta, --reference and "
+            f"{flags_apply(dpo_only)} to --objective dpo; --objective kto takes --dpo-beta, --reference and "
             "--kto-desirable-weight / --kto-undesirable-weight"
         )
     return problems
 
 
 def _grpo_problems(cfg: TrainConfig) -> list[str]:
-    """The GRPO flags: only with --objective grpo (or auto, where the dataset decides), and in range. The reward
-    files are imported later, in fsdp_train.main (rewards.reward_problems)."""
+    """The GRPO flags: only with --objective grpo, and in range. With auto the dataset decides first:
+    plan.resolve_objective runs these checks once auto has become grpo (and refuses the flags otherwise). The
+    reward files are imported later, in fsdp_train.main (rewards.reward_problems)."""
     if cfg.objective in ("lm", *PREFERENCE_OBJECTIVES):
         changed = changed_flags(cfg, GRPO_FLAGS)
         return [f"{need(changed)} --objective grpo (got --objective {cfg.objective})"] if changed else []
-    if cfg.objective == "auto" and not changed_flags(cfg, GRPO_FLAGS):
-        return []  # a prompt dataset then stops the run for want of --reward (plan.resolve_objective)
+    if cfg.objective == "auto":
+        return []
     problems = []
-    if cfg.objective == "grpo" and not cfg.reward:
+    if not cfg.reward:
         problems.append(
             "--objective grpo needs at least one --reward: FILE.py:FUNCTION, or a built-in (accuracy, format)"
         )
-    if cfg.objective == "grpo":
-        problems += grpo_conflicts(cfg, "this run is --objective grpo")
+    return problems + grpo_conflicts(cfg, "this run is --objective grpo") + grpo_range_problems(cfg)
+
+
+def grpo_range_problems(cfg: TrainConfig) -> list[str]:
+    """The GRPO flags' values, each problem naming its flag."""
+    problems = []
     if changed_flags(cfg, ("reward_pattern",)) and "format" not in cfg.reward:  # it would be silently unused
         problems.append("--reward-pattern is what --reward format checks; add --reward format or drop --reward-pattern")
     if cfg.num_generations < 2:

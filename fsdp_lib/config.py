@@ -319,7 +319,9 @@ class TrainConfig:
         "dtype of the exported model (auto = the model's original dtype)",
         choices=("auto", "bf16", "fp16", "fp32"),
     )
-    export_only: bool = _opt(False, "export outputs/EXP/final from the newest checkpoint and exit")
+    export_only: bool = _opt(
+        False, "export outputs/EXP/final from the newest checkpoint and exit (the run's settings: its config.yaml)"
+    )
     dry_run: bool = _opt(False, "print the resolved config, model size, sharding plan and memory estimate; exit")
 
     def __post_init__(self) -> None:
@@ -455,9 +457,10 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
 
 
 def load_config(argv: list[str] | None) -> TrainConfig:
-    """Defaults < YAML file < command line. Raises ConfigError listing every problem."""
+    """Defaults < YAML file < command line; with --export-only, the experiment's own config.yaml (its run's
+    settings) comes first, so `-e EXP --export-only` alone exports it. Raises ConfigError listing every problem."""
     args = vars(build_arg_parser().parse_args(argv))
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = saved_run_settings(args) if args.get("export_only") else {}
     errors: list[str] = []
     config_file = args.pop("config", None)
     if config_file:
@@ -487,6 +490,22 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def saved_run_settings(args: dict[str, Any]) -> dict[str, Any]:
+    """The settings outputs/EXP/config.yaml holds (what the run wrote at its start), those this version knows, for
+    an --export-only of that experiment; {} where there is none or it cannot be read (the command line then says
+    everything, as for a training run)."""
+    where = Path(args.get("save_dir", TrainConfig.save_dir)) / args.get("experiment_name", "")
+    try:
+        saved = yaml.safe_load((where / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    skip = {"export_only", "dry_run", "config"}
+    return {k: v for k, v in saved.items() if k in known and k not in skip}
+
+
 LORA_FLAGS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged",
 )  # fmt: skip
@@ -514,12 +533,18 @@ def changed_dpo_flags(cfg: TrainConfig) -> list[str]:
     return changed_flags(cfg, DPO_FLAGS)
 
 
+def flags_apply(flags: list[str], negated: bool = False) -> str:
+    """'--a applies' or '--a, --b apply' ('does not apply', 'do not apply'): a message's start."""
+    verb = ("does not apply" if negated else "applies") if len(flags) == 1 else ("do not apply" if negated else "apply")
+    return f"{', '.join(flags)} {verb}"
+
+
 def grpo_conflicts(cfg: TrainConfig, why: str) -> list[str]:
     """What a GRPO run cannot take, one problem each, whether --objective grpo was given or auto chose it from the
     data (checks.py and plan.resolve_objective); `why` says which ("this run is --objective grpo", ...)."""
     problems = []
     if changed_dpo_flags(cfg):
-        problems.append(f"{', '.join(changed_dpo_flags(cfg))} apply to --objective dpo; {why}: drop them")
+        problems.append(f"{flags_apply(changed_dpo_flags(cfg))} to --objective dpo; {why}: drop them")
     if cfg.fp8 != "off":
         problems.append(
             f"--fp8 {cfg.fp8}: {why}, and generation through float8 layers is not built or tested; leave --fp8 off"

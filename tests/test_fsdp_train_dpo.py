@@ -383,9 +383,8 @@ def test_step_one_is_ln2_and_accuracy_one_half(dpo_run):
 
 @pytest.mark.slow
 def test_export_only_computes_no_reference(dpo_inputs, dpo_run):
-    args = dpo_args("base", dpo_inputs, *RUN_FLAGS, "--export-only", "--grad-accum-steps", "2")  # the global batch of 2
-    args[args.index("--save-dir") + 1] = str(dpo_run[0].parent)
-    proc = run_trainer(args, nproc=1)
+    """`-e EXP --export-only` alone: the run's settings (data, model, objective) come from its config.yaml."""
+    proc = run_trainer(["-e", "base", "--save-dir", str(dpo_run[0].parent), "--export-only"], nproc=1)
     log = output_of(proc)
     assert proc.returncode == 0, log
     assert "reference log-probabilities" not in log and "exported" in log

@@ -20,6 +20,7 @@ from fsdp_lib.train.grpo import STD_EPS, Share, context_rows, group_advantages, 
 from fsdp_lib.train.rewards import (
     RewardError,
     accuracy_reward,
+    column_problems,
     final_answer,
     format_reward,
     load_reward,
@@ -225,6 +226,61 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
         assert message in str(err.value), name
     nones = reward("nones", "def f(prompts, completions, **kw):\n    return [None, 2]\n")
     assert np.isnan(score([nones], ["p", "p"], ["a", "b"], {})[0, 0])
+
+
+def test_rewards_are_checked_against_the_prompts_columns_before_the_model_loads(tmp_path):
+    """The accuracy built-in needs a reference column (without one it applied to nothing and the run trained on
+    zero rewards in silence); a function must take every column as a keyword; an async function, a folder and a
+    file importing a module beside it (as `python FILE.py` would)."""
+    path = tmp_path / "mine.py"
+    (tmp_path / "helper_beside_it.py").write_text("def value():\n    return 2.0\n")
+    path.write_text(
+        "from helper_beside_it import value\n"
+        "def keywords(prompts, completions, **kw):\n    return [value()] * len(completions)\n"
+        "def named(prompts, completions, answer):\n    return [1.0] * len(completions)\n"
+        "def strict(prompts, completions):\n    return [1.0] * len(completions)\n"
+        "async def waits(prompts, completions, **kw):\n    return []\n"
+    )
+    functions = load_rewards(["accuracy", f"{path}:keywords", f"{path}:named", f"{path}:strict"], "", ".*")
+    assert column_problems(functions, ("answer",)) == [column_problems(functions[3:], ("answer",))[0]]
+    assert "strict" in column_problems(functions[3:], ("answer",))[0]
+    assert "end its parameters with **kwargs" in column_problems(functions[3:], ("answer",))[0]
+    assert score(functions[1:2], ["p"], ["c"], {"answer": ["7"]}).tolist() == [[2.0]]
+    problems = column_problems(functions, ("result",))
+    assert "--reward accuracy reads each prompt's reference answer from a column named answer or" in problems[0]
+    assert "the prompts have ['result']" in problems[0] and "named cannot be called" in problems[1]
+    assert len(problems) == 3 and column_problems(functions[:2], ("solution", "x")) == []
+    (problem,) = reward_problems([f"{path}:waits"], "", ".*")
+    assert "waits is an async function" in problem
+    # what fsdp_train.run calls between the data and the model: the prompts' columns, train and validation
+    from types import SimpleNamespace
+
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data.prompts import PromptSet
+    from fsdp_lib.errors import TrainError
+    from fsdp_lib.train.grpo import check_reward_fit
+
+    def data(*columns: tuple[str, ...]) -> SimpleNamespace:
+        sets = [PromptSet([], np.zeros(0, dtype=np.int64), None, False, c) for c in columns]
+        return SimpleNamespace(objective="grpo", train=SimpleNamespace(blocks=sets[0]), validation=sets[1:] and sets[1])
+
+    cfg = TrainConfig(objective="grpo", reward=["accuracy"], dataset_name=["sums"])
+    with pytest.raises(TrainError, match=r"--dataset-name sums: --reward accuracy reads .* have \['result'\]"):
+        check_reward_fit(cfg, data(("result",)))
+    check_reward_fit(cfg, data(("result",), ("answer",)))  # a column of the validation prompts counts too
+    (tmp_path / "rewards.py").mkdir()
+    (problem,) = reward_problems([f"{tmp_path}/rewards.py:f"], "", ".*")
+    assert f"{tmp_path}/rewards.py is a folder, not a Python file" in problem
+
+
+def test_empty_prompts_are_counted_skips():
+    from fsdp_lib.data.prompts import prompt_text
+
+    for prompt, reason in [("", "an empty prompt"), ("  \n", "an empty prompt"), ([], "an empty list of messages"),
+                           ([{"role": "user", "content": " "}], "an empty prompt")]:  # fmt: skip
+        with pytest.raises(ValueError, match=reason):
+            prompt_text(prompt, None)
+    assert prompt_text("2 + 2 =", None) == ("2 + 2 =", False)
 
 
 # -- real runs ------------------------------------------------------------------------------------------------------
@@ -503,6 +559,18 @@ def test_a_resume_refused_for_an_edited_reward_file_names_that_function(tmp_path
     ckpt.fingerprint = {"objective": weights}
     said = ckpt._difference("objective", {"fingerprint": {"objective": saved}, "config": {}})
     assert "changed)" not in said and "2.0" in said, said  # a weight, not a file
+    # another objective: named as the flag, not as the five entries of two objectives' settings that follow from it
+    dpo = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0, "reference": "precompute"}
+    kto = {"loss": "kto", "beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0, "reference": "precompute"}
+    ckpt.fingerprint = {"objective": kto}
+    said = ckpt._difference("objective", {"fingerprint": {"objective": dpo}, "config": {}})
+    assert said == "--objective: checkpoint dpo vs now kto", said
+    # the global batch of a --context-parallel 2 run, resumed without it, names the flag and the fix
+    ckpt.fingerprint = {"global_batch_size": 4}
+    said = ckpt._difference(
+        "global_batch_size", {"fingerprint": {"global_batch_size": 2}, "config": {"context_parallel": 2}}
+    )
+    assert "(--context-parallel 2 then, 1 now" in said and "--global-batch-size 2 keeps the run's batch" in said, said
 
 
 @pytest.mark.slow
@@ -532,11 +600,12 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
                                  "validation": datasets.Dataset.from_list(rows(3, 20))})  # fmt: skip
     data.save_to_disk(str(tmp_path / "chat"))
     model = make_chat_model(tmp_path / "model", with_weights=True)
+    rewards = shutil.copy(grpo_inputs["rewards"], tmp_path / "mine.py")
     args = [
         *io_args("lora", tmp_path / "chat", model, tmp_path), *BASE_FLAGS, "--seq-length", "64",
-        "--reward", f"{grpo_inputs['rewards']}:chat", "--num-generations", "4", "--max-new-tokens", "6", "-b", "1",
+        "--reward", f"{rewards}:chat", "--num-generations", "4", "--max-new-tokens", "6", "-b", "1",
         "--max-steps", "2", "--peft", "lora", "--grpo-beta", "0.04", "--lr", "1e-3", "--num-iterations", "2",
-        "--reward", f"{grpo_inputs['rewards']}:tally", "--reward-weights", "1,0",
+        "--reward", f"{rewards}:tally", "--reward-weights", "1,0",
     ]  # fmt: skip
     tally = tmp_path / "tally.txt"
     proc = run_trainer(args, env={"GRPO_TALLY": str(tally)})
@@ -558,6 +627,13 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
     for r in steps:
         first, second = r["grad_norm/update_1"], r["grad_norm/update_2"]
         assert first != second and r["grad_norm"] == pytest.approx((first + second) / 2, rel=1e-12)
+    assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
+    # `-e EXP --export-only` alone takes the run's settings (--peft lora, the prompts, --seq-length) from its
+    # config.yaml, and an export needs no reward file (it was refused over GRPO's flags and a deleted file)
+    Path(rewards).unlink()
+    shutil.rmtree(tmp_path / "lora" / "final")
+    proc = run_trainer(["-e", "lora", "--save-dir", str(tmp_path), "--export-only"], nproc=1)
+    assert proc.returncode == 0, output_of(proc)
     assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
 
 

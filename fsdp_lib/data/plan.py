@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fsdp_lib.checks import grpo_range_problems
 from fsdp_lib.config import (
     GRPO_FLAGS,
     KTO_FLAGS,
@@ -19,6 +20,7 @@ from fsdp_lib.config import (
     TrainConfig,
     changed_dpo_flags,
     changed_flags,
+    flags_apply,
     grpo_conflicts,
     parse_data_slice,
     parse_data_weights,
@@ -346,6 +348,13 @@ def log_kto_examples(cfg: TrainConfig, blocks: PairBlocks, kind: str | None, tok
         f"{len(blocks):,} blocks ({used:.1%} of their tokens used); chat template {chat_template_hash(tokenizer)}, "
         "loss on the completions' assistant turns"
     )
+    if desirable in (0, blocks.num_pairs):
+        kind_of = "desirable" if desirable else "undesirable"
+        log(
+            f"WARNING: --objective kto: all {blocks.num_pairs:,} train examples are {kind_of} (label "
+            f"{bool(desirable)}); KTO weighs each kind against the other, so check the labels (the figures of the "
+            "missing kind are not logged)"
+        )
 
 
 def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any, tokenizer: Any) -> Source:
@@ -357,11 +366,12 @@ def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any,
     validation = None
     if val_split is not None and len(val_split):
         validation = load_prompts(val_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "validation")
+        validation = validation if len(validation) else None  # every one skipped: nothing to evaluate, no zeros
     template = chat_template_hash(tokenizer) if prompts.conversational else "text"
     log(
         f"--objective grpo{' (auto: the dataset has a prompt column)' if cfg.objective == 'auto' else ''}: "
         f"{len(prompts):,} {'conversational' if prompts.conversational else 'plain-text'} prompts of {name}, other "
-        f"columns for the rewards: {[c for c in train_split.column_names if c != 'prompt']}"
+        f"columns for the rewards: {list(prompts.columns)}"
     )
     fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
     tokens = sum(len(ids) for ids in prompts.ids)
@@ -453,7 +463,7 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
         )
     if changed_flags(cfg, KTO_FLAGS):
         raise TrainError(
-            f"{', '.join(changed_flags(cfg, KTO_FLAGS))} apply to --objective kto; --dataset-name {name} has the "
+            f"{flags_apply(changed_flags(cfg, KTO_FLAGS))} to --objective kto; --dataset-name {name} has the "
             f"columns {columns} (--objective {cfg.objective})"
         )
     preference = kind == "preference"
@@ -469,13 +479,14 @@ def resolve_objective(cfg: TrainConfig, columns: list[str], name: str = "") -> s
                 "--reward FILE.py:FUNCTION or a built-in (accuracy, format)"
             )
         # what checks.py refuses for an explicit --objective grpo, once auto has become grpo here
-        if problems := grpo_conflicts(cfg, f"--dataset-name {name} holds prompts (--objective auto: grpo)"):
+        why = f"--dataset-name {name} holds prompts (--objective auto: grpo)"
+        if problems := grpo_conflicts(cfg, why) + grpo_range_problems(cfg):
             raise TrainError("; ".join(problems))
         return "grpo"
     if changed_flags(cfg, GRPO_FLAGS):
         raise TrainError(
-            f"{', '.join(changed_flags(cfg, GRPO_FLAGS))} apply to --objective grpo; --dataset-name {name} has the "
-            f"columns {columns}, not a 'prompt' column"
+            f"{flags_apply(changed_flags(cfg, GRPO_FLAGS))} to --objective grpo, on prompts only; --dataset-name "
+            f"{name} has the columns {columns}"
         )
     if cfg.objective == "dpo" and not preference:
         raise TrainError(
@@ -531,7 +542,7 @@ def resolve_kto(cfg: TrainConfig, columns: list[str], kind: str | None, name: st
     ]
     if others:  # also when --objective auto chose kto: flags of another objective would be ignored silently
         raise TrainError(
-            f"{', '.join(others)} do not apply to --objective kto (--dataset-name {name}); it takes --dpo-beta, "
+            f"{flags_apply(others, negated=True)} to --objective kto (--dataset-name {name}); it takes --dpo-beta, "
             "--reference and --kto-desirable-weight / --kto-undesirable-weight"
         )
     if cfg.document_masking == "off":

@@ -39,6 +39,7 @@ class PromptSet:
     rows: np.ndarray  # each kept prompt's row in the split
     split: Any  # the datasets.Dataset (its other columns are read per batch)
     conversational: bool  # prompts are message lists (completions are then message lists too)
+    columns: tuple[str, ...] = ()  # the columns the reward functions get (kept ones and those of columns_json)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -62,9 +63,13 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
     of messages is rendered with the template's generation prompt, or, without a template, a user turn (after an
     optional system turn) becomes its plain text (system text, a blank line, user text)."""
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("an empty prompt")
         return prompt, False
-    if not isinstance(prompt, list) or not prompt:
+    if not isinstance(prompt, list):
         raise ValueError(f"a prompt is {type(prompt).__name__}, not a string or a list of messages")
+    if not prompt or not str((prompt[-1] if isinstance(prompt[-1], dict) else {}).get("content") or "").strip():
+        raise ValueError("an empty prompt" if prompt else "a prompt is an empty list of messages")
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
         return text, True
@@ -79,10 +84,10 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
 TOKENIZE_BATCH = 1024  # prompts per tokenizer call
 
 
-def check_reward_columns(split: Any, name: str, what: str) -> None:
+def check_reward_columns(split: Any, name: str, what: str) -> tuple[str, ...]:
     """The columns the reward functions get, checked before the model loads: `columns_json` holds a JSON object on
     every row (data_hf.py --format prompts writes one), and no column, kept or from that JSON, is named like a
-    reward function's own argument (it would reach the function twice)."""
+    reward function's own argument (it would reach the function twice). Returns their names, sorted."""
     names = set(split.column_names) - {PROMPT_COLUMN, COLUMNS_JSON}
     if COLUMNS_JSON in split.column_names:
         for row, text in enumerate(split[COLUMNS_JSON]):
@@ -102,6 +107,7 @@ def check_reward_columns(split: Any, name: str, what: str) -> None:
             f"--dataset-name {name}: the {what} prompts have a column {clash[0]!r}, the name of a reward function's "
             "own argument (f(prompts, completions, **columns)); rename that column in the data"
         )
+    return tuple(sorted(names))
 
 
 def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str) -> PromptSet:
@@ -112,7 +118,7 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             f"--dataset-name {name}: --objective grpo needs a 'prompt' column (columns: {split.column_names}); "
             "convert prompts with: python data_hf.py --format prompts ..."
         )
-    check_reward_columns(split, name, what)
+    columns = check_reward_columns(split, name, what)
     rendered: dict[bool, list[tuple[int, str]]] = {False: [], True: []}  # templated -> (row, text)
     skipped: dict[str, list[int]] = {}
     for row, prompt in enumerate(split[PROMPT_COLUMN]):
@@ -146,7 +152,7 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             f"--dataset-name {name}: the {what} prompts mix plain strings and conversations; the completions the "
             "reward functions get would differ in kind. Convert them all to one kind"
         )
-    return PromptSet(ids, np.asarray(rows, dtype=np.int64), split, kinds == {True})
+    return PromptSet(ids, np.asarray(rows, dtype=np.int64), split, kinds == {True}, columns)
 
 
 def end_of_turn_ids(tokenizer: Any) -> set[int]:

@@ -20,6 +20,8 @@ from fsdp_lib.records.schema import Turns
 PROMPT_KEYS = ("prompt", "question", "problem", "instruction")
 # A reward function's own arguments, f(prompts, completions, **columns): no kept field may take their names.
 REWARD_ARGUMENTS = ("prompts", "completions")
+# The columns the built-in accuracy reward reads the reference answer from, the first one a row has.
+REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "target", "reference")
 
 
 @dataclass(frozen=True)

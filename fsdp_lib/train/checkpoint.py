@@ -189,6 +189,14 @@ def host_staging(d: Dist) -> Any:
     )
 
 
+def objective_name(fingerprint: Any) -> str:
+    """The --objective a resume fingerprint's objective entry stands for: lm's is the string, DPO's and KTO's a
+    dict of their settings (KTO's loss named kto), GRPO's a dict naming it."""
+    if not isinstance(fingerprint, dict):
+        return str(fingerprint)
+    return str(fingerprint.get("objective") or ("kto" if fingerprint.get("loss") == "kto" else "dpo"))
+
+
 class Checkpointer:
     """Atomic DCP checkpoints: each rank writes its shard into `.tmp_step_N/`; only after every rank has
     finished and the training state is written and synced does rank 0 rename it to `step_N/`.
@@ -241,6 +249,15 @@ class Checkpointer:
         named = payload.get("config", {}).get(flag) if flag else None
         if flag and named is not None and named != getattr(self.cfg, flag):
             return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
+        if key == "objective" and objective_name(was) != objective_name(now):  # the rest follows from it
+            return f"--objective: checkpoint {objective_name(was)} vs now {objective_name(now)}"
+        then = payload.get("config", {}).get("context_parallel", 1)
+        if key == "global_batch_size" and then != self.cfg.context_parallel:  # a context group trains one row
+            return (
+                f"{key}: checkpoint {was!r} vs now {now!r} (--context-parallel {then} then, "
+                f"{self.cfg.context_parallel} now: the processes of a context group share a row; "
+                f"--global-batch-size {was} keeps the run's batch)"
+            )
         if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
             parts = [
                 f"{key}.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"

@@ -40,7 +40,15 @@ from fsdp_lib.train.dpo import (
     sequence_lengths,
     sequence_sums,
 )
-from fsdp_lib.train.rewards import RewardError, RewardFunction, combine, completion_text, load_rewards, score
+from fsdp_lib.train.rewards import (
+    RewardError,
+    RewardFunction,
+    column_problems,
+    combine,
+    completion_text,
+    load_rewards,
+    score,
+)
 from fsdp_lib.train.rollout import Completions, generate, keep_layers_gathered, sampling_uniforms
 from fsdp_lib.train.samples import stop_ids
 
@@ -191,6 +199,7 @@ class GRPOObjective:
         self.calls = 0  # micro-batches of this update so far
         self.old_log_probs: list[torch.Tensor] = []  # per micro-batch: of the policy that sampled (update 0's)
         self.references: list[torch.Tensor] = []  # per micro-batch: the reference's, with --grpo-beta
+        self.unapplied: set[str] = set()  # the reward functions already warned about applying to no completion
 
     def set_requires_gradient_sync(self, flag: bool) -> None:
         self.policy.set_requires_gradient_sync(flag)
@@ -457,7 +466,31 @@ class GRPOObjective:
                 m = total / count
                 record[f"rewards/{reward.label}"] = m
                 record[f"rewards/{reward.label}_std"] = math.sqrt(max(0.0, squares / count - m**2))
+            elif base["completions"] and reward.name not in self.unapplied:
+                self.unapplied.add(reward.name)
+                log(
+                    f"WARNING: --reward {reward.name} returned None for all {int(base['completions']):,} completions "
+                    "since the last log line: it applies to none of them, adds nothing to their rewards and has no "
+                    f"rewards/{reward.label} figure (warned once)"
+                )
         return record
+
+
+def check_reward_fit(cfg: TrainConfig, data: TrainData) -> None:
+    """--objective grpo: every --reward takes the prompts' columns (and the accuracy built-in finds a reference
+    among them); raises TrainError before the model loads."""
+    if data.objective != "grpo" or cfg.export_only:
+        return
+    columns = {name for blocks in (data.train.blocks, data.validation) if isinstance(blocks, PromptSet)
+               for name in blocks.columns}  # fmt: skip
+    try:
+        problems = column_problems(
+            load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern), tuple(sorted(columns))
+        )
+    except ValueError as exc:
+        raise TrainError(str(exc)) from exc
+    if problems:
+        raise TrainError(f"--dataset-name {cfg.datasets_label}: " + "; ".join(problems))
 
 
 def build_grpo(
@@ -465,8 +498,8 @@ def build_grpo(
 ) -> tuple[GRPOObjective, dict]:
     """(the GRPO objective, what a resume must agree with), before any checkpoint is loaded (a frozen reference copy
     is the starting model)."""
-    try:
-        rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
+    try:  # an export trains nothing and needs no reward file (the differing fingerprint is noted, not refused)
+        rewards = [] if cfg.export_only else load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
     except ValueError as exc:
         raise TrainError(str(exc)) from exc
     dropped = disable_dropout(bundle.model)

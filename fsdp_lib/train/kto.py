@@ -71,23 +71,25 @@ KTO_STATS = (
 
 def kto_figures(totals: torch.Tensor) -> dict[str, float]:
     """Means of the summed figures: losses, accuracy and KL per example; the chosen (desirable) and rejected
-    (undesirable) rewards and log-probs per example of their kind, as TRL logs them."""
+    (undesirable) rewards and log-probs per example of their kind, as TRL logs them, each kind's only where the
+    window held an example of it (a mean of none is no figure, not 0; the margin needs both)."""
     v = dict(zip(KTO_STATS, totals.tolist()))
     examples, good = max(1.0, v["examples"]), v["desirable"]
     bad = v["examples"] - good
     out = {
         "loss": v["loss"] / examples,
-        "rewards/chosen": v["rewards/chosen"] / max(1.0, good),
-        "rewards/rejected": v["rewards/rejected"] / max(1.0, bad),
         "rewards/accuracies": v["rewards/accuracies"] / examples,
-        "logps/chosen": v["logps/chosen"] / max(1.0, good),
-        "logps/rejected": v["logps/rejected"] / max(1.0, bad),
         "kl": v["kl"] / examples,
         "examples": v["examples"],
         "desirable_share": good / examples,
         "response_tokens": v["response_tokens"],
     }
-    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    for kind, count in (("chosen", good), ("rejected", bad)):
+        if count:
+            out[f"rewards/{kind}"] = v[f"rewards/{kind}"] / count
+            out[f"logps/{kind}"] = v[f"logps/{kind}"] / count
+    if good and bad:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     return out
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import inspect
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "target", "reference")
+from fsdp_lib.records.prompts import REFERENCE_COLUMNS
+
 BUILT_IN = ("accuracy", "format")
 
 
@@ -149,7 +152,11 @@ def load_reward(spec: str, weight: float, pattern: str) -> RewardFunction:
         )
     path = Path(path_text)
     if not path.is_file():
-        raise ValueError(f"--reward {spec}: no file {path}")
+        raise ValueError(
+            f"--reward {spec}: {path} is a folder, not a Python file"
+            if path.is_dir()
+            else f"--reward {spec}: no file {path}"
+        )
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     module = _import_reward_file(spec, path, digest)
     function = getattr(module, function_name, None)
@@ -157,6 +164,10 @@ def load_reward(spec: str, weight: float, pattern: str) -> RewardFunction:
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
         has = f"it has: {', '.join(found)}" if found else "it defines no function"
         raise ValueError(f"--reward {spec}: {path} has no function {function_name!r} ({has})")
+    if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__):
+        raise ValueError(
+            f"--reward {spec}: {function_name} is an async function; give a plain function that returns the rewards"
+        )
     return RewardFunction(spec, function, weight, f"{path.name}:{function_name}:{digest}")
 
 
@@ -165,9 +176,14 @@ _IMPORTED: dict[tuple[str, str], ModuleType] = {}  # (resolved path, content dig
 
 def _import_reward_file(spec: str, path: Path, digest: str) -> ModuleType:
     """The reward file as a module, imported once per process and content (the start-up check, the objective and
-    several --reward functions of one file share it, so its top level runs once)."""
+    several --reward functions of one file share it, so its top level runs once). Its folder goes first on
+    sys.path, as for `python FILE.py`, so it imports the modules beside it (those are not in the content hash a
+    resume pins: only the file itself is)."""
     key = (str(path.resolve()), digest)
     if key not in _IMPORTED:
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         module_name = f"reward_{hashlib.sha256(key[0].encode()).hexdigest()[:12]}"
         try:
             loader = importlib.util.spec_from_file_location(module_name, path)
@@ -210,6 +226,33 @@ def reward_problems(specs: list[str], weights_text: str, pattern: str) -> list[s
             load_reward(spec, 1.0, pattern)
         except ValueError as exc:
             problems.append(str(exc))
+    return problems
+
+
+def column_problems(functions: list[RewardFunction], columns: tuple[str, ...]) -> list[str]:
+    """Each --reward against the columns of the prompts it will get, before the model loads: the accuracy
+    built-in needs a reference column, and a function must take prompts, completions and every column as keywords
+    (a problem found only at the first step would come after the model loaded)."""
+    problems = []
+    for reward in functions:
+        if reward.function is accuracy_reward and not set(columns) & set(REFERENCE_COLUMNS):
+            problems.append(
+                f"--reward accuracy reads each prompt's reference answer from a column named "
+                f"{' or '.join(REFERENCE_COLUMNS)}, and the prompts have {list(columns) or 'no other column'}: "
+                "rename the column that holds the answers, or give your own --reward FILE.py:FUNCTION that reads it"
+            )
+        try:
+            signature = inspect.signature(reward.function)
+        except (TypeError, ValueError):  # a callable without a signature: its first call tells
+            continue
+        try:
+            signature.bind(prompts=[], completions=[], **dict.fromkeys(columns))
+        except TypeError as exc:
+            problems.append(
+                f"--reward {reward.name} cannot be called as f(prompts=..., completions=..., "
+                f"{', '.join(f'{c}=...' for c in columns) or 'no columns'}) ({exc}): every column of the prompts "
+                "comes as a keyword; end its parameters with **kwargs, as TRL's reward functions do"
+            )
     return problems
 
 
