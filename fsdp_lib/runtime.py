@@ -283,13 +283,18 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
         self.training = False
+        self.first: int | None = None  # the signal that asked for the checkpoint
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.training or (self.requested and signum == signal.SIGINT):  # a second Ctrl-C means now
+        if not self.training:
             raise KeyboardInterrupt(signal.Signals(signum).name)
-        self.requested = True
+        # a second Ctrl-C means now; torchrun passes a second Ctrl-C on to its workers as SIGTERM, so after a Ctrl-C
+        # any signal does (a scheduler's repeated SIGTERM still only asks for the checkpoint)
+        if self.requested and signal.SIGINT in (signum, self.first):
+            raise KeyboardInterrupt("SIGINT")
+        self.requested, self.first = True, signum
         log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
 
 

@@ -233,9 +233,17 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_b
             assert interrupt.value.args == (sig.name,) and not stop.requested
         stop.training = True
         stop._handle(signal.SIGTERM, None)
+        stop._handle(signal.SIGTERM, None)  # a scheduler's repeated SIGTERM: still the checkpoint
         assert stop.requested
         with pytest.raises(KeyboardInterrupt):
             stop._handle(signal.SIGINT, None)
+        # Ctrl-C, then Ctrl-C again as torchrun passes it on to its workers (SIGTERM): now, as a second Ctrl-C
+        stop = StopRequest()
+        stop.training = True
+        stop._handle(signal.SIGINT, None)
+        with pytest.raises(KeyboardInterrupt) as interrupt:
+            stop._handle(signal.SIGTERM, None)
+        assert interrupt.value.args == ("SIGINT",)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
