@@ -502,7 +502,7 @@ def saved_run_settings(args: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(saved, dict):
         return {}
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    skip = {"export_only", "dry_run", "config"}
+    skip = {"export_only", "dry_run", "config", "save_dir", "experiment_name"}  # where it is now, not was
     return {k: v for k, v in saved.items() if k in known and k not in skip}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import fsdp_train as ft
 from fsdp_lib.config import TrainConfig, load_config
@@ -123,6 +124,13 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     cfg_file.write_text("global-batch-size: 64\ngrad-accum-steps: 4\n")  # both in the file: checked as given
     cfg = load_config(["--config", str(cfg_file)])
     assert (cfg.global_batch_size, cfg.grad_accum_steps) == (64, 4)
+    # --export-only: the experiment's config.yaml first (where it is now: not its recorded folder), then the flags
+    (tmp_path / "moved" / "exp").mkdir(parents=True)
+    saved = {"seq_length": 64, "peft": "lora", "save_dir": "gone", "experiment_name": "old", "no_such_key": 1}
+    (tmp_path / "moved" / "exp" / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved"), "--export-only", "--seq-length", "32"])
+    assert (cfg.seq_length, cfg.peft, cfg.experiment_dir) == (32, "lora", tmp_path / "moved" / "exp")
+    assert load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved")]).peft == "none", "only for an export"
 
 
 def test_lr_schedule_shapes():
