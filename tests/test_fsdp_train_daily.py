@@ -41,6 +41,7 @@ def test_too_few_blocks_for_one_batch_names_the_fix_of_its_objective():
         "or a wider --data-slice than 0:2"
     )
     assert "raise --seq-length or lower --max-new-tokens" in too_few_blocks_fix(TrainConfig(), "grpo")
+    assert too_few_blocks_fix(TrainConfig(), "grpo", skipped=False) == "lower --batch-size or --grad-accum-steps"
     assert too_few_blocks_fix(TrainConfig(), "kto") == too_few_blocks_fix(TrainConfig(), "dpo")
 
 

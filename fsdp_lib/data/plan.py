@@ -214,7 +214,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
         raise TrainError(
             f"--dataset-name {cfg.datasets_label}: {plan.epoch_blocks} train {unit.split()[0]} per epoch are fewer "
             f"than one global batch of {global_batch} (processes x --batch-size x --grad-accum-steps); "
-            f"{too_few_blocks_fix(cfg, sources[0].objective)}"
+            f"{too_few_blocks_fix(cfg, sources[0].objective, skipped=sum(s.rows for s in sources) > plan.epoch_blocks)}"
         )
     log(
         f"data: {plan.epoch_blocks:,} train {unit} of {cfg.seq_length} tokens per epoch, global batch {global_batch} "
@@ -231,10 +231,13 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     return TrainData(plan, validation, tokenizer, tok_hash, fingerprint, data_format, sources[0].objective)
 
 
-def too_few_blocks_fix(cfg: TrainConfig, objective: str) -> str:
-    """What gives a run with fewer train blocks (prompts) than one global batch at least one step."""
+def too_few_blocks_fix(cfg: TrainConfig, objective: str, skipped: bool = True) -> str:
+    """What gives a run with fewer train blocks (prompts) than one global batch at least one step (`skipped`:
+    GRPO skipped prompts, so room for them would help)."""
     smaller = "--global-batch-size" if cfg.global_batch_size else "--batch-size or --grad-accum-steps"
     wider = f", or a wider --data-slice than {cfg.data_slice}" if cfg.data_slice else ""
+    if objective == "grpo" and not skipped:  # every prompt is in: only a smaller batch or more prompts help
+        return f"lower {smaller}{wider}"
     if objective == "grpo":  # a prompt is skipped when it leaves no room for --max-new-tokens
         return (
             "raise --seq-length or lower --max-new-tokens (a prompt longer than the difference is skipped), or lower "
