@@ -285,7 +285,7 @@ def run(cfg: TrainConfig) -> int:
         )
     elif cfg.export_only:
         raise CheckpointError(f"--export-only: no complete checkpoint in {checkpointer.root}")
-    if d.is_main:  # only now: a run refused by the checks above (a resume of another model or data) writes nothing
+    if d.is_main and not cfg.export_only:  # only now: a refused run writes nothing; an export keeps the run's
         cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
         (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     if cfg.export_only:

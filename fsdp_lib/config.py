@@ -460,7 +460,7 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     """Defaults < YAML file < command line; with --export-only, the experiment's own config.yaml (its run's
     settings) comes first, so `-e EXP --export-only` alone exports it. Raises ConfigError listing every problem."""
     args = vars(build_arg_parser().parse_args(argv))
-    values: dict[str, Any] = saved_run_settings(args) if args.get("export_only") else {}
+    values: dict[str, Any] = {}
     errors: list[str] = []
     config_file = args.pop("config", None)
     if config_file:
@@ -480,6 +480,10 @@ def load_config(argv: list[str] | None) -> TrainConfig:
                 errors.append(f"--config {config_file}: unknown key '{key}' (keys are the flag names, e.g. seq-length)")
                 continue
             values[name] = _normalise_yaml_value(name, value, errors, f"--config {config_file}")
+    if args.get("export_only", values.get("export_only")):  # the run's own settings first, where it is now
+        where = {**values, **args}
+        folder = Path(where.get("save_dir", TrainConfig.save_dir)) / where.get("experiment_name", "")
+        values = {**saved_run_settings(folder, errors), **values}
     # --global-batch-size sets the accumulation: the one of the two given on the command line overrides the file's
     for given, other in (("global_batch_size", "grad_accum_steps"), ("grad_accum_steps", "global_batch_size")):
         if given in args and other not in args:
@@ -490,20 +494,31 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def saved_run_settings(args: dict[str, Any]) -> dict[str, Any]:
-    """The settings outputs/EXP/config.yaml holds (what the run wrote at its start), those this version knows, for
-    an --export-only of that experiment; {} where there is none or it cannot be read (the command line then says
-    everything, as for a training run)."""
-    where = Path(args.get("save_dir", TrainConfig.save_dir)) / args.get("experiment_name", "")
+# What an --export-only takes from the run's config.yaml: what decides the model, data and checkpoint, not how it ran
+# (batch, processes, device, logging), which the export's own launch may change (any process count, a CPU).
+EXPORT_SETTINGS = (
+    "dataset_name", "data_weights", "text_column", "model_name", "seed", "data_slice", "seq_length",
+    "document_masking", "loss_on", "chat_template", "attn_implementation", "peft", "lora_rank", "lora_alpha",
+    "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged", "export_dtype", "objective",
+    "dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "kto_desirable_weight",
+    "kto_undesirable_weight", "reference", "num_generations", "max_new_tokens", "temperature", "top_p", "reward",
+    "reward_weights", "reward_pattern", "grpo_loss", "epsilon", "epsilon_high", "num_iterations", "grpo_beta",
+)  # fmt: skip
+
+
+def saved_run_settings(folder: Path, errors: list[str]) -> dict[str, Any]:
+    """The EXPORT_SETTINGS of FOLDER/config.yaml (what the run wrote at its start), read as --config reads a file,
+    for an --export-only of that experiment; {} where there is none or it is not a mapping (the command line then
+    says everything, as for a training run)."""
+    path = folder / "config.yaml"
     try:
-        saved = yaml.safe_load((where / "config.yaml").read_text(encoding="utf-8"))
+        saved = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
     if not isinstance(saved, dict):
         return {}
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    skip = {"export_only", "dry_run", "config", "save_dir", "experiment_name"}  # where it is now, not was
-    return {k: v for k, v in saved.items() if k in known and k not in skip}
+    names = {str(key).replace("-", "_"): value for key, value in saved.items()}
+    return {n: _normalise_yaml_value(n, names[n], errors, str(path)) for n in EXPORT_SETTINGS if n in names}
 
 
 LORA_FLAGS = (

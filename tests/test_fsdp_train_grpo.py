@@ -248,7 +248,7 @@ def test_rewards_are_checked_against_the_prompts_columns_before_the_model_loads(
     assert score(functions[1:2], ["p"], ["c"], {"answer": ["7"]}).tolist() == [[2.0]]
     problems = column_problems(functions, ("result",))
     assert "--reward accuracy reads each prompt's reference answer from a column named answer or" in problems[0]
-    assert "the prompts have ['result']" in problems[0] and "named cannot be called" in problems[1]
+    assert "the train prompts have ['result']" in problems[0] and "named cannot be called" in problems[1]
     assert len(problems) == 3 and column_problems(functions[:2], ("solution", "x")) == []
     (problem,) = reward_problems([f"{path}:waits"], "", ".*")
     assert "waits is an async function" in problem
@@ -267,7 +267,9 @@ def test_rewards_are_checked_against_the_prompts_columns_before_the_model_loads(
     cfg = TrainConfig(objective="grpo", reward=["accuracy"], dataset_name=["sums"])
     with pytest.raises(TrainError, match=r"--dataset-name sums: --reward accuracy reads .* have \['result'\]"):
         check_reward_fit(cfg, data(("result",)))
-    check_reward_fit(cfg, data(("result",), ("answer",)))  # a column of the validation prompts counts too
+    with pytest.raises(TrainError, match="the train prompts have"):  # held-out answers do not train anything
+        check_reward_fit(cfg, data(("result",), ("answer",)))
+    check_reward_fit(cfg, data(("answer",), ("result",)))
     (tmp_path / "rewards.py").mkdir()
     (problem,) = reward_problems([f"{tmp_path}/rewards.py:f"], "", ".*")
     assert f"{tmp_path}/rewards.py is a folder, not a Python file" in problem

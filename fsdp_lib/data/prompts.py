@@ -68,8 +68,12 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
         return prompt, False
     if not isinstance(prompt, list):
         raise ValueError(f"a prompt is {type(prompt).__name__}, not a string or a list of messages")
-    if not prompt or not str((prompt[-1] if isinstance(prompt[-1], dict) else {}).get("content") or "").strip():
-        raise ValueError("an empty prompt" if prompt else "a prompt is an empty list of messages")
+    if not prompt:
+        raise ValueError("a prompt is an empty list of messages")
+    if not isinstance(prompt[-1], dict):
+        raise ValueError(f"a prompt's last turn is {type(prompt[-1]).__name__}, not a message ({{role, content}})")
+    if isinstance(prompt[-1].get("content"), str | None) and not (prompt[-1].get("content") or "").strip():
+        raise ValueError("an empty prompt")
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
         return text, True

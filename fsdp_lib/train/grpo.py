@@ -481,12 +481,11 @@ def check_reward_fit(cfg: TrainConfig, data: TrainData) -> None:
     among them); raises TrainError before the model loads."""
     if data.objective != "grpo" or cfg.export_only:
         return
-    columns = {name for blocks in (data.train.blocks, data.validation) if isinstance(blocks, PromptSet)
-               for name in blocks.columns}  # fmt: skip
+    train = data.train.blocks.columns if isinstance(data.train.blocks, PromptSet) else ()
+    held_out = data.validation.columns if isinstance(data.validation, PromptSet) else ()
     try:
-        problems = column_problems(
-            load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern), tuple(sorted(columns))
-        )
+        functions = load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
+        problems = column_problems(functions, tuple(sorted({*train, *held_out})), train)
     except ValueError as exc:
         raise TrainError(str(exc)) from exc
     if problems:

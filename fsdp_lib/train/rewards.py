@@ -177,13 +177,13 @@ _IMPORTED: dict[tuple[str, str], ModuleType] = {}  # (resolved path, content dig
 def _import_reward_file(spec: str, path: Path, digest: str) -> ModuleType:
     """The reward file as a module, imported once per process and content (the start-up check, the objective and
     several --reward functions of one file share it, so its top level runs once). Its folder goes first on
-    sys.path, as for `python FILE.py`, so it imports the modules beside it (those are not in the content hash a
-    resume pins: only the file itself is)."""
+    sys.path (last), so it imports the modules beside it (those are not in the content hash a resume pins: only
+    the file itself is; two files importing a same-named module share the first one's)."""
     key = (str(path.resolve()), digest)
     if key not in _IMPORTED:
         folder = str(path.resolve().parent)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+        if folder not in sys.path:  # last: a module beside it never shadows one the trainer imports
+            sys.path.append(folder)
         module_name = f"reward_{hashlib.sha256(key[0].encode()).hexdigest()[:12]}"
         try:
             loader = importlib.util.spec_from_file_location(module_name, path)
@@ -229,16 +229,20 @@ def reward_problems(specs: list[str], weights_text: str, pattern: str) -> list[s
     return problems
 
 
-def column_problems(functions: list[RewardFunction], columns: tuple[str, ...]) -> list[str]:
-    """Each --reward against the columns of the prompts it will get, before the model loads: the accuracy
-    built-in needs a reference column, and a function must take prompts, completions and every column as keywords
-    (a problem found only at the first step would come after the model loaded)."""
+def column_problems(
+    functions: list[RewardFunction], columns: tuple[str, ...], train_columns: tuple[str, ...] | None = None
+) -> list[str]:
+    """Each --reward against the columns of the prompts it will get (train and validation: `columns`; the train
+    prompts': `train_columns`, default the same), before the model loads: the accuracy built-in needs a reference
+    column among the train prompts', and a function must take prompts, completions and every column as keywords (a
+    problem found only at the first step would come after the model loaded)."""
     problems = []
+    trained = columns if train_columns is None else train_columns
     for reward in functions:
-        if reward.function is accuracy_reward and not set(columns) & set(REFERENCE_COLUMNS):
+        if reward.function is accuracy_reward and not set(trained) & set(REFERENCE_COLUMNS):
             problems.append(
                 f"--reward accuracy reads each prompt's reference answer from a column named "
-                f"{' or '.join(REFERENCE_COLUMNS)}, and the prompts have {list(columns) or 'no other column'}: "
+                f"{' or '.join(REFERENCE_COLUMNS)}, and the train prompts have {list(trained) or 'no other column'}: "
                 "rename the column that holds the answers, or give your own --reward FILE.py:FUNCTION that reads it"
             )
         try:
