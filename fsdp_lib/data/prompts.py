@@ -72,7 +72,8 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
         raise ValueError("a prompt is an empty list of messages")
     if not isinstance(prompt[-1], dict):
         raise ValueError(f"a prompt's last turn is {type(prompt[-1]).__name__}, not a message ({{role, content}})")
-    if isinstance(prompt[-1].get("content"), str | None) and not (prompt[-1].get("content") or "").strip():
+    content = prompt[-1].get("content")
+    if content is None or (isinstance(content, str) and not content.strip()):
         raise ValueError("an empty prompt")
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)

@@ -176,8 +176,8 @@ _IMPORTED: dict[tuple[str, str], ModuleType] = {}  # (resolved path, content dig
 
 def _import_reward_file(spec: str, path: Path, digest: str) -> ModuleType:
     """The reward file as a module, imported once per process and content (the start-up check, the objective and
-    several --reward functions of one file share it, so its top level runs once). Its folder goes first on
-    sys.path (last), so it imports the modules beside it (those are not in the content hash a resume pins: only
+    several --reward functions of one file share it, so its top level runs once). Its folder goes at the end of
+    sys.path, so it imports the modules beside it (those are not in the content hash a resume pins: only
     the file itself is; two files importing a same-named module share the first one's)."""
     key = (str(path.resolve()), digest)
     if key not in _IMPORTED:
