@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ import yaml
 from fsdp_lib.checks import validate_config
 from fsdp_lib.config import TrainConfig, load_config, resolve_precision
 from fsdp_lib.data.batch import Batch
-from fsdp_lib.data.cache import PackedBlocks
+from fsdp_lib.data.cache import PackedBlocks, tokenizer_hash
+from fsdp_lib.data.chat import export_tokenizer
 from fsdp_lib.data.mixture import MixedBlocks
 from fsdp_lib.data.plan import Prefetcher, TrainData, build_data, describe_datasets, evaluation_shares, total_steps
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError, explain_write_error
@@ -74,7 +76,7 @@ from fsdp_lib.runtime import (
     setup_distributed,
 )
 from fsdp_lib.state import TrainState
-from fsdp_lib.train.checkpoint import WRITE_FAILURES, Checkpointer, resume_fingerprint
+from fsdp_lib.train.checkpoint import WRITE_FAILURES, Checkpointer, export_fingerprint, resume_fingerprint
 from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.train.dpo import step_flops_per_token
 from fsdp_lib.train.grpo import check_reward_fit
@@ -264,6 +266,8 @@ def run(cfg: TrainConfig) -> int:
     d = setup_distributed(cfg)
     if warning := cpu_bf16_warning(precision, d.device):
         log(warning)
+    if cfg.export_only:
+        return export_checkpoint(cfg, precision, d)
     stop = StopRequest()
     seed_everything(cfg.seed + d.rank)
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
@@ -278,19 +282,14 @@ def run(cfg: TrainConfig) -> int:
     latest = latest_intact_checkpoint(checkpointer.root, d)
     state = TrainState()
     if latest is not None:
-        state = checkpointer.load(latest, bundle.model, None if cfg.export_only else optimizer)
+        state = checkpointer.load(latest, bundle.model, optimizer)
         log(
             f"resumed from {latest} at step {state.step} (epoch {state.epoch}, {state.samples_in_epoch} samples "
             f"into the epoch)"
         )
-    elif cfg.export_only:
-        raise CheckpointError(f"--export-only: no complete checkpoint in {checkpointer.root}")
-    if d.is_main and not cfg.export_only:  # only now: a refused run writes nothing; an export keeps the run's
+    if d.is_main:  # only now: a refused run writes nothing
         cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
         (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    if cfg.export_only:
-        export(bundle, data, cfg, d)
-        return 0
 
     steps = range(state.step + 1, total_steps(cfg, data.train) + 1)
     flops = bundle.flops_per_token
@@ -309,23 +308,40 @@ def run(cfg: TrainConfig) -> int:
         if d.is_main:
             plot_metrics(metrics.path, cfg.experiment_dir / "loss.png", cfg.experiment_name)
     if finished:
-        export(bundle, data, cfg, d)
+        export(bundle, data.tokenizer, cfg, d)
     return 0
 
 
-def export(bundle: ModelBundle, data: TrainData, cfg: TrainConfig, d: Dist) -> None:
+def export_checkpoint(cfg: TrainConfig, precision: str, d: Dist) -> int:
+    """--export-only: the newest intact checkpoint exported as the run's end exports it. Nothing trains, so no
+    dataset is read (one moved or deleted since the run does not stop its export) and no objective or reward is
+    built; the model, its tokenizer and adapters must be the run's."""
+    model_dir = resolve_model_dir(cfg.model_name)
+    latest = latest_intact_checkpoint(cfg.experiment_dir / "checkpoint", d)
+    if latest is None:
+        raise CheckpointError(f"--export-only: no complete checkpoint in {cfg.experiment_dir / 'checkpoint'}")
+    bundle = build_model(cfg, precision, d)
+    checkpointer = Checkpointer(cfg, d, export_fingerprint(cfg, bundle.config, tokenizer_hash(model_dir), bundle.peft))
+    tokenizer = export_tokenizer(cfg, model_dir, checkpointer.read_state(latest)["fingerprint"].get("data_format", ""))
+    state = checkpointer.load(latest, bundle.model, None)
+    log(f"--export-only: exporting {latest} (step {state.step})")
+    export(bundle, tokenizer, cfg, d)
+    return 0
+
+
+def export(bundle: ModelBundle, tokenizer: Any, cfg: TrainConfig, d: Dist) -> None:
     """outputs/EXP/final: a standard Hugging Face folder of the trained model, its tokenizer and chat template;
     with --peft a PEFT adapter folder instead (and with --export-merged on, outputs/EXP/final-merged)."""
     final = cfg.experiment_dir / "final"
     if bundle.peft is None:
-        export_hf_model(bundle.model, data.tokenizer, final, d, bundle.export_dtype, bundle.model_dir)
+        export_hf_model(bundle.model, tokenizer, final, d, bundle.export_dtype, bundle.model_dir)
         return
-    export_adapter(bundle.model, bundle.peft.config, data.tokenizer, final, d, bundle.peft.base_identity)
+    export_adapter(bundle.model, bundle.peft.config, tokenizer, final, d, bundle.peft.base_identity)
     if cfg.export_merged == "on":
         merged = merged_state_dict(bundle.model, bundle.export_dtype)
         export_hf_model(
             bundle.model,
-            data.tokenizer,
+            tokenizer,
             final.with_name("final-merged"),
             d,
             bundle.export_dtype,

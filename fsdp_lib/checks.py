@@ -35,9 +35,20 @@ from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_mo
 
 def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     """Check everything that can be checked before any process group or model exists."""
+    if cfg.export_only and cfg.experiment_name and not (cfg.experiment_dir / "checkpoint").is_dir():
+        return [  # the one thing to say: without a run, the flags an export would also need are beside the point
+            f"--export-only: {cfg.experiment_dir} holds no checkpoint folder, so there is nothing to export; check "
+            "--experiment-name/-e and --save-dir (those of the run that trained it)"
+        ]
     problems = _required_problems(cfg) + _range_problems(cfg) + _value_problems(cfg)
     problems += _device_problems(cfg, world_size)
     problems += _peft_problems(cfg)
+    if cfg.chat_template:
+        problems += _chat_template_problems(Path(cfg.chat_template))
+    if cfg.model_name:
+        problems += _model_problems(cfg)
+    if cfg.export_only:  # nothing trains and no dataset is read: data, objective and batch settings change nothing
+        return problems
     problems += _dpo_problems(cfg)
     problems += _grpo_problems(cfg)
     problems += context_problems(cfg, world_size)
@@ -53,14 +64,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
         )
     if cfg.wandb == "on":
         problems += _wandb_problems()
-    if cfg.chat_template:
-        problems += _chat_template_problems(Path(cfg.chat_template))
     for name in cfg.dataset_name:
         problems += _dataset_problems(name)
-    problems += _mixture_problems(cfg)
-    if cfg.model_name:
-        problems += _model_problems(cfg)
-    return problems
+    return problems + _mixture_problems(cfg)
 
 
 def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:
@@ -122,7 +128,7 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
     problems: list[str] = []
     for flag, value in (
         ("--experiment-name/-e", cfg.experiment_name),
-        ("--dataset-name/-d", cfg.dataset_name),
+        ("--dataset-name/-d", cfg.dataset_name or cfg.export_only),  # an export reads no dataset
         ("--model-name/-m", cfg.model_name),
     ):
         if not value:
@@ -534,6 +540,8 @@ def _model_problems(cfg: TrainConfig) -> list[str]:
         return [config_problem(cfg.model_name, model_dir, exc)]
     max_positions = getattr(config, "max_position_embeddings", None)
     problems = []
+    if cfg.export_only:  # the config reads; what fits in its positions matters to training only
+        return problems
     if max_positions and cfg.seq_length > max_positions:
         problems.append(
             f"--seq-length {cfg.seq_length} exceeds the model's max_position_embeddings {max_positions}; "

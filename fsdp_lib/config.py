@@ -320,7 +320,7 @@ class TrainConfig:
         choices=("auto", "bf16", "fp16", "fp32"),
     )
     export_only: bool = _opt(
-        False, "export outputs/EXP/final from the newest checkpoint and exit (the run's settings: its config.yaml)"
+        False, "export outputs/EXP/final from the newest checkpoint and exit (the run's config.yaml; reads no data)"
     )
     dry_run: bool = _opt(False, "print the resolved config, model size, sharding plan and memory estimate; exit")
 
@@ -494,15 +494,11 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(**values)
 
 
-# What an --export-only takes from the run's config.yaml: what decides the model, data and checkpoint, not how it ran
-# (batch, processes, device, logging), which the export's own launch may change (any process count, a CPU).
+# What an --export-only takes from the run's config.yaml: what builds the model, its adapters and tokenizer (it reads
+# no data), not how it ran (batch, processes, device, logging), which the export's own launch may change.
 EXPORT_SETTINGS = (
-    "dataset_name", "data_weights", "text_column", "model_name", "seed", "data_slice", "seq_length",
-    "document_masking", "loss_on", "chat_template", "attn_implementation", "peft", "lora_rank", "lora_alpha",
-    "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged", "export_dtype", "objective",
-    "dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "kto_desirable_weight",
-    "kto_undesirable_weight", "reference", "num_generations", "max_new_tokens", "temperature", "top_p", "reward",
-    "reward_weights", "reward_pattern", "grpo_loss", "epsilon", "epsilon_high", "num_iterations", "grpo_beta",
+    "model_name", "seed", "document_masking", "chat_template", "attn_implementation", "peft", "lora_rank",
+    "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged", "export_dtype",
 )  # fmt: skip
 
 

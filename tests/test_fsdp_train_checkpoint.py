@@ -326,15 +326,46 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_step
     said = output_of(full)
     assert full.returncode != 0 and "No space left on device" in said and "fix it and rerun the same command" in said
     assert "(RANK 1)" not in said and not (tmp_path / "run" / "final").exists(), said
-    # on one process and another --seq-length (the global batch and a pinned setting differ): nothing trains, so the
-    # checkpoint is exported as saved, with a note (a resume would refuse these)
+    # on one process, another --seq-length (the global batch and a pinned setting differ) and a dataset that no
+    # longer exists: nothing trains, so no dataset is read and the checkpoint is exported as saved, without a note
+    # (a resume would refuse these); the model is compared, as a resume compares it
+    args[args.index("-d") + 1] = str(tmp_path / "deleted_dataset")
     proc = run_trainer([*args, "--export-only", "--seq-length", "16"], nproc=1)
     said = output_of(proc)
     assert proc.returncode == 0, said
-    assert "--export-only: exporting" in said and "seq_length: checkpoint 32 vs now 16" in said, said
-    assert "global_batch_size: checkpoint 4 vs now 2" in said, said
+    assert "--export-only: exporting" in said and "(step 4)" in said and "settings differ" not in said, said
     assert (tmp_path / "run" / "final" / "model.safetensors.index.json").is_file()
     assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
+
+
+def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
+    """--export-only: a missing experiment is the one problem named; with one, the dataset, objective and batch
+    settings are not checked (nothing trains); the tokenizer gets --chat-template where the run rendered its data
+    with a template, and a template other than the run's is warned about (it would be exported with the model)."""
+    from fsdp_lib.checks import validate_config
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data.chat import chat_template_hash, export_tokenizer
+
+    odd = {"dataset_name": [str(tmp_path / "gone")], "objective": "grpo", "seq_length": 100_000, "batch_size": 3}
+    cfg = TrainConfig(experiment_name="run", save_dir=str(tmp_path), export_only=True, **odd)
+    problems = validate_config(cfg, 2)
+    assert len(problems) == 1 and "holds no checkpoint folder, so there is nothing to export" in problems[0]
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    assert validate_config(cfg, 2) == ["--model-name/-m is required"]
+    cfg.model_name = str(inputs[1])
+    assert validate_config(cfg, 2) == []
+    cfg.export_only = False  # a training run with the same flags is refused
+    assert any("--dataset-name" in p for p in validate_config(cfg, 2))
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = TrainConfig(chat_template=str(template), export_only=True)
+    tokenizer = export_tokenizer(cfg, inputs[1], "text:document-masking-on")  # rendered without a template
+    assert tokenizer.chat_template is None and "WARNING" not in capsys.readouterr().out
+    trained = chat_template_hash(export_tokenizer(cfg, inputs[1], "chat:0000000000000000:loss-on-assistant"))
+    assert "WARNING: --export-only: the run trained with chat template 0000000000000000" in capsys.readouterr().out
+    tokenizer = export_tokenizer(cfg, inputs[1], f"mixture[chat:{trained}:loss-on-all; text]:weights-[1, 1]")
+    assert tokenizer.chat_template == template.read_text() and "WARNING" not in capsys.readouterr().out
 
 
 def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, four_steps, tmp_path):

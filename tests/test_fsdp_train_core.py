@@ -126,7 +126,8 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     assert (cfg.global_batch_size, cfg.grad_accum_steps) == (64, 4)
     # --export-only: the experiment's config.yaml first (where it is now: not its recorded folder), then the flags
     (tmp_path / "moved" / "exp").mkdir(parents=True)
-    # (the model, data and objective only: not how it ran, which the export's launch may change; read as --config)
+    # (what builds the model: not the data, which it does not read, nor how it ran, which the export's launch may
+    # change; read as --config)
     saved = {"seq_length": 64, "peft": "lora", "save_dir": "gone", "experiment_name": "old", "no_such_key": 1,
              "global_batch_size": 64, "grad_accum_steps": 4, "context_parallel": 2, "document-masking": False}  # fmt: skip
     (tmp_path / "moved" / "exp" / "config.yaml").write_text(yaml.safe_dump(saved))
@@ -134,6 +135,7 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     assert (cfg.seq_length, cfg.peft, cfg.experiment_dir) == (32, "lora", tmp_path / "moved" / "exp")
     assert (cfg.global_batch_size, cfg.grad_accum_steps, cfg.context_parallel, cfg.document_masking) == (0, 1, 1, "off")
     assert load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved")]).peft == "none", "only for an export"
+    assert load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved"), "--export-only"]).seq_length == 1024
 
 
 def test_lr_schedule_shapes():

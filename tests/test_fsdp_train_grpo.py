@@ -630,13 +630,18 @@ def test_lora_with_a_kl_to_adapters_off_on_chat_prompts_evaluates_held_out_promp
         first, second = r["grad_norm/update_1"], r["grad_norm/update_2"]
         assert first != second and r["grad_norm"] == pytest.approx((first + second) / 2, rel=1e-12)
     assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
-    # `-e EXP --export-only` alone takes the run's settings (--peft lora, the prompts, --seq-length) from its
-    # config.yaml, and an export needs no reward file (it was refused over GRPO's flags and a deleted file)
+    # `-e EXP --export-only` alone takes the run's settings (--peft lora, the model) from its config.yaml, and an
+    # export needs no reward file (it was refused over GRPO's flags and a deleted file) and no dataset: it writes
+    # the run's own export again, the chat template included
+    final = tmp_path / "lora" / "final"
+    exported = {f.name: f.read_bytes() for f in final.iterdir()}
     Path(rewards).unlink()
-    shutil.rmtree(tmp_path / "lora" / "final")
+    (tmp_path / "chat").rename(tmp_path / "chat_moved")
+    shutil.rmtree(final)
     proc = run_trainer(["-e", "lora", "--save-dir", str(tmp_path), "--export-only"], nproc=1)
     assert proc.returncode == 0, output_of(proc)
-    assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
+    assert {f.name: f.read_bytes() for f in final.iterdir()} == exported
+    assert "chat_template" in json.loads(exported["tokenizer_config.json"]) or "chat_template.jinja" in exported
 
 
 @pytest.mark.parametrize("template", ["llama3", "qwen2.5", "gemma", "mistral"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
+from fsdp_lib.runtime import log
 
 
 class ChatFormatError(ValueError):
@@ -301,3 +303,27 @@ def chat_encoder(
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
     return ChatEncoder(tokenizer, cfg.loss_on)
+
+
+# The chat templates a run rendered its data with, in its checkpoint's data_format (plan.load_source, prompt_source)
+TRAINED_TEMPLATES = re.compile(r"(?:chat|pairs|prompts):([0-9a-f]{16})")
+
+
+def export_tokenizer(cfg: TrainConfig, model_dir: Path, data_format: str) -> Any:
+    """--export-only's tokenizer, as the run's own export wrote it, without reading the dataset: the model folder's,
+    with the --chat-template file where the run rendered its data with a template (`data_format`, from the
+    checkpoint). A template other than the one the run trained with is warned about: it would be exported."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    trained = sorted(set(TRAINED_TEMPLATES.findall(data_format)))
+    if trained and cfg.chat_template:
+        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+    if trained and chat_template_hash(tokenizer) not in trained:
+        now = f"--chat-template {cfg.chat_template}" if cfg.chat_template else "the model folder's own"
+        log(
+            f"WARNING: --export-only: the run trained with chat template {', '.join(trained)}, and the exported "
+            f"tokenizer gets {chat_template_hash(tokenizer)} ({now}): the model would be served with a template it "
+            "did not learn; pass the run's --chat-template FILE and export again"
+        )
+    return tokenizer

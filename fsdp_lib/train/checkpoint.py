@@ -48,6 +48,8 @@ RESUME_PINNED = (
     "peft",
     "objective",
 )
+# What an --export-only compares (export_fingerprint): the rest changes nothing when nothing trains.
+EXPORT_PINNED = ("model", "tokenizer", "peft")
 
 
 def resume_fingerprint(
@@ -56,7 +58,20 @@ def resume_fingerprint(
     """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json.
     With --peft the checkpoint holds only the adapters, so the base's weights identity is pinned too; with
     --objective dpo the loss settings and the reference (dpo.build_objective)."""
-    adapters = "none"
+    return {
+        "objective": objective,
+        **export_fingerprint(cfg, model_config, data.tokenizer_hash, peft),
+        "dataset": data.dataset_fingerprint,
+        "seq_length": cfg.seq_length,
+        "global_batch_size": data.train.global_batch,
+        "seed": cfg.seed,
+        "data_format": data.data_format,
+    }
+
+
+def export_fingerprint(cfg: TrainConfig, model_config: Any, tokenizer_hash: str, peft: Any = None) -> dict:
+    """EXPORT_PINNED: the model, its tokenizer and adapters; with --peft the base's weights identity too."""
+    adapters: dict | str = "none"
     if peft is not None:
         adapters = {
             "mode": cfg.peft,
@@ -67,17 +82,7 @@ def resume_fingerprint(
             "base_weights": peft.base_identity,
             "start": peft.start,
         }
-    return {
-        "objective": objective,
-        "peft": adapters,
-        "model": config_fingerprint(model_config),
-        "dataset": data.dataset_fingerprint,
-        "seq_length": cfg.seq_length,
-        "global_batch_size": data.train.global_batch,
-        "seed": cfg.seed,
-        "tokenizer": data.tokenizer_hash,
-        "data_format": data.data_format,
-    }
+    return {"peft": adapters, "model": config_fingerprint(model_config), "tokenizer": tokenizer_hash}
 
 
 def config_fingerprint(config: Any, with_path: bool = False) -> str:
@@ -237,7 +242,8 @@ class Checkpointer:
         """The pinned settings (RESUME_PINNED) in which this run differs from the checkpoint's payload."""
         saved = payload["fingerprint"]
         # A key the checkpoint lacks was added by a later version of this script: not a change of settings.
-        changed = [k for k in RESUME_PINNED if k in saved and saved[k] != self.fingerprint.get(k)]
+        pinned = EXPORT_PINNED if self.cfg.export_only else RESUME_PINNED
+        changed = [k for k in pinned if k in saved and saved[k] != self.fingerprint.get(k)]
         if "model" in changed and saved["model"] == config_fingerprint(model_config, with_path=True):
             changed.remove("model")  # written by an older version, whose model fingerprint included the path
         return changed

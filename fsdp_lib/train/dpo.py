@@ -399,12 +399,11 @@ def prepare_reference(
         adapter = bundle.peft.start if bundle.peft is not None else "none"
         attention = bundle.config._attn_implementation
         key = reference_key(cfg, weights_identity(bundle.model_dir), adapter, precision, attention)
-        if not cfg.export_only:  # an export needs the key (the resume check), not the values
-            attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
-            if data.validation is not None:
-                attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
+        attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
+        if data.validation is not None:
+            attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
         return mode, None, f"precomputed-{key}"
-    if mode == "copy" and not cfg.export_only:
+    if mode == "copy":
         frozen = frozen_copy(cfg, precision, d)
     return mode, frozen, mode
 

@@ -479,7 +479,7 @@ class GRPOObjective:
 def check_reward_fit(cfg: TrainConfig, data: TrainData) -> None:
     """--objective grpo: every --reward takes the prompts' columns (and the accuracy built-in finds a reference
     among them); raises TrainError before the model loads."""
-    if data.objective != "grpo" or cfg.export_only:
+    if data.objective != "grpo":
         return
     train = data.train.blocks.columns if isinstance(data.train.blocks, PromptSet) else ()
     held_out = data.validation.columns if isinstance(data.validation, PromptSet) else ()
@@ -497,8 +497,8 @@ def build_grpo(
 ) -> tuple[GRPOObjective, dict]:
     """(the GRPO objective, what a resume must agree with), before any checkpoint is loaded (a frozen reference copy
     is the starting model)."""
-    try:  # an export trains nothing and needs no reward file (the differing fingerprint is noted, not refused)
-        rewards = [] if cfg.export_only else load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
+    try:
+        rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
     except ValueError as exc:
         raise TrainError(str(exc)) from exc
     dropped = disable_dropout(bundle.model)
@@ -507,7 +507,7 @@ def build_grpo(
     reference, frozen = "none", None
     if cfg.grpo_beta:
         reference = "adapters-off" if bundle.peft is not None else "copy"
-        if reference == "copy" and not cfg.export_only:
+        if reference == "copy":
             frozen = frozen_copy(cfg, precision, d)
     keep = keep_layers_gathered(cfg.rollout_unshard, bundle.num_params, cfg.precision, d.device)
     weights = ", ".join(f"{r.name} x {r.weight:g}" for r in rewards)
