@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     scratch.add_argument(
         "--tokenizer-from",
         metavar="DATASET",
-        help="train a byte-level BPE tokenizer on the text column of this data_hf.py dataset",
+        help="train a byte-level BPE tokenizer on this data_hf.py dataset (its text, or every turn of a chat or "
+        "preference dataset)",
     )
     scratch.add_argument(
         "--tokenizer", metavar="NAME_OR_DIR", help="reuse this tokenizer (a folder, or a hub id already cached) instead"

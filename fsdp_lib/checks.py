@@ -513,7 +513,8 @@ def _dataset_problems(name: str) -> list[str]:
         instead = {
             "experiment": f"its model is -m {path / 'final'}; -d takes the dataset it was trained on",
             "model": "pass it as -m/--model-name, and a dataset as -d",
-            "split folders": f"convert a split with: python data_hf.py --data_folder {path}/split_00 --save_dir DATASET",
+            "split folders": f"convert them with: python data_hf.py --data_folder {path} --save_dir DATASET (every split "
+            "into one dataset), then pass -d DATASET",
         }.get(kind.kind, "pass a dataset folder written by data_hf.py")
         return [f"--dataset-name {kind.describe(path)}, not a dataset; {instead}"]
     if not any((path / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):

@@ -508,7 +508,8 @@ TRAINER_INPUT_CASES = [
         "-d organize_data's split folders",
         run_flags(d="splits"),
         "is split folders of organize_data.py",
-        "convert a split with: python data_hf.py --data_folder",
+        "convert them with: python data_hf.py --data_folder",
+        "(every split into one dataset), then pass -d DATASET",
     ),
     trainer_case(
         "-d an experiment",

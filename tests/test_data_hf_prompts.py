@@ -112,6 +112,12 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     assert prompt_text([{"role": "user", "content": "U"}], tokenizer) == ("<user>U<assistant>", True)
     assert isinstance(parse_prompt_record({"prompt": "x"}), PromptRecord)
+    # every prompt too long: still conversational prompts (the log said "0 plain-text prompts")
+    import datasets
+
+    chats = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "two plus two"}]}] * 2)
+    skipped = load_prompts(chats, tokenizer, 1, "d", "train")
+    assert len(skipped) == 0 and skipped.conversational
 
 
 def test_prompts_tokenised_in_batches_equal_one_at_a_time_and_skips_are_counted(tmp_path: Path, monkeypatch) -> None:

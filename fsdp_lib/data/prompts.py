@@ -157,6 +157,7 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             f"--dataset-name {name}: the {what} prompts mix plain strings and conversations; the completions the "
             "reward functions get would differ in kind. Convert them all to one kind"
         )
+    kinds = kinds or {templated for templated, items in rendered.items() if items}  # all skipped: as they were
     return PromptSet(ids, np.asarray(rows, dtype=np.int64), split, kinds == {True}, columns)
 
 

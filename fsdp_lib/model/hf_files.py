@@ -215,7 +215,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         data_end = max(data_end, end)
     expected_size = 8 + header_size + data_end
     if file_size != expected_size:
-        verdict = "truncated" if file_size < expected_size else "has trailing bytes"
+        verdict = "is truncated" if file_size < expected_size else "has trailing bytes"
         raise ValueError(f"{path}: {file_size} bytes on disk, the header says {expected_size}: the file {verdict}")
     return tensors
 
