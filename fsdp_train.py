@@ -410,6 +410,9 @@ def train_loop(
             )
     if state.step == 0 and cfg.eval_at_start == "on":  # step 0: the base model, to compare the fine-tuned one with
         evaluation_point(bundle, objective, data, cfg, d, metrics, prompts, 0, 0.0, stop)
+        if all_ranks_agree(stop.requested, d):  # nothing has trained: no step to take, no checkpoint to write
+            log("stopped on request before the first step; nothing was trained or saved: rerun the same command")
+            return False
     grad_norm = torch.zeros(())
     with StepProfiler(cfg, d, state.step + 1, last_step) as profiler:  # --profile-steps; nothing unless asked for
         while state.step < last_step:

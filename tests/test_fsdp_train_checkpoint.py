@@ -130,8 +130,9 @@ def test_sigterm_saves_at_the_interrupted_step_and_rerun_finishes(inputs, refere
 
 def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_once(inputs, tmp_path):
     """Ctrl-C (or a preemption's SIGTERM) while the validation pass runs: the pass stops at its next micro-batch
-    rather than at its end, the run saves and exits 0; on the rerun a second Ctrl-C ends it at once, in one line
-    (exit 130, no traceback). One process (no torchrun), so the signals reach the trainer itself."""
+    rather than at its end and, at step 0, the run stops without training a step or saving (it went on to train
+    and save step 1), exit 0; on the rerun a second Ctrl-C ends it at once, in one line (exit 130, no traceback).
+    One process (no torchrun), so the signals reach the trainer itself."""
     import subprocess
 
     def launch(env: dict[str, str]) -> subprocess.Popen[str]:
@@ -151,11 +152,13 @@ def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_onc
     proc.send_signal(signal.SIGINT)
     said += proc.communicate(timeout=60)[0]
     assert proc.returncode == 0 and "Traceback" not in said, said
-    assert "evaluation cut short by the stop request" in said and "stopped at step 1" in said, said
-    assert '"val_loss"' not in (tmp_path / "run" / "metrics.jsonl").read_text(), "no figures from a partial pass"
+    assert "evaluation cut short by the stop request" in said and "stopped on request before the first step" in said
+    assert not (tmp_path / "run" / "checkpoint").exists() or not any((tmp_path / "run" / "checkpoint").iterdir())
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or '"val_loss"' not in metrics.read_text(), "no figures from a partial pass"
 
-    proc = launch({"FSDP_TRAIN_STEP_DELAY_S": "3"})
-    said = read_until(proc, "training steps 2..")
+    proc = launch({"FSDP_TRAIN_STEP_DELAY_S": "3", "FSDP_TRAIN_EVAL_DELAY_S": "0"})
+    said = read_until(proc, "step=0 ")  # from scratch: the step-0 evaluation, then step 1 (3 s)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # "now": inside the step
