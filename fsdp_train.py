@@ -70,6 +70,7 @@ from fsdp_lib.runtime import (
     cpu_bf16_warning,
     die_with_launcher,
     eagerly,
+    evaluation_cut_short,
     log,
     report_error,
     seed_everything,
@@ -171,9 +172,8 @@ def evaluation_totals(
     count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
     totals = torch.zeros(2, device=d.device, dtype=torch.float64)  # loss sum, tokens
     for idx in evaluation_shares(count, cfg.batch_size, d):
-        if stop is not None and all_ranks_agree(stop.requested, d):  # the CPU group: no wait on the GPU
+        if evaluation_cut_short(stop, d):  # the CPU group: no wait on the GPU
             train_forward.train()
-            log("evaluation cut short by the stop request: no validation figures at this step")
             return None
         real = len(idx)
         idx = idx + [0] * (cfg.batch_size - real)
@@ -224,10 +224,11 @@ def validate(
     stop: StopRequest | None = None,
 ) -> dict[str, float]:
     """The validation figures: the loss (and perplexity) of the held-out tokens (per dataset too, for a mixture),
-    or DPO's on the held-out pairs; {} when the language-model pass was cut short by a stop request."""
+    or the objective's (DPO's and KTO's pairs and examples, GRPO's rewards); {} when a stop request cut the pass
+    short."""
     with eagerly():  # compiled layers: evaluation's shapes would make the training graph dynamic
         if objective is not None:
-            return objective.evaluate(blocks, cfg, d)
+            return objective.evaluate(blocks, cfg, d, stop)
         if isinstance(blocks, MixedBlocks):
             return evaluate_mixture(bundle.train_forward, blocks, cfg, d, stop)
         return evaluate(bundle.train_forward, blocks, cfg, d, stop)

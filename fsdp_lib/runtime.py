@@ -175,6 +175,16 @@ def all_ranks_agree(flag: bool, d: Dist) -> bool:
     return bool(t.item())
 
 
+def evaluation_cut_short(stop: StopRequest | None, d: Dist) -> bool:
+    """An evaluation's check before each micro-batch: True, said once, when a stop was requested on any rank
+    (Ctrl-C, SIGTERM), so the pass ends without figures and the run saves and exits; stop None: never (the last
+    step's pass, which a rerun would not make up). Every rank calls it as often: it is a collective."""
+    if stop is None or not all_ranks_agree(stop.requested, d):
+        return False
+    log("evaluation cut short by the stop request: no validation figures at this step")
+    return True
+
+
 def broadcast_object(obj: Any, d: Dist) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=d.cpu_group)

@@ -391,6 +391,28 @@ def test_export_only_computes_no_reference(dpo_inputs, dpo_run):
 
 
 @pytest.mark.slow
+def test_a_stop_during_the_preference_validation_cuts_it_short(dpo_inputs, tmp_path):
+    """Ctrl-C while the held-out pairs are evaluated (step 0 here): the pass stops at its next micro-batch (DPO's,
+    KTO's and GRPO's passes ran to their end), and before the first step the run ends without training or saving.
+    SimPO: no reference pass to wait for; one process, so the signal reaches the trainer itself."""
+    import signal
+
+    args = dpo_args("stop", dpo_inputs, "--dpo-loss", "simpo", "-b", "2", "--max-steps", "4", "--eval-freq", "4")
+    args[args.index("--save-dir") + 1] = str(tmp_path)
+    proc = run_trainer(args, nproc=1, env={"FSDP_TRAIN_EVAL_DELAY_S": "2"}, background=True)
+    said = ""
+    for line in proc.stdout:  # the step-0 evaluation starts once the loop announces its steps
+        said += line
+        if "training steps 1.." in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    said += proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "Traceback" not in said, said
+    assert "evaluation cut short by the stop request" in said and "stopped on request before the first step" in said
+    assert not (tmp_path / "stop" / "checkpoint").exists() or not any((tmp_path / "stop" / "checkpoint").iterdir())
+
+
+@pytest.mark.slow
 def test_kill9_rerun_is_bit_identical_and_reads_the_stored_reference(dpo_inputs, dpo_run, tmp_path):
     args = dpo_args("run", dpo_inputs, *RUN_FLAGS)
     args[args.index("--save-dir") + 1] = str(tmp_path)  # its own token cache: this run computes the reference

@@ -26,7 +26,7 @@ from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle, build_model, flops_per_token
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
-from fsdp_lib.runtime import Dist, log, reshard_all
+from fsdp_lib.runtime import Dist, StopRequest, evaluation_cut_short, log, reshard_all
 
 
 def pair_losses(
@@ -243,13 +243,20 @@ class DPOObjective:
         return throughput_record(pair_figures(totals), "pairs", elapsed)
 
     @torch.no_grad()
-    def evaluate(self, blocks: PairBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
-        """The figures of the validation pairs, over every rank (padding blocks hold no pair). Every rank runs the
-        same number of micro-batches: FSDP's all-gathers must line up."""
+    def evaluate(
+        self, blocks: PairBlocks, cfg: TrainConfig, d: Dist, stop: StopRequest | None = None
+    ) -> dict[str, float]:
+        """The figures of the validation pairs, over every rank (padding blocks hold no pair); {} when a stop
+        request cut the pass short. Every rank runs the same number of micro-batches: FSDP's all-gathers must line
+        up."""
         self.policy.eval()
         saved, self.stats = self.stats, None
         count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
         for idx in evaluation_shares(count, cfg.batch_size, d):
+            if evaluation_cut_short(stop, d):
+                self.stats = saved
+                self.policy.train()
+                return {}
             self.pair_losses(blocks.gather(idx).to(d.device) if idx else empty_batch(blocks, d))
         totals = self.stats if self.stats is not None else torch.zeros(len(PAIR_STATS), dtype=torch.float64)
         totals = totals.to(d.device)

@@ -31,7 +31,7 @@ from fsdp_lib.data.prompts import PromptBatch, PromptSet, end_of_turn_ids
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
-from fsdp_lib.runtime import Dist, eagerly, log
+from fsdp_lib.runtime import Dist, StopRequest, eagerly, evaluation_cut_short, log
 from fsdp_lib.train.dpo import (
     context_share,
     disable_dropout,
@@ -307,16 +307,21 @@ class GRPOObjective:
         return batch, got.error
 
     @torch.no_grad()
-    def evaluate(self, prompts: PromptSet, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+    def evaluate(
+        self, prompts: PromptSet, cfg: TrainConfig, d: Dist, stop: StopRequest | None = None
+    ) -> dict[str, float]:
         """The held-out prompts' mean reward (combined and per function) and completion length, --num-generations
         completions each, sampled with the validation streams (the same numbers at every evaluation, so the figures
-        of two evaluations differ by the model only). Every rank runs as many generations (a rank without a prompt
-        left decodes a stand-in that ends at once, scores nothing and counts nothing): the forwards must line up."""
+        of two evaluations differ by the model only); {} when a stop request cut it short. Every rank runs as many
+        generations (a rank without a prompt left decodes a stand-in that ends at once, scores nothing and counts
+        nothing): the forwards must line up."""
         count = len(prompts) if not cfg.eval_max_blocks else min(len(prompts), cfg.eval_max_blocks)
         sums = np.zeros(3 + 2 * len(self.rewards))  # completions, reward, completion tokens, per function: sum, count
         error = None
         with eagerly():
             for idx in evaluation_shares(count, cfg.batch_size, d):
+                if evaluation_cut_short(stop, d):
+                    return {}
                 got = self.sample_and_score(prompts.gather(idx or [0]), VALIDATION_EPOCH, stand_in=not idx)
                 error = error or got.error
                 real = len(idx) * self.group

@@ -25,7 +25,7 @@ from fsdp_lib.data.plan import TrainData, evaluation_shares
 from fsdp_lib.data.preference import PairBlocks
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss
-from fsdp_lib.runtime import Dist, log
+from fsdp_lib.runtime import Dist, StopRequest, evaluation_cut_short, log
 from fsdp_lib.train.dpo import (
     DPOObjective,
     context_share,
@@ -183,9 +183,12 @@ class KTOObjective(DPOObjective):
         return throughput_record(kto_figures(totals), "examples", elapsed)
 
     @torch.no_grad()
-    def evaluate(self, blocks: PairBlocks, cfg: TrainConfig, d: Dist) -> dict[str, float]:
+    def evaluate(
+        self, blocks: PairBlocks, cfg: TrainConfig, d: Dist, stop: StopRequest | None = None
+    ) -> dict[str, float]:
         """The figures of the validation examples over every rank: a first pass measures z over all of them, a
-        second takes their losses. Every rank runs as many micro-batches: FSDP's all-gathers must line up."""
+        second takes their losses; {} when a stop request cut them short. Every rank runs as many micro-batches:
+        FSDP's all-gathers must line up."""
         self.policy.eval()
         saved_stats, saved_kl, self.stats = self.stats, self.kl, None
         count = len(blocks) if not cfg.eval_max_blocks else min(len(blocks), cfg.eval_max_blocks)
@@ -195,9 +198,18 @@ class KTOObjective(DPOObjective):
             if batch.desirable is None:  # an empty batch (padding): no example
                 batch.desirable = torch.zeros(0, dtype=torch.bool)
         examples = int(sum(int(blocks.pairs_in[i]) for i in range(count)))
-        self.kl = self.reference_point(batches, examples)
+        cut = evaluation_cut_short(stop, d)  # before each of the two passes and each micro-batch of the second
+        if not cut:
+            self.kl = self.reference_point(batches, examples)
         for batch in batches:
+            cut = cut or evaluation_cut_short(stop, d)
+            if cut:
+                break
             self.pair_losses(batch.to(d.device))
+        if cut:
+            self.stats, self.kl = saved_stats, saved_kl
+            self.policy.train()
+            return {}
         totals = self.take_stats()
         if totals is None:
             totals = torch.zeros(len(KTO_STATS), dtype=torch.float64)
