@@ -318,7 +318,7 @@ def export_checkpoint(cfg: TrainConfig, precision: str, d: Dist) -> int:
     dataset is read (one moved or deleted since the run does not stop its export) and no objective or reward is
     built; the model, its tokenizer and adapters must be the run's."""
     model_dir = resolve_model_dir(cfg.model_name)
-    latest = latest_intact_checkpoint(cfg.experiment_dir / "checkpoint", d)
+    latest = latest_intact_checkpoint(cfg.experiment_dir / "checkpoint", d, export=True)
     if latest is None:
         raise CheckpointError(f"--export-only: no complete checkpoint in {cfg.experiment_dir / 'checkpoint'}")
     bundle = build_model(cfg, precision, d)

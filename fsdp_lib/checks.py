@@ -35,20 +35,20 @@ from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_mo
 
 def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     """Check everything that can be checked before any process group or model exists."""
-    if cfg.export_only and cfg.experiment_name and not (cfg.experiment_dir / "checkpoint").is_dir():
+    if cfg.export_only and cfg.experiment_name and not _has_checkpoints(cfg.experiment_dir / "checkpoint"):
         return [  # the one thing to say: without a run, the flags an export would also need are beside the point
-            f"--export-only: {cfg.experiment_dir} holds no checkpoint folder, so there is nothing to export; check "
-            "--experiment-name/-e and --save-dir (those of the run that trained it)"
+            f"--export-only: {cfg.experiment_dir / 'checkpoint'} holds no checkpoint, so there is nothing to export; "
+            "check --experiment-name/-e and --save-dir (those of the run that trained it)"
         ]
     problems = _required_problems(cfg) + _range_problems(cfg) + _value_problems(cfg)
     problems += _device_problems(cfg, world_size)
     problems += _peft_problems(cfg)
-    if cfg.chat_template:
-        problems += _chat_template_problems(Path(cfg.chat_template))
     if cfg.model_name:
         problems += _model_problems(cfg)
     if cfg.export_only:  # nothing trains and no dataset is read: data, objective and batch settings change nothing
-        return problems
+        return problems  # (--chat-template is checked where the checkpoint says the run used one: export_tokenizer)
+    if cfg.chat_template:
+        problems += chat_template_problems(Path(cfg.chat_template))
     problems += _dpo_problems(cfg)
     problems += _grpo_problems(cfg)
     problems += context_problems(cfg, world_size)
@@ -69,6 +69,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     return problems + _mixture_problems(cfg)
 
 
+def _has_checkpoints(folder: Path) -> bool:
+    """A step_N folder in `folder` (whether it is complete and intact is checked when it is loaded)."""
+    return folder.is_dir() and any(path.name.startswith("step_") for path in folder.iterdir())
+
+
 def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:
     """A file the run reads: it exists, is a file (not a folder) and is UTF-8 text."""
     if path.is_dir():
@@ -83,7 +88,7 @@ def need(flags: list[str]) -> str:
     return f"{', '.join(flags)} {'needs' if len(flags) == 1 else 'need'}"
 
 
-def _chat_template_problems(path: Path) -> list[str]:
+def chat_template_problems(path: Path) -> list[str]:
     """--chat-template: a UTF-8 file that Jinja parses (a syntax error would otherwise surface at the first record,
     or never on a text dataset, and be exported with the tokenizer)."""
     problems = _input_file_problems("--chat-template", path, "a Jinja chat template")

@@ -342,18 +342,24 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_step
 
 
 def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
-    """--export-only: a missing experiment is the one problem named; with one, the dataset, objective and batch
-    settings are not checked (nothing trains); the tokenizer gets --chat-template where the run rendered its data
-    with a template, and a template other than the run's is warned about (it would be exported with the model)."""
+    """--export-only: a missing checkpoint is the one problem named; with one, the dataset, objective, batch and
+    chat-template settings are not checked (nothing trains); the tokenizer gets --chat-template where the run
+    applied it (the file is checked then), a template other than the run's is warned about (it would be exported
+    with the model), and a differing tokenizer or base is refused unless --force-resume."""
     from fsdp_lib.checks import validate_config
     from fsdp_lib.config import TrainConfig
     from fsdp_lib.data.chat import chat_template_hash, export_tokenizer
+    from fsdp_lib.errors import CheckpointError, TrainError
+    from fsdp_lib.train.checkpoint import Checkpointer
 
-    odd = {"dataset_name": [str(tmp_path / "gone")], "objective": "grpo", "seq_length": 100_000, "batch_size": 3}
+    odd = {"dataset_name": [str(tmp_path / "gone")], "objective": "grpo", "seq_length": 100_000, "batch_size": 3,
+           "chat_template": str(tmp_path / "moved.jinja")}  # fmt: skip
     cfg = TrainConfig(experiment_name="run", save_dir=str(tmp_path), export_only=True, **odd)
     problems = validate_config(cfg, 2)
-    assert len(problems) == 1 and "holds no checkpoint folder, so there is nothing to export" in problems[0]
-    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    assert len(problems) == 1 and "holds no checkpoint, so there is nothing to export" in problems[0]
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)  # an empty folder: still nothing to export
+    assert validate_config(cfg, 2) == problems
+    (tmp_path / "run" / "checkpoint" / "step_00000004").mkdir()
     assert validate_config(cfg, 2) == ["--model-name/-m is required"]
     cfg.model_name = str(inputs[1])
     assert validate_config(cfg, 2) == []
@@ -369,6 +375,21 @@ def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
     assert "WARNING: --export-only: the run trained with chat template 0000000000000000" in capsys.readouterr().out
     tokenizer = export_tokenizer(cfg, inputs[1], f"mixture[chat:{trained}:loss-on-all; text]:weights-[1, 1]")
     assert tokenizer.chat_template == template.read_text() and "WARNING" not in capsys.readouterr().out
+    assert export_tokenizer(cfg, inputs[1], "prompts:text").chat_template == template.read_text()  # GRPO's: always
+    template.rename(tmp_path / "elsewhere.jinja")
+    assert export_tokenizer(cfg, inputs[1], "text:document-masking-on").chat_template is None  # not needed: no error
+    with pytest.raises(TrainError, match="template.jinja: no such file"):
+        export_tokenizer(cfg, inputs[1], "prompts:text")
+
+    saved = {"fingerprint": {"model": "m", "tokenizer": "t1", "peft": "none", "seq_length": 32}, "config": {}}
+    now = {"model": "m", "tokenizer": "t1", "peft": "none"}
+    cfg = TrainConfig(experiment_name="run", save_dir=str(tmp_path), export_only=True, model_name="other")
+    Checkpointer(cfg, None, now).check_compatible(saved, tmp_path, None)  # seq_length: not an export's concern
+    with pytest.raises(CheckpointError, match="cannot export .*tokenizer: checkpoint 't1' vs now 't2'.*--force-resume"):
+        Checkpointer(cfg, None, {**now, "tokenizer": "t2"}).check_compatible(saved, tmp_path, None)
+    cfg.force_resume = True
+    Checkpointer(cfg, None, {**now, "tokenizer": "t2"}).check_compatible(saved, tmp_path, None)
+    assert "WARNING: exporting" in capsys.readouterr().out
 
 
 def test_partial_last_metrics_line_is_dropped_with_a_note(inputs, four_steps, tmp_path):

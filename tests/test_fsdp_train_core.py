@@ -601,8 +601,10 @@ def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, sc
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(scratch_model)
+    limit = tokenizer.model_max_length
     split = datasets.load_from_disk(str(dataset_dir))["train"]
     count = tokenize_to_file(split, tokenizer, tmp_path / "t.tokens", batch_rows=7)
+    assert tokenizer.model_max_length == limit, "the run exports this tokenizer: its limit is the model's again"
     stream = np.fromfile(tmp_path / "t.tokens", dtype=token_dtype(len(tokenizer)))
     expected = [i for text in split["text"] for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
     assert count == len(stream) and stream.tolist() == expected

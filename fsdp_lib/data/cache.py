@@ -78,9 +78,16 @@ def tokenize_to_file(
     token file last after their sizes and CRC-32s are recorded (.sums.json), so a reader that sees the token file
     sees complete side files, and load_token_stream can tell a damaged cache. Returns the number of tokens.
     """
+    limit, tokenizer.model_max_length = tokenizer.model_max_length, sys.maxsize  # packed into blocks later: the
+    try:  # length warning is noise; the tokenizer is exported with the run, so its own limit comes back after
+        return _tokenize_to_file(dataset, tokenizer, out_path, batch_rows, chat)
+    finally:
+        tokenizer.model_max_length = limit
+
+
+def _tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: int, chat: ChatEncoder | None) -> int:
     eos = tokenizer.eos_token_id
     dtype = token_dtype(len(tokenizer))
-    tokenizer.model_max_length = sys.maxsize  # documents are packed into blocks later; silence the length warning
     paths = stream_paths(out_path)
     names = ("docs", "mask", "tokens") if chat is not None else ("docs", "tokens")
     total, skipped, first_skipped, rows = 0, {}, {}, 0

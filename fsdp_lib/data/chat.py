@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_lib.checks import chat_template_problems
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.schema import dataset_kind
@@ -311,13 +312,16 @@ TRAINED_TEMPLATES = re.compile(r"(?:chat|pairs|prompts):([0-9a-f]{16})")
 
 def export_tokenizer(cfg: TrainConfig, model_dir: Path, data_format: str) -> Any:
     """--export-only's tokenizer, as the run's own export wrote it, without reading the dataset: the model folder's,
-    with the --chat-template file where the run rendered its data with a template (`data_format`, from the
-    checkpoint). A template other than the one the run trained with is warned about: it would be exported."""
+    with the --chat-template file where the run applied it (`data_format`, from the checkpoint: conversations,
+    pairs, and GRPO's prompts of either kind). A template other than the one the run trained with is warned about:
+    it would be exported."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     trained = sorted(set(TRAINED_TEMPLATES.findall(data_format)))
-    if trained and cfg.chat_template:
+    if cfg.chat_template and (trained or "prompts:" in data_format):
+        if problems := chat_template_problems(Path(cfg.chat_template)):
+            raise TrainError(f"{problems[0]}; the run rendered its data with it, and the export writes it")
         tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
     if trained and chat_template_hash(tokenizer) not in trained:
         now = f"--chat-template {cfg.chat_template}" if cfg.chat_template else "the model folder's own"

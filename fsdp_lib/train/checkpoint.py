@@ -278,14 +278,16 @@ class Checkpointer:
         if not changed:
             return
         details = "; ".join(self._difference(k, payload) for k in changed)
+        doing = "exporting" if self.cfg.export_only else "resuming from"
         if self.cfg.force_resume:
-            log(f"WARNING: resuming from {path} although settings changed ({details}) because of --force-resume")
+            log(f"WARNING: {doing} {path} although settings changed ({details}) because of --force-resume")
             return
-        if self.cfg.export_only:  # nothing trains: the weights are exported as saved (a state that does not fit
-            # this run's model or adapters still fails to load, with load's message)
-            log(f"--export-only: exporting {path} as saved; these settings differ from its run's and change nothing "
-                f"here: {details}")  # fmt: skip
-            return
+        if self.cfg.export_only:  # EXPORT_PINNED: each of them would be written into the export (or merged into it)
+            raise CheckpointError(
+                f"cannot export {path}: {details}. The export would carry them: another tokenizer, or adapters "
+                "merged into or pointing at another base. Pass the run's --model-name (its config.yaml has it), "
+                "or --force-resume to export with these anyway."
+            )
         raise CheckpointError(
             f"cannot resume from {path}: {details}. These change the math or the data. Restore the original "
             f"settings, pass --force-resume to resume anyway, or use a new --experiment-name."

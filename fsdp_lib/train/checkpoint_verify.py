@@ -18,9 +18,10 @@ from fsdp_lib.runtime import Dist, broadcast_object, log
 from fsdp_lib.train.checkpoint import CHECKSUM_FILE, step_dirs
 
 
-def latest_intact_checkpoint(root: Path, d: Dist) -> Path | None:
+def latest_intact_checkpoint(root: Path, d: Dist, export: bool = False) -> Path | None:
     """The newest complete checkpoint whose files match their checksums. Damaged newer ones are reported and
-    moved aside (corrupt_step_N); if every checkpoint is damaged, nothing is moved and the run stops.
+    moved aside (corrupt_step_N; `export`: said as what an --export-only then exports); if every checkpoint is
+    damaged, nothing is moved and the run stops.
     Rank 0 first removes incomplete folders: the experiment lock makes sure no live run is writing them."""
     found = None
     if d.is_main and root.is_dir():
@@ -32,7 +33,7 @@ def latest_intact_checkpoint(root: Path, d: Dist) -> Path | None:
     for path in map(Path, reversed(broadcast_object(found, d) or [])):
         problems = verify_checkpoint(path, d)
         if not problems:
-            _set_aside(root, damaged, path, d)
+            _set_aside(root, damaged, path, d, export)
             return path
         damaged.append((path, problems))
     if damaged:
@@ -60,7 +61,13 @@ def verify_checkpoint(path: Path, d: Dist) -> list[str]:
     return [problem for part in found for problem in part or []]
 
 
-def _set_aside(root: Path, damaged: list[tuple[Path, list[str]]], intact: Path, d: Dist) -> None:
+def _set_aside(root: Path, damaged: list[tuple[Path, list[str]]], intact: Path, d: Dist, export: bool) -> None:
+    then = (
+        f"EXPORTING THE OLDER CHECKPOINT {intact.name}, not the newest; to export that one, restore its files, "
+        "move it back and export again"
+        if export
+        else f"RESUMING FROM THE OLDER CHECKPOINT {intact.name}; the steps after it are trained again"
+    )
     for path, problems in damaged:
         if d.is_main:
             aside = root / f"corrupt_{path.name}"
@@ -70,8 +77,5 @@ def _set_aside(root: Path, damaged: list[tuple[Path, list[str]]], intact: Path, 
                 aside = root / f"corrupt_{path.name}_{n}"
             os.rename(path, aside)
             files = "\n".join(f"  {p}" for p in problems)
-            log(
-                f"WARNING: checkpoint {path.name} is damaged:\n{files}\nMoved it aside to {aside}. "
-                f"RESUMING FROM THE OLDER CHECKPOINT {intact.name}; the steps after it are trained again."
-            )
+            log(f"WARNING: checkpoint {path.name} is damaged:\n{files}\nMoved it aside to {aside}. {then}.")
     dist.barrier(group=d.cpu_group)
