@@ -298,6 +298,7 @@ def run(cfg: TrainConfig) -> int:
         flops = step_flops_per_token(bundle, objective.reference, objective.forwards_without_gradient)
     window_figures = objective.window_figures if objective is not None else None
     metrics = Metrics(cfg, d, data.train, flops, precision, steps, window_figures)
+    metrics.resume_window(state.log_window)  # the steps the checkpoint's run trained since its last log line
     if d.is_main:
         for path in (metrics.path, metrics.path.with_name(SAMPLES_FILE)):  # from scratch: no line, not even step 0
             trim_metrics_file(path, state.step if state.step else -1)
@@ -459,6 +460,7 @@ def train_loop(
             interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
             if interrupted or checkpointer.due(state.step):
                 guard.sync(state)
+                state.log_window = metrics.carried_window()
                 checkpointer.save(bundle.model, optimizer, state, "signal" if interrupted else "periodic")
             if interrupted:
                 checkpointer.finish_pending(last=True)
@@ -466,6 +468,7 @@ def train_loop(
                 log(f"stopped at step {state.step} on request; rerun the same command to resume")
                 return False
     guard.sync(state)
+    state.log_window = metrics.carried_window()  # None: the last step is always logged
     checkpointer.save(bundle.model, optimizer, state, "final")
     checkpointer.finish_pending(last=True)
     return True

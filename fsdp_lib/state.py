@@ -17,6 +17,9 @@ class TrainState:
     bad_streak: int = 0  # consecutive skipped steps up to now
     loss_scale: float = 1.0  # fp16 dynamic loss scale
     scale_good_steps: int = 0
+    # the open log window at the save (Metrics.carried_window: its sums over the ranks), so a resumed run's next log
+    # line covers the steps the uninterrupted run's does; None when the save falls on a logged step
+    log_window: dict | None = None
 
     def advance(self, global_batch: int, steps_per_epoch: int) -> None:
         self.step += 1

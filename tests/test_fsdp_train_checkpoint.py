@@ -113,6 +113,34 @@ def test_killed_inside_a_save_resumes_from_newest_complete(inputs, reference, tm
     assert all(resumed[s] == reference[s] for s in range(resume_step + 1, STEPS + 1))
 
 
+def test_a_log_window_open_at_the_save_continues_after_the_resume_on_another_process_count(inputs, tmp_path):
+    """--log-freq 3 with a checkpoint at step 2: the killed run's steps 1-2 were never logged. The resumed run's
+    step-3 line covers steps 1-3 like the uninterrupted run's (it covered step 3 alone: loss_avg and trained_tokens
+    of one step), also when the run was killed on 2 processes and resumed on 1 (the window's sums travel in the
+    checkpoint, summed over the ranks)."""
+    from tests.fsdp_helpers import read_metrics
+
+    def args(save: Path) -> list[str]:
+        a = flags(inputs, save, "run", "--global-batch-size", "4", "--ckpt-freq", "2")
+        a[a.index("--max-steps") + 1], a[a.index("--log-freq") + 1] = "6", "3"
+        return a
+
+    reference = run_trainer(args(tmp_path / "reference"), nproc=1)
+    assert reference.returncode == 0, output_of(reference)
+    killed = run_trainer(args(tmp_path), env={"FSDP_TRAIN_FAULT": "kill_after_rename@0:2"})
+    assert killed.returncode != 0 and checkpoints(tmp_path) == ["step_00000002"]
+    assert not read_metrics(tmp_path / "run"), "nothing logged before the kill"
+    rerun = run_trainer(args(tmp_path), nproc=1)
+    assert rerun.returncode == 0 and "at step 2" in output_of(rerun), output_of(rerun)
+    expected = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "run")}
+    got = {r["step"]: r for r in read_metrics(tmp_path / "run")}
+    assert sorted(got) == sorted(expected) == [3, 6]
+    for step in (3, 6):
+        assert got[step]["trained_tokens"] == expected[step]["trained_tokens"]
+        for key in ("loss", "loss_avg"):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
+
+
 def test_sigterm_saves_at_the_interrupted_step_and_rerun_finishes(inputs, reference, tmp_path):
     proc = run_trainer(flags(inputs, tmp_path), background=True, env={"FSDP_TRAIN_STEP_DELAY_S": "0.25"})
     wait_for_step(tmp_path / "run", 5, proc)

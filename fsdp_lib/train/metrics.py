@@ -160,12 +160,49 @@ class Metrics:
     def _new_window(self) -> None:
         self.window_loss = torch.zeros((), device=self.d.device, dtype=torch.float64)
         self.window_steps = self.window_trained = 0
+        self.window_carried = 0  # of window_steps: trained before a resume (resume_window), not timed here
         self.window_stats: torch.Tensor | None = None  # the objective's figures summed over the window
         self.window_sources: list[int] | None = None  # a mixture: blocks per dataset over the window
         self.window_attended = [0, 0]  # documents' squared lengths and tokens (attended_positions), for the MFU
         self.window_start = time.perf_counter()
         self.timer.reset()
         reset_peak_memory(self.d.device)
+
+    def carried_window(self) -> dict | None:
+        """The open window summed over the ranks, for the checkpoint (TrainState.log_window); None when it is empty.
+        A collective: every rank calls it at every save."""
+        if not self.window_steps:
+            return None
+        sums = torch.tensor([0.0, *self.window_attended], dtype=torch.float64, device=self.d.device)
+        sums[0] += self.window_loss.to(sums.device)
+        dist.all_reduce(sums)
+        stats = None
+        if self.window_stats is not None:
+            stats = self.window_stats.double().to(self.d.device)
+            dist.all_reduce(stats)
+        return {
+            "steps": self.window_steps,
+            "trained": self.window_trained,
+            "loss": sums[0].item(),
+            "attended": sums[1:].tolist(),
+            "stats": None if stats is None else stats.tolist(),
+            "sources": self.window_sources,
+        }
+
+    def resume_window(self, carried: dict | None) -> None:
+        """Continue a checkpoint's open window (carried_window), on any number of processes: its sums on rank 0,
+        zeros elsewhere, its counts on every rank. Its steps are not timed here: emit rates them at this run's pace."""
+        if not carried:
+            return
+        main = self.d.rank == 0
+        self.window_steps = self.window_carried = carried["steps"]
+        self.window_trained, self.window_sources = carried["trained"], carried["sources"]
+        if main:
+            self.window_loss += carried["loss"]
+            self.window_attended = [int(a) for a in carried["attended"]]
+        if carried["stats"] is not None:
+            stats = torch.tensor(carried["stats"], dtype=torch.float64, device=self.d.device)
+            self.window_stats = stats if main else torch.zeros_like(stats)
 
     def epoch_progress(self, state: TrainState) -> float:
         """Epochs done as a fraction, e.g. 1.25 = a quarter into the second epoch."""
@@ -209,7 +246,8 @@ class Metrics:
         attended = torch.tensor(self.window_attended, dtype=torch.float64, device=self.d.device)
         sums = torch.cat([torch.stack([self.last_loss, self.window_loss]).to(self.d.device), attended])
         dist.all_reduce(sums)
-        elapsed = time.perf_counter() - self.window_start
+        timed = self.window_steps - self.window_carried  # a resumed window's earlier steps, at the measured pace
+        elapsed = (time.perf_counter() - self.window_start) * self.window_steps / max(1, timed)
         step_sum, window_sum, squares, tokens = sums.tolist()
         norms = grad_norm.double().flatten().tolist()
         record = {
@@ -232,7 +270,7 @@ class Metrics:
             record.update(self.window_figures(stats, elapsed))
         if self.window_sources is not None and self.mixture_names:  # samples (blocks) per dataset
             record.update({f"samples/{n}": c for n, c in zip(self.mixture_names, self.window_sources)})
-        record.update(self.timer.averages(self.window_steps))
+        record.update(self.timer.averages(timed))
         record.update(self.memory_over_ranks())
         if self.last_aux is not None:
             aux = self.last_aux.detach().clone()
