@@ -457,6 +457,7 @@ def train_loop(
                     bundle, objective, data, cfg, d, metrics, prompts, state.step, epoch, None if final else stop
                 )
 
+            checkpointer.commit_if_written()  # --async-ckpt: a save whose writes are done is committed now
             interrupted = all_ranks_agree(stop.requested or metrics.failure is not None, d)
             if interrupted or checkpointer.due(state.step):
                 guard.sync(state)

@@ -302,6 +302,14 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, four_steps, tmp_pa
     assert "resumed from" not in output_of(rerun) and "training steps 1.." not in output_of(rerun)
 
 
+def test_an_async_checkpoint_is_committed_once_written_not_at_the_next_save(inputs, tmp_path):
+    """--async-ckpt on, --ckpt-freq 4, kill -9 at step 6: the step-4 save finished writing seconds earlier (steps
+    slowed to 1 s), so it is a complete checkpoint. It stayed .tmp_step_00000004 until the step-8 save committed
+    it, and the rerun started from step 0."""
+    killed_at_step(flags(inputs, tmp_path, "run", "--async-ckpt", "on"), tmp_path / "run", 6, delay_s="1.0")
+    assert checkpoints(tmp_path) == ["step_00000004"]
+
+
 def test_async_checkpoints_give_the_same_run(inputs, reference, reference_run, tmp_path):
     """And the same checkpoints, byte for byte: the later saves reuse the first one's staging copy (host_staging),
     which must hold each save's own state, not an earlier one's."""

@@ -402,6 +402,13 @@ class Checkpointer:
         )
         return blocked
 
+    def commit_if_written(self) -> None:
+        """--async-ckpt: commit the save in flight as soon as every rank's write is done (checked at each step
+        boundary: one CPU-group all-reduce while a save is pending). It waited for the next save, so a kill in
+        between fell back one checkpoint more than a synchronous save would."""
+        if self.pending is not None and not all_ranks_agree(not self.pending[0].done(), self.d):
+            self.finish_pending()
+
     def finish_pending(self, last: bool = False) -> None:
         """Wait for the async save in flight and commit it; `last` (no more saves): free the staging copy too."""
         if self.pending is not None:
