@@ -391,6 +391,25 @@ def test_export_only_computes_no_reference(dpo_inputs, dpo_run):
 
 
 @pytest.mark.slow
+def test_an_objectives_log_window_is_exact_across_a_save_and_a_resume(dpo_inputs, dpo_run):
+    """--log-freq 3 with saves at steps 2 and 4, killed after the first, resumed: each line's trained tokens (DPO's
+    response tokens, summed in the objective's window figures over the ranks) equal the per-step run's over the same
+    steps. The save read the window's figures over the ranks in place, so a later line counted them twice (an
+    uninterrupted 2-process GRPO run logged 480 trained tokens for 288); the resume lost the steps before it."""
+    from tests.fsdp_helpers import read_metrics
+
+    args = dpo_args("window", dpo_inputs, "-b", "2", "--max-steps", "6", "--ckpt-freq", "2", "--log-freq", "3")
+    args[args.index("--save-dir") + 1] = str(dpo_run[0].parent)  # the stored reference: no second reference pass
+    killed = run_trainer(args, env={"FSDP_TRAIN_FAULT": "kill_after_rename@0:2"})
+    assert killed.returncode != 0
+    rerun = run_trainer(args)
+    assert rerun.returncode == 0 and "at step 2" in output_of(rerun), output_of(rerun)
+    per_step = {r["step"]: r["trained_tokens"] for r in read_metrics(dpo_run[0])}
+    got = {r["step"]: r["trained_tokens"] for r in read_metrics(dpo_run[0].parent / "window")}
+    assert got == {3: sum(per_step[s] for s in (1, 2, 3)), 6: sum(per_step[s] for s in (4, 5, 6))}
+
+
+@pytest.mark.slow
 def test_a_stop_during_the_preference_validation_cuts_it_short(dpo_inputs, tmp_path):
     """Ctrl-C while the held-out pairs are evaluated (step 0 here): the pass stops at its next micro-batch (DPO's,
     KTO's and GRPO's passes ran to their end), and before the first step the run ends without training or saving.

@@ -178,7 +178,7 @@ class Metrics:
         dist.all_reduce(sums)
         stats = None
         if self.window_stats is not None:
-            stats = self.window_stats.double().to(self.d.device)
+            stats = self.window_stats.to(self.d.device, torch.float64, copy=True)  # the window keeps its own
             dist.all_reduce(stats)
         return {
             "steps": self.window_steps,
