@@ -163,8 +163,8 @@ def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_onc
     One process (no torchrun), so the signals reach the trainer itself."""
     import subprocess
 
-    def launch(env: dict[str, str]) -> subprocess.Popen[str]:
-        args = [*flags(inputs, tmp_path), "--eval-freq", "100"]
+    def launch(env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
+        args = [*flags(inputs, tmp_path), "--eval-freq", "100", *extra]
         return run_trainer(args, nproc=1, env=env, background=True, cwd=tmp_path)
 
     def read_until(proc: subprocess.Popen[str], text: str) -> str:
@@ -185,8 +185,9 @@ def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_onc
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or '"val_loss"' not in metrics.read_text(), "no figures from a partial pass"
 
-    proc = launch({"FSDP_TRAIN_STEP_DELAY_S": "3", "FSDP_TRAIN_EVAL_DELAY_S": "0"})
-    said = read_until(proc, "step=0 ")  # from scratch: the step-0 evaluation, then step 1 (3 s)
+    # from scratch, without the step-0 evaluation: both signals come once the loop runs (step 1 takes 3 s)
+    proc = launch({"FSDP_TRAIN_STEP_DELAY_S": "3", "FSDP_TRAIN_EVAL_DELAY_S": "0"}, "--eval-at-start", "off")
+    said = read_until(proc, "training steps 1..")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # "now": inside the step
