@@ -29,7 +29,7 @@ from fsdp_lib.config import (
 from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, not_utf8, unreadable
 from fsdp_lib.experiment_dir import experiment_dir_problems
-from fsdp_lib.markers import TOKEN_CACHE, folder_kind
+from fsdp_lib.markers import STEP_DIR, TOKEN_CACHE, folder_kind
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
@@ -70,8 +70,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
 
 
 def _has_checkpoints(folder: Path) -> bool:
-    """A step_N folder in `folder` (whether it is complete and intact is checked when it is loaded)."""
-    return folder.is_dir() and any(path.name.startswith("step_") for path in folder.iterdir())
+    """A checkpoint folder in `folder`, named as train.checkpoint.step_dirs reads them (STEP_DIR: not a folder moved
+    aside, nor a temporary); whether it is complete and intact is checked when it is loaded."""
+    return folder.is_dir() and any(STEP_DIR.fullmatch(path.name) and path.is_dir() for path in folder.iterdir())
 
 
 def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:
