@@ -324,7 +324,7 @@ def export_checkpoint(cfg: TrainConfig, precision: str, d: Dist) -> int:
         raise CheckpointError(f"--export-only: no complete checkpoint in {cfg.experiment_dir / 'checkpoint'}")
     bundle = build_model(cfg, precision, d)
     checkpointer = Checkpointer(cfg, d, export_fingerprint(cfg, bundle.config, tokenizer_hash(model_dir), bundle.peft))
-    tokenizer = export_tokenizer(cfg, model_dir, checkpointer.read_state(latest)["fingerprint"].get("data_format", ""))
+    tokenizer = export_tokenizer(cfg, model_dir, checkpointer.read_state(latest)["fingerprint"])
     state = checkpointer.load(latest, bundle.model, None)
     log(f"--export-only: exporting {latest} (step {state.step})")
     export(bundle, tokenizer, cfg, d)

@@ -406,17 +406,30 @@ def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     cfg = TrainConfig(chat_template=str(template), export_only=True)
-    tokenizer = export_tokenizer(cfg, inputs[1], "text:document-masking-on")  # rendered without a template
+    # a checkpoint keeps the template its run's tokenizer held: exported as it is, with or without the file
+    kept = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    saved = {"data_format": "chat:0000000000000000:loss-on-assistant", "chat_template": kept}
+    assert export_tokenizer(cfg, inputs[1], saved).chat_template == kept
+    assert "WARNING: --export-only: --chat-template" in capsys.readouterr().out  # the file is not the run's
+    saved["data_format"] = "text:document-masking-on"  # the template rendered no data (e.g. .jsonl sample prompts)
+    assert export_tokenizer(cfg, inputs[1], saved).chat_template == kept and not capsys.readouterr().out
+    assert export_tokenizer(cfg, inputs[1], {**saved, "chat_template": None}).chat_template is None
+    # an earlier version's checkpoint keeps data_format alone: the file where the run applied it
+    tokenizer = export_tokenizer(cfg, inputs[1], {"data_format": "text:document-masking-on"})  # no template
     assert tokenizer.chat_template is None and "WARNING" not in capsys.readouterr().out
-    trained = chat_template_hash(export_tokenizer(cfg, inputs[1], "chat:0000000000000000:loss-on-assistant"))
+    legacy = {"data_format": "chat:0000000000000000:loss-on-assistant"}
+    trained = chat_template_hash(export_tokenizer(cfg, inputs[1], legacy))
     assert "WARNING: --export-only: the run trained with chat template 0000000000000000" in capsys.readouterr().out
-    tokenizer = export_tokenizer(cfg, inputs[1], f"mixture[chat:{trained}:loss-on-all; text]:weights-[1, 1]")
+    tokenizer = export_tokenizer(cfg, inputs[1], {"data_format": f"mixture[chat:{trained}:loss-on-all; text]:w"})
     assert tokenizer.chat_template == template.read_text() and "WARNING" not in capsys.readouterr().out
-    assert export_tokenizer(cfg, inputs[1], "prompts:text").chat_template == template.read_text()  # GRPO's: always
+    grpo = {"data_format": "prompts:text"}
+    assert export_tokenizer(cfg, inputs[1], grpo).chat_template == template.read_text()  # GRPO's: always
     template.rename(tmp_path / "elsewhere.jinja")
-    assert export_tokenizer(cfg, inputs[1], "text:document-masking-on").chat_template is None  # not needed: no error
+    tokenizer = export_tokenizer(cfg, inputs[1], {"data_format": "text:document-masking-on"})
+    assert tokenizer.chat_template is None  # not needed: no error
+    assert export_tokenizer(cfg, inputs[1], {**grpo, "chat_template": kept}).chat_template == kept  # file moved
     with pytest.raises(TrainError, match="template.jinja: no such file"):
-        export_tokenizer(cfg, inputs[1], "prompts:text")
+        export_tokenizer(cfg, inputs[1], grpo)
 
     saved = {"fingerprint": {"model": "m", "tokenizer": "t1", "peft": "none", "seq_length": 32}, "config": {}}
     now = {"model": "m", "tokenizer": "t1", "peft": "none"}

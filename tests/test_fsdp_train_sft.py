@@ -4,6 +4,7 @@ document attend to another, and real 2-process training runs on conversations.""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -320,14 +321,19 @@ def test_chat_data_without_a_template_names_the_flag(tmp_path, chat_dataset):
         in said
     )
     fixed = trainer_args("nt", chat_dataset, model, tmp_path)
-    fixed += ["--max-steps", "2", "--chat-template", str(CHAT_TEMPLATES / "llama3.jinja")]
+    template = shutil.copy(CHAT_TEMPLATES / "llama3.jinja", tmp_path / "llama3.jinja")
+    fixed += ["--max-steps", "2", "--chat-template", str(template)]
     result = run_trainer(fixed, nproc=1)
     assert result.returncode == 0, output_of(result)
-    exported = json.loads((tmp_path / "nt" / "final" / "tokenizer_config.json").read_text())
-    assert (
-        "start_header_id" in str(exported.get("chat_template"))
-        or (tmp_path / "nt" / "final" / "chat_template.jinja").is_file()
-    )
+    final = tmp_path / "nt" / "final"
+    exported = {f.name: f.read_bytes() for f in final.iterdir()}
+    assert "start_header_id" in str(exported.get("chat_template.jinja")) + str(exported["tokenizer_config.json"])
+    # the checkpoint keeps the template: `-e nt --export-only` writes the same export with the file gone
+    Path(template).unlink()
+    shutil.rmtree(final)
+    result = run_trainer(["-e", "nt", "--save-dir", str(tmp_path), "--export-only"], nproc=1)
+    assert result.returncode == 0, output_of(result)
+    assert {f.name: f.read_bytes() for f in final.iterdir()} == exported
 
 
 # --- resume of SFT runs --------------------------------------------------------------------------

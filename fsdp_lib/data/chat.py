@@ -283,6 +283,12 @@ def chat_template_hash(tokenizer: Any) -> str:
     return hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
+def use_template_file(cfg: TrainConfig, tokenizer: Any) -> None:
+    """--chat-template FILE replaces the tokenizer's own template (and is exported with it)."""
+    if cfg.chat_template:
+        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+
+
 def chat_encoder(
     cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False, dataset: str = ""
 ) -> ChatEncoder | None:
@@ -291,8 +297,7 @@ def chat_encoder(
     if dataset_kind(columns) != "messages":
         return None
     dataset = dataset or cfg.datasets_label
-    if cfg.chat_template:
-        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+    use_template_file(cfg, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError(
             f"--dataset-name {dataset} holds conversations, but the tokenizer of --model-name "
@@ -310,19 +315,35 @@ def chat_encoder(
 TRAINED_TEMPLATES = re.compile(r"(?:chat|pairs|prompts):([0-9a-f]{16})")
 
 
-def export_tokenizer(cfg: TrainConfig, model_dir: Path, data_format: str) -> Any:
+def export_tokenizer(cfg: TrainConfig, model_dir: Path, saved: dict) -> Any:
     """--export-only's tokenizer, as the run's own export wrote it, without reading the dataset: the model folder's,
-    with the --chat-template file where the run applied it (`data_format`, from the checkpoint: conversations,
-    pairs, and GRPO's prompts of either kind). A template other than the one the run trained with is warned about:
-    it would be exported."""
+    with the chat template the run's tokenizer held (`saved`: the checkpoint's fingerprint keeps it, so a moved or
+    edited --chat-template file changes nothing; a file that differs from it is warned about). A checkpoint of an
+    earlier version keeps only data_format: the file is applied where the run applied it (conversations, pairs,
+    and GRPO's prompts of either kind), and a template other than the one the run trained with is warned about."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    data_format = saved.get("data_format", "")
     trained = sorted(set(TRAINED_TEMPLATES.findall(data_format)))
+    if "chat_template" in saved:
+        tokenizer.chat_template = saved["chat_template"]
+        given = Path(cfg.chat_template) if cfg.chat_template else None
+        if (
+            given
+            and trained
+            and not chat_template_problems(given)
+            and given.read_text(encoding="utf-8") != (saved["chat_template"])
+        ):
+            log(
+                f"WARNING: --export-only: --chat-template {given} is not the template the run trained with "
+                f"({', '.join(trained)}); the export writes the run's, kept in its checkpoint"
+            )
+        return tokenizer
     if cfg.chat_template and (trained or "prompts:" in data_format):
         if problems := chat_template_problems(Path(cfg.chat_template)):
             raise TrainError(f"{problems[0]}; the run rendered its data with it, and the export writes it")
-        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        use_template_file(cfg, tokenizer)
     if trained and chat_template_hash(tokenizer) not in trained:
         now = f"--chat-template {cfg.chat_template}" if cfg.chat_template else "the model folder's own"
         log(

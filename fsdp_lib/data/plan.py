@@ -27,7 +27,7 @@ from fsdp_lib.config import (
 )
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
-from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, uses_tools
+from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, use_template_file, uses_tools
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.data.prompts import PromptSet, load_prompts
@@ -363,8 +363,7 @@ def log_kto_examples(cfg: TrainConfig, blocks: PairBlocks, kind: str | None, tok
 def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any, tokenizer: Any) -> Source:
     """--objective grpo's dataset: its train and validation prompts tokenised (each at most --seq-length -
     --max-new-tokens tokens); a validation evaluates to the held-out prompts' mean reward."""
-    if cfg.chat_template:  # as for conversations: the file replaces the tokenizer's template (and is exported)
-        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+    use_template_file(cfg, tokenizer)  # as for conversations, prompts of either kind
     prompts = load_prompts(train_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "train")
     validation = None
     if val_split is not None and len(val_split):

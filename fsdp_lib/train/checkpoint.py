@@ -57,7 +57,8 @@ def resume_fingerprint(
 ) -> dict:
     """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json.
     With --peft the checkpoint holds only the adapters, so the base's weights identity is pinned too; with
-    --objective dpo the loss settings and the reference (dpo.build_objective)."""
+    --objective dpo the loss settings and the reference (dpo.build_objective). And the chat template the run's
+    export writes, for an --export-only (not pinned: data_format holds the hash of each template the data used)."""
     return {
         "objective": objective,
         **export_fingerprint(cfg, model_config, data.tokenizer_hash, peft),
@@ -66,6 +67,7 @@ def resume_fingerprint(
         "global_batch_size": data.train.global_batch,
         "seed": cfg.seed,
         "data_format": data.data_format,
+        "chat_template": getattr(data.tokenizer, "chat_template", None),
     }
 
 

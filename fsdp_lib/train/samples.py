@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.data.chat import use_template_file
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.tool_calls import template_messages, template_tools
 from fsdp_lib.train.rollout import generate
@@ -52,8 +53,7 @@ def read_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix != ".jsonl":
         return [SamplePrompt(line, tokenizer(line)["input_ids"]) for line in lines]
-    if cfg.chat_template:
-        tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+    use_template_file(cfg, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError(
             f"--sample-prompts {path}: conversations need a chat template; the tokenizer has none (--chat-template FILE)"
