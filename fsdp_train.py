@@ -322,7 +322,7 @@ def export_checkpoint(cfg: TrainConfig, precision: str, d: Dist) -> int:
     latest = latest_intact_checkpoint(cfg.experiment_dir / "checkpoint", d, export=True)
     if latest is None:
         raise CheckpointError(f"--export-only: no complete checkpoint in {cfg.experiment_dir / 'checkpoint'}")
-    bundle = build_model(cfg, precision, d)
+    bundle = build_model(cfg, precision, d, export_only=True)
     checkpointer = Checkpointer(cfg, d, export_fingerprint(cfg, bundle.config, tokenizer_hash(model_dir), bundle.peft))
     tokenizer = export_tokenizer(cfg, model_dir, checkpointer.read_state(latest)["fingerprint"])
     state = checkpointer.load(latest, bundle.model, None)

@@ -284,7 +284,10 @@ def check_context_parallel(model: nn.Module, n: int, world: int, seq_length: int
         raise TrainError(problem)
 
 
-def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
+def build_model(cfg: TrainConfig, precision: str, d: Dist, export_only: bool = False) -> ModelBundle:
+    """The model sharded for training, with its pretrained (or initial) weights and adapters. export_only: a
+    checkpoint is loaded next and nothing trains, so no start-up probe runs, and without adapters (the checkpoint
+    holds every weight) no weight is read or initialised either."""
     model_dir = resolve_model_dir(cfg.model_name)
     packed = cfg.document_masking == "on" or cfg.context_parallel > 1  # auto: varlen first
     model = build_model_skeleton(model_dir, cfg.attn_implementation, packed)
@@ -325,7 +328,9 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     shard_model(train_forward, layers, cfg, precision, d)
     materialize(model, d, cfg)
     files, fmt = weight_keys(model_dir)
-    if files:
+    if export_only and peft is None:
+        log(f"--export-only: every weight comes from the checkpoint; {model_dir}'s weights are not read")
+    elif files:
         start = time.perf_counter()
         load_pretrained_sharded(model, model_dir, files, fmt, d.file_threads)
         log(f"loaded pretrained weights from {model_dir} (sharded, {time.perf_counter() - start:.1f}s)")
@@ -340,7 +345,9 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
     check_still_tied(model)
     model.train()
     train_forward.mask_dtype = compute_dtype
-    run_start_up_checks(train_forward, vocab_size, precision, cfg.document_masking == "on", d)
+    masked_training = cfg.document_masking == "on" and not export_only
+    if not export_only:
+        run_start_up_checks(train_forward, vocab_size, precision, masked_training, d)
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "
         f"({layer_class}){' + embedding + head' if own_units(model) else ''} sharded with --sharding {cfg.sharding} "
@@ -348,7 +355,7 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
         f"{recomputed} layers checkpointed, compute {precision}, cpu offload {cfg.cpu_offload}, "
         f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
         + (" (auto)" if cfg.loss_chunk_tokens == "auto" and train_forward.chunk else "")
-        + (f", packed documents kept apart by {train_forward.document_masking}" if cfg.document_masking == "on" else "")
+        + (f", packed documents kept apart by {train_forward.document_masking}" if masked_training else "")
         + (f", each sequence split over {d.context_size} processes (Ulysses)" if d.context_size > 1 else "")
         + (f", MLP in {cfg.tiled_mlp} tiles" if cfg.tiled_mlp else "")
         + (", saved activations offloaded to host memory" if cfg.activation_offload == "on" else "")
