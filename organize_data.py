@@ -32,10 +32,12 @@ from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
     check_destination,
     device_of_nearest_existing,
+    holding_split_lock,
     is_in_place,
     place_file,
     read_manifest,
     remove_path,
+    split_lock,
     write_json_atomic,
 )
 from fsdp_lib.organize.plan import (
@@ -58,20 +60,6 @@ from fsdp_lib.organize.plan import (
     plan_split,
     settings_flags,
 )
-
-# --------------------------------------------------------------------------------------------------------
-# Pure logic
-# --------------------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------------------
-# File system
-# --------------------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------------------
 
 
 def folder_path(value: str) -> Path:
@@ -150,7 +138,9 @@ def path_problems(src_arg: Path, dst_arg: Path) -> list[str]:
         problems.append(f"--src-dir {kind.describe(src_arg)}, not raw files; point --src-dir at the folder with them")
     elif overlap := overlap_problem(src_dir, dst_root):
         problems.append(overlap)
-    if (kind := folder_kind(dst_root)) is not None and kind.kind != "split folders":
+    if dst_root.exists() and not dst_root.is_dir():
+        problems.append(f"--dst-root {dst_arg} is a file; choose a folder path for --dst-root")
+    elif (kind := folder_kind(dst_root)) is not None and kind.kind != "split folders":
         problems.append(
             f"--dst-root {kind.describe(dst_arg)}; organize_data.py does not write split folders into another tool's "
             "folder, even with --overwrite: choose another --dst-root"
@@ -249,6 +239,16 @@ def place_all(todo: list[tuple[Path, Path, int]], mode: str) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     settings = validate_args(args)
+    if args.dry_run:
+        if args.dst_root.is_dir():
+            split_lock(args.dst_root).check_free()
+        return organize(args, settings, started)
+    with holding_split_lock(args.dst_root):
+        return organize(args, settings, started)
+
+
+def organize(args: argparse.Namespace, settings: Settings, started: float) -> int:
+    """Plan the split against --dst-root's earlier manifest, then place what is not in place yet."""
     src_dir, dst_root = Path(settings.src_dir), args.dst_root
     earlier = read_manifest(dst_root) if dst_root.is_dir() else None
     files = gather_files(src_dir, dst_root, settings, earlier)
@@ -282,7 +282,14 @@ def run(args: argparse.Namespace) -> int:
 
     dst_root.mkdir(parents=True, exist_ok=True)
     for path in state.to_delete:
-        remove_path(path)
+        try:
+            remove_path(path)
+        except OSError as exc:  # rmtree names a file relative to the folder it was in: name the whole path
+            raise OrganizeError(
+                f"could not delete {path} ({exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}); "
+                "fix the cause and rerun the same command",
+                EXIT_IO_ERROR,
+            ) from exc
     # Record the plan before the first file moves, so a killed run (even --mode move) can be finished.
     if todo and earlier != manifest:
         write_json_atomic(dst_root / MANIFEST_NAME, manifest)

@@ -1,5 +1,6 @@
-"""One run per experiment: outputs/EXP/run.lock, taken atomically (hard link, also on NFS), refreshed while the run
-lives, and taken over with a message when its holder is gone."""
+"""One writer per folder: a lock file taken atomically (hard link, also on NFS), refreshed while its holder lives, and
+taken over with a message when the holder is gone. fsdp_train.py's outputs/EXP/run.lock (one run per experiment),
+organize_data.py's --dst-root."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 from fsdp_lib.errors import ExperimentLockedError
 from fsdp_lib.markers import EXPERIMENT_LOCK
 from fsdp_lib.processes import process_alive, process_start_ticks
-from fsdp_lib.runtime import log
 
 LOCK_FILE = EXPERIMENT_LOCK
 
@@ -27,18 +27,22 @@ LOCK_REFRESH_S = 30.0  # the holder touches its lock file this often...
 LOCK_STALE_S = 600.0  # ...so a lock from another host that nobody touched for this long belongs to a dead run
 
 
-class ExperimentLock:
-    """One run per experiment: `outputs/EXP/run.lock` names the holder (host, pid, start time).
+class FolderLock:
+    """One writer per folder: `FOLDER/NAME` names the holder (host, pid, start time).
 
     It is created complete under a private name and hard-linked into place: link() fails if the lock exists,
     atomically, also on NFS and the parallel filesystems of a cluster. A lock whose holder is gone is taken over
     with a message: on this host when the process no longer exists, from another host when the holder stopped
-    refreshing it for LOCK_STALE_S. Global rank 0 holds it for the whole run and removes it on exit."""
+    refreshing it for LOCK_STALE_S. `what` names the folder in messages (by its flag), `instead` the way out."""
 
-    def __init__(self, experiment_dir: Path):
-        self.path = experiment_dir / LOCK_FILE
+    def __init__(self, folder: Path, name: str, what: str, instead: str, error: type[Exception] = RuntimeError):
+        self.path = folder / name
+        self.what, self.instead, self.error = what, instead, error
         self.record: dict | None = None
         self._stop_refresh = threading.Event()
+
+    def _announce(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
 
     def _read(self, path: Path | None = None) -> dict | None:
         try:
@@ -56,16 +60,15 @@ class ExperimentLock:
 
     def _held_message(self, holder: dict) -> str:
         return (
-            f"experiment {self.path.parent} is in use by another run: host {holder.get('host')}, pid "
-            f"{holder['pid']}, started {holder.get('started_at')} (lock file {self.path}). Wait for that run to "
-            f"finish or stop it, or use another --experiment-name. If that process is really gone (e.g. its node "
-            f"died), delete {self.path}."
+            f"{self.what} is in use by another run: host {holder.get('host')}, pid {holder['pid']}, started "
+            f"{holder.get('started_at')} (lock file {self.path}). Wait for that run to finish or stop it, or "
+            f"{self.instead}. If that process is really gone (e.g. its node died), delete {self.path}."
         )
 
     def check_free(self) -> None:
         holder = self._read()
         if holder is not None and self._alive(holder):
-            raise ExperimentLockedError(self._held_message(holder))
+            raise self.error(self._held_message(holder))
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +79,7 @@ class ExperimentLock:
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv),
         }
-        mine = self.path.with_name(f".{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
+        mine = self.path.with_name(f".{self.path.name}.{self.record['host']}.{os.getpid()}")
         mine.write_text(json.dumps(self.record))
         try:
             for _ in range(3):
@@ -86,7 +89,7 @@ class ExperimentLock:
                 except FileExistsError:
                     self._take_over_if_stale()
             else:
-                raise ExperimentLockedError(f"could not take {self.path}: other launches keep racing for it")
+                raise self.error(f"could not take {self.path}: other launches keep racing for it")
         finally:
             mine.unlink(missing_ok=True)
         threading.Thread(target=self._refresh, name="experiment-lock", daemon=True).start()
@@ -94,8 +97,8 @@ class ExperimentLock:
     def _take_over_if_stale(self) -> None:
         holder = self._read()
         if holder is not None and self._alive(holder):
-            raise ExperimentLockedError(self._held_message(holder))
-        stale = self.path.with_name(f".{LOCK_FILE}.stale.{socket.gethostname()}.{os.getpid()}")
+            raise self.error(self._held_message(holder))
+        stale = self.path.with_name(f".{self.path.name}.stale.{socket.gethostname()}.{os.getpid()}")
         try:
             os.rename(self.path, stale)
         except FileNotFoundError:
@@ -109,7 +112,7 @@ class ExperimentLock:
                 if holder
                 else "unreadable"
             )
-            log(f"taking over the lock of a run that is gone ({what}): {self.path}")
+            self._announce(f"taking over the lock of a run that is gone ({what}): {self.path}")
         stale.unlink(missing_ok=True)
 
     def _refresh(self) -> None:
@@ -122,3 +125,17 @@ class ExperimentLock:
         if self.record is not None and self._read() == self.record:
             self.path.unlink(missing_ok=True)
         self.record = None
+
+
+class ExperimentLock(FolderLock):
+    """fsdp_train.py's one run per experiment: outputs/EXP/run.lock, held by global rank 0 for the whole run and
+    removed on exit."""
+
+    def __init__(self, experiment_dir: Path):
+        what = f"experiment {experiment_dir}"
+        super().__init__(experiment_dir, LOCK_FILE, what, "use another --experiment-name", ExperimentLockedError)
+
+    def _announce(self, message: str) -> None:
+        from fsdp_lib.runtime import log  # the trainer's log line; the lock itself loads no torch
+
+        log(message)

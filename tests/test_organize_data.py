@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import organize_data
-from fsdp_lib.organize.place import temp_path_for
+from fsdp_lib.organize.place import split_lock, temp_path_for
 from fsdp_lib.organize.plan import (
     DEFAULT_EXTENSIONS,
     MANIFEST_NAME,
@@ -351,7 +351,7 @@ def test_a_failed_copy_leaves_no_file_under_the_real_name(
     monkeypatch.setattr(shutil, "copy2", copy_half_then_fail)
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "splits", "--num-dirs", "2")
     assert code == 1 and "Input/output error" in err
-    assert [p for p in split_files(tmp_path / "splits") if not p.name.endswith(TMP_SUFFIX)] == []
+    assert split_files(tmp_path / "splits") == []  # nor the partial copy under its temporary name
 
 
 def test_same_input_gives_identical_manifests(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -500,10 +500,11 @@ def test_refuses_a_different_earlier_split_unless_overwrite(
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
     assert code == 2 and "--overwrite" in err and "--num-dirs 4" in err
     assert snapshot(dst) == before
-    # A source file added since the split is a different plan too.
+    # A source file added since the split is a different plan too (the same flags would not keep it)
     write(src / "c" / "new.txt", "arrived later")
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "4")
     assert code == 2 and "c/new.txt" in err and "--overwrite" in err
+    assert "Restore --src-dir's files to keep it" in err and "earlier flags" not in err
     assert snapshot(dst) == before
 
     code, _, _ = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2", "--overwrite")
@@ -535,6 +536,41 @@ def test_overwrite_never_deletes_split_folders_it_has_no_record_of(
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", dst, "--overwrite")
     assert code == 2 and "split_00" in err
     assert (dst / "split_00" / "precious.txt").read_text() == "only copy"
+    # beside a split whose manifest does not list it: kept too, on a rerun and on --overwrite of another plan
+    (dst / "split_00").rename(dst / "split_05")
+    argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
+    (dst / "split_05").rename(tmp_path / "aside")
+    assert run(capsys, *argv)[0] == 0
+    (tmp_path / "aside").rename(dst / "split_05")
+    (dst / "split_07").mkdir()  # an empty one is no problem
+    for extra in ((), ("--overwrite",), ("--num-dirs", "3", "--overwrite")):
+        code, _, err = run(capsys, *argv, *extra)
+        assert code == 2 and "split_05, which its .organize_manifest.json does not account for" in err, err
+        assert "split_07" not in err and (dst / "split_05" / "precious.txt").read_text() == "only copy"
+    assert manifest_of(dst)["settings"]["num_dirs"] == 2
+
+
+def test_one_run_per_dst_root_at_a_time(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A second run while one writes --dst-root is refused (its --overwrite would delete the first one's files);
+    a lock left by a killed run is taken over; a refused run leaves no empty --dst-root behind."""
+    dst = tmp_path / "deep" / "splits"
+    held = split_lock(dst)
+    held.acquire()  # a live run (this process) writes there
+    for extra in ((), ("--overwrite",), ("--dry-run",)):
+        code, _, err = run(capsys, "--src-dir", src, "--dst-root", dst, *extra)
+        assert code == 2 and f"--dst-root {dst} is in use by another run: host" in err, err
+        assert "choose another --dst-root" in err and sorted(os.listdir(dst)) == [".organize.lock"]
+    record = json.loads(held.path.read_text())
+    held.release()
+    held.path.write_text(json.dumps({**record, "pid": 2**22 + 12345, "process_start": "1"}))  # killed (-9)
+    code, _, err = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
+    assert code == 0 and "taking over the lock of a run that is gone" in err
+    assert sorted(os.listdir(dst)) == [MANIFEST_NAME, "split_00", "split_01"]  # the lock is gone with the run
+    code, _, _ = run(capsys, "--src-dir", tmp_path / "empty", "--dst-root", tmp_path / "new" / "splits")
+    assert code == 2 and not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()  # refused once the lock is held (no files): the folders it made are removed
+    code, _, _ = run(capsys, "--src-dir", tmp_path / "empty", "--dst-root", tmp_path / "new" / "splits")
+    assert code == 2 and not (tmp_path / "new").exists()
 
 
 def test_overwrite_never_deletes_a_moved_split(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -545,6 +581,8 @@ def test_overwrite_never_deletes_a_moved_split(src: Path, tmp_path: Path, capsys
     code, _, err = run(capsys, *other_plan)  # --src-dir is empty now: refused, and told why
     assert code == 2 and "--mode move" in err
     write(src / "late.txt", "arrived after the move")
+    code, _, err = run(capsys, *other_plan[:-1])  # without --overwrite: not told to pass it, as it would not help
+    assert code == 2 and "Rerun with the earlier flags" in err and "--overwrite" not in err, err
     code, _, err = run(capsys, *other_plan)
     assert code == 2 and "--mode move" in err and "only copies" in err
     assert snapshot(dst) == before
@@ -604,3 +642,13 @@ def test_no_permission_while_placing_is_one_message(
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "splits", "--num-dirs", "3")
     assert code != 0
     assert err.count("error:") == 1 and "Permission denied" in err and "Traceback" not in err
+    # an --overwrite that cannot delete the earlier split: the folder is named whole (rmtree names the file alone)
+    monkeypatch.undo()
+    assert run(capsys, "--src-dir", src, "--dst-root", tmp_path / "other", "--num-dirs", "3")[0] == 0
+
+    def undeletable(path: Path) -> None:
+        raise PermissionError(13, "Permission denied", "x")
+
+    monkeypatch.setattr(organize_data, "remove_path", undeletable)
+    code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "other", "--num-dirs", "2", "--overwrite")
+    assert code == 1 and f"could not delete {tmp_path / 'other' / 'split_00'} (Permission denied: x)" in err, err

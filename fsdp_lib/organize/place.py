@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_lib.errors import name_sample
+from fsdp_lib.lock import FolderLock
 from fsdp_lib.organize.plan import (
+    LOCK_NAME,
     MANIFEST_NAME,
     SPLIT_DIR_PATTERN,
     TMP_SUFFIX,
@@ -44,6 +48,7 @@ def read_manifest(dst_root: Path) -> dict | None:
         isinstance(manifest, dict)
         and isinstance(manifest.get("settings"), dict)
         and isinstance(manifest.get("files"), dict)
+        and isinstance(manifest.get("splits"), dict)
         and all(isinstance(v, dict) and {"source", "bytes"} <= v.keys() for v in manifest["files"].values())
     ):
         raise OrganizeError(unreadable)
@@ -58,6 +63,11 @@ def write_json_atomic(path: Path, data: dict) -> None:
         handle.flush()
         os.fsync(handle.fileno())  # the manifest is what makes a rerun safe: it must not be lost in a crash
     os.replace(tmp, path)
+
+
+def _holds_anything(path: Path) -> bool:
+    """Whether a split folder's name holds something to keep: any file, link or folder that is not empty."""
+    return path.is_symlink() or not path.is_dir() or bool(os.listdir(path))
 
 
 def _is_temp_name(name: str) -> bool:
@@ -75,8 +85,7 @@ def find_strays(dst_root: Path, manifest: dict) -> tuple[list[Path], list[Path]]
         if not SPLIT_DIR_PATTERN.fullmatch(name):
             continue  # anything else beside the splits was there before and is left alone
         if name not in manifest["splits"]:
-            strays.append(dst_root / name)
-            continue
+            continue  # check_destination refuses a split folder that no manifest lists
         for root, dirnames, filenames in os.walk(dst_root / name):
             strays += [Path(root) / d for d in sorted(dirnames) if os.path.islink(os.path.join(root, d))]
             for filename in sorted(filenames):
@@ -94,8 +103,8 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
         return DestinationState(resuming=False, to_delete=[])
     if not dst_root.is_dir():
         raise OrganizeError(f"--dst-root {dst_root} is a file; choose a folder path for --dst-root")
-    ours = {MANIFEST_NAME, MANIFEST_NAME + TMP_SUFFIX}
-    entries = sorted(name for name in os.listdir(dst_root) if name not in ours)
+    ours = {MANIFEST_NAME, MANIFEST_NAME + TMP_SUFFIX, LOCK_NAME}
+    entries = sorted(n for n in os.listdir(dst_root) if n not in ours and not n.startswith(f".{LOCK_NAME}."))
     split_dirs = [name for name in entries if SPLIT_DIR_PATTERN.fullmatch(name)]
     if earlier is None:
         if not entries:
@@ -113,13 +122,26 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
                 "them: remove or rename them yourself, or choose another --dst-root"
             )
         return DestinationState(resuming=False, to_delete=[])
+    if unlisted := [name for name in split_dirs if name not in earlier["splits"] and _holds_anything(dst_root / name)]:
+        raise OrganizeError(
+            f"--dst-root {dst_root} holds {name_sample(unlisted, 3)}, which its {MANIFEST_NAME} does not account for "
+            "(it may hold the only copies of moved files); organize_data.py does not delete it, even with "
+            "--overwrite: remove or rename it yourself, or choose another --dst-root"
+        )
     problems = describe_mismatch(earlier, planned)
     if problems:
         if not overwrite:
+            keep = (
+                f"Rerun with the earlier flags ({settings_flags(earlier['settings'])}) to keep it"
+                if earlier["settings"] != planned["settings"]
+                else "Restore --src-dir's files to keep it"
+            )
+            if earlier["settings"].get("mode") != "move":  # a moved split is never replaced (below)
+                keep += ", pass --overwrite to replace it"
+                keep += "" if earlier["settings"] != planned["settings"] else " with a split of the files there now"
             raise OrganizeError(
-                f"--dst-root {dst_root} holds a different earlier split: {'; '.join(problems)}. Rerun with the "
-                f"earlier flags ({settings_flags(earlier['settings'])}) to keep it, pass --overwrite to replace it, "
-                "or choose another --dst-root"
+                f"--dst-root {dst_root} holds a different earlier split: {'; '.join(problems)}. {keep}, or choose "
+                "another --dst-root"
             )
         if earlier["settings"].get("mode") == "move":
             raise OrganizeError(
@@ -137,6 +159,28 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
             "or pass --overwrite to delete them"
         )
     return DestinationState(resuming=True, to_delete=strays + stale)
+
+
+def split_lock(dst_root: Path) -> FolderLock:
+    """One organize_data.py run per --dst-root at a time: a second one would plan against a folder the first is
+    changing (and an --overwrite would delete its files under it)."""
+    return FolderLock(dst_root, LOCK_NAME, f"--dst-root {dst_root}", "choose another --dst-root", OrganizeError)
+
+
+@contextlib.contextmanager
+def holding_split_lock(dst_root: Path) -> Iterator[None]:
+    """The lock held for the run; the folders its taking created are removed again if the run wrote nothing
+    into them (a refused run leaves no empty --dst-root behind)."""
+    created = [folder for folder in (dst_root, *dst_root.parents) if not folder.exists()]  # deepest first
+    lock = split_lock(dst_root)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one
 
 
 def remove_path(path: Path) -> None:
@@ -183,13 +227,18 @@ def place_file(source: Path, dest: Path, mode: str) -> None:
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
-    if mode == "symlink":
-        os.symlink(source, tmp)
-    elif mode == "link":
-        os.link(source, tmp)
-    else:  # copy, or a move across filesystems / of a symlinked file (its content moves, the link goes)
-        shutil.copy2(source, tmp)
-    os.replace(tmp, dest)
+    try:
+        if mode == "symlink":
+            os.symlink(source, tmp)
+        elif mode == "link":
+            os.link(source, tmp)
+        else:  # copy, or a move across filesystems / of a symlinked file (its content moves, the link goes)
+            shutil.copy2(source, tmp)
+        os.replace(tmp, dest)
+    except BaseException:  # a full disk or Ctrl-C mid-copy: the partial copy does not stay on the disk
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     if mode == "move":
         source.unlink()  # only after the content is safely at dest: a crash before this just repeats the copy
 
