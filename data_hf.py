@@ -52,6 +52,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from fsdp_lib.arguments import JoinRepeats, OneValueParser
 from fsdp_lib.convert.extraction import DATA_FORMATS, DEFAULT_MAX_CHARS, JSON_MODES, RECORD_FORMATS
 from fsdp_lib.convert.planning import Options, find_input_files, normalize_extensions, plan_tasks, record_inputs
 from fsdp_lib.convert.publish import (
@@ -100,7 +101,7 @@ def _available_cores() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneValueParser(
         prog="data_hf.py",
         description="Convert text/Markdown/JSON/JSONL/YAML files into a Hugging Face dataset with one 'text' column "
         "(plain text), one 'messages' column (conversations), 'prompt', 'chosen' and 'rejected' columns "
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="output folder for datasets.load_from_disk (e.g. hf_datasets/my_corpus); must not exist unless --overwrite",
     )  # fmt: skip
     parser.add_argument(
-        "--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS), metavar="EXT",
+        "--extensions", nargs="+", action=JoinRepeats, default=list(DEFAULT_EXTENSIONS), metavar="EXT",
         help=f"extensions to read, space- or comma-separated (default: {' '.join(DEFAULT_EXTENSIONS)}); .json, .jsonl, .ndjson, .yaml "
         "and .yml are parsed, any other extension is read as plain text",
     )  # fmt: skip
@@ -361,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert_and_publish(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on bad flags; callers of main() get the code
+        return exc.code if isinstance(exc.code, int) else 2
     args.extensions = normalize_extensions(args.extensions)
     errors = validate_args(args)
     for error in errors:

@@ -32,6 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsdp_lib.arguments import OneValueParser
 from fsdp_lib.hub.console import ToolError
 from fsdp_lib.hub.dataset import download_dataset, report_dataset, verify_dataset
 from fsdp_lib.hub.download import (
@@ -67,7 +68,7 @@ def init_size_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneValueParser(
         prog="model_download.py",
         description="Fetch a Hugging Face causal LM for offline training (HF_HOME cache or --local-dir), verify it"
         " offline, or create a new Llama-architecture model from a size preset with --init.",

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fsdp_lib.arguments import JoinRepeats, OneValueParser
 from fsdp_lib.errors import file_above, name_sample, unreadable
 from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
@@ -70,7 +71,7 @@ def folder_path(value: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneValueParser(
         prog="organize_data.py",
         description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 done (or nothing to do), 1 a file operation failed (rerun resumes), "
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--extensions",
         nargs="+",
+        action=JoinRepeats,
         default=list(DEFAULT_EXTENSIONS),
         help=f"file endings to pick up, e.g. 'txt,md' or '.txt .md' (default: {' '.join(DEFAULT_EXTENSIONS)})",
     )

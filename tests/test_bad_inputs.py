@@ -66,6 +66,26 @@ CASES = [
         "fsdp_train.py -d",
     ),
     data_hf_case(
+        "data_hf with --data-folder given twice (the first was dropped in silence)",
+        lambda r: ["--data-folder", r / "raw", "--data-folder", r / "splits", "--save_dir", r / "again"],
+        "--data-folder is given twice (",
+        "raw, then --data-folder ",
+        "splits); pass it once",
+        exit_code=2,
+    ),
+    organize_case(
+        "organize_data with --dst-root given twice",
+        lambda r: ["--src-dir", r / "raw", "--dst-root", r / "a", "--dst_root", r / "b"],
+        "--dst-root is given twice",
+        "then --dst_root",
+    ),
+    model_download_case(
+        "model_download with --local-dir given twice",
+        lambda r: ["--init", "tiny", "--local-dir", r / "a", "--local-dir", r / "b", "--tokenizer-from", r / "dataset"],
+        "--local-dir is given twice",
+        exit_code=2,
+    ),
+    data_hf_case(
         "data_hf reading a training experiment",
         lambda r: ["--data_folder", r / "outputs" / "exp", "--save_dir", r / "again"],
         "--data_folder",

@@ -538,12 +538,12 @@ def test_overwrite_never_deletes_split_folders_it_has_no_record_of(
     assert (dst / "split_00" / "precious.txt").read_text() == "only copy"
     # beside a split whose manifest does not list it: kept too, on a rerun and on --overwrite of another plan
     (dst / "split_00").rename(dst / "split_05")
-    argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
+    argv = ("--src-dir", src, "--dst-root", dst)
     (dst / "split_05").rename(tmp_path / "aside")
-    assert run(capsys, *argv)[0] == 0
+    assert run(capsys, *argv, "--num-dirs", "2")[0] == 0
     (tmp_path / "aside").rename(dst / "split_05")
     (dst / "split_07").mkdir()  # an empty one is no problem
-    for extra in ((), ("--overwrite",), ("--num-dirs", "3", "--overwrite")):
+    for extra in (("--num-dirs", "2"), ("--num-dirs", "2", "--overwrite"), ("--num-dirs", "3", "--overwrite")):
         code, _, err = run(capsys, *argv, *extra)
         assert code == 2 and "split_05, which its .organize_manifest.json does not account for" in err, err
         assert "split_07" not in err and (dst / "split_05" / "precious.txt").read_text() == "only copy"
