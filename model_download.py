@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORG/NAME",
         help="download a hub dataset repository into the HF_HOME cache instead, and verify it loads offline",
     )
-    source.add_argument("--revision", default="main", help="branch, tag or commit hash to fetch (default: main)")
+    source.add_argument("--revision", help="branch, tag or commit hash to fetch (default: main)")
     source.add_argument(
         "--local-dir", help="write a plain folder instead of the HF_HOME cache (the --init output folder)"
     )
@@ -126,10 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     scratch.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
-        default="bfloat16",
         help="dtype of --with-weights (default: bfloat16)",
     )
-    scratch.add_argument("--seed", type=int, default=0, help="seed for the weight initialisation (default: 0)")
+    scratch.add_argument("--seed", type=int, help="seed of --with-weights' initialisation (default: 0)")
     scratch.add_argument("--overwrite", action="store_true", help="replace an existing model folder in --local-dir")
     return parser
 
@@ -144,12 +143,12 @@ def value_problems(args: argparse.Namespace) -> list[str]:
         )
         if problem
     ]
-    if not args.revision.strip() or any(char.isspace() for char in args.revision):
+    if args.revision is not None and (not args.revision.strip() or any(c.isspace() for c in args.revision)):
         problems.append(
             f"--revision {args.revision!r} is not a branch, tag or commit hash (empty, or with spaces); leave it out"
             " for main"
         )
-    if not 0 <= args.seed <= MAX_SEED:
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         problems.append(f"--seed {args.seed} must be between 0 and {MAX_SEED:,}")
     return problems
 
@@ -162,15 +161,20 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         "--tokenizer": args.tokenizer,
         "--vocab-size": args.vocab_size,
         "--with-weights": args.with_weights,
+        "--dtype": args.dtype,
+        "--seed": args.seed,
         "--overwrite": args.overwrite,
         **size_overrides(args),
     }
+    download_flags = {"--revision": args.revision, "--token": args.token, "--force-download": args.force_download}
     if args.dataset:
         if args.model_name or args.init or args.verify_only or args.local_dir:
             problems.append(
                 "--dataset downloads a dataset into the HF_HOME cache: drop --model-name/--init/--verify-only/--local-dir"
             )
     problems += value_problems(args)
+    if args.verify_only and args.force_download:
+        problems.append("--force-download fetches every file again, --verify-only fetches nothing: drop one of them")
     if args.init:
         if args.model_name or args.verify_only:
             problems.append("--init creates a new model: drop --model-name/--verify-only")
@@ -189,6 +193,15 @@ def validate_args(args: argparse.Namespace) -> list[str]:
                 f"--vocab-size {args.vocab_size:,} is above {MAX_VOCAB_SIZE:,}; real vocabularies hold 32,000 to"
                 " 262,144 tokens (the default: 1024 for tiny, 32000 otherwise)"
             )
+        if not args.with_weights and (unused := [f for f in ("--dtype", "--seed") if scratch_flags[f] is not None]):
+            verb, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
+            problems.append(
+                f"{' and '.join(unused)} {verb} to --with-weights only (without it the trainer initialises the "
+                f"weights, from its own --seed): drop {them}, or add --with-weights"
+            )
+        if used := [flag for flag, value in download_flags.items() if value not in (None, False)]:
+            verb, them = ("applies", "it") if len(used) == 1 else ("apply", "them")
+            problems.append(f"{', '.join(used)} {verb} to downloads only; --init fetches nothing: drop {them}")
         problems += size_problems(args.init, size_overrides(args))
     else:
         used = [flag for flag, value in scratch_flags.items() if value not in (None, False)]
@@ -265,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits on --help and on bad flags; callers of main() get the code
         return exc.code if isinstance(exc.code, int) else 2
     problems = validate_args(args)
+    args.revision, args.dtype, args.seed = args.revision or "main", args.dtype or "bfloat16", args.seed or 0
     if problems:
         for problem in problems:
             print(f"model_download.py: error: {problem}", file=sys.stderr)

@@ -371,6 +371,31 @@ MODEL_DOWNLOAD_CASES = [
         "--dtype int8", lambda r: init(r, "--dtype", "int8"), "argument --dtype: invalid choice: 'int8'", exit_code=2
     ),
     model_download_case(
+        "--dtype and --seed without --with-weights (they did nothing)",
+        lambda r: init(r, "--dtype", "float32", "--seed", "0"),
+        "--dtype and --seed apply to --with-weights only",
+        "drop them, or add --with-weights",
+        exit_code=2,
+    ),
+    model_download_case(
+        "download flags with --init",
+        lambda r: init(r, "--revision", "dev", "--force-download"),
+        "--revision, --force-download apply to downloads only; --init fetches nothing",
+        exit_code=2,
+    ),
+    model_download_case(
+        "--seed with a download",
+        lambda r: [M, "org/name", "--seed", "1"],
+        "--seed only apply with --init SIZE",
+        exit_code=2,
+    ),
+    model_download_case(
+        "--force-download with --verify-only",
+        lambda r: [M, "org/name", "--verify-only", "--force-download"],
+        "--force-download fetches every file again, --verify-only fetches nothing",
+        exit_code=2,
+    ),
+    model_download_case(
         "--vocab-size 0", lambda r: init(r, "--vocab-size", "0"), "--vocab-size 0 is below 259", exit_code=2
     ),
     model_download_case(
@@ -393,7 +418,7 @@ MODEL_DOWNLOAD_CASES = [
     ),
     model_download_case(
         "--seed beyond 64 bits",
-        lambda r: init(r, "--seed", str(10**23)),
+        lambda r: init(r, "--seed", str(10**23), "--with-weights"),
         "--seed 100000000000000000000000 must be between 0 and 4,294,967,295",
         exit_code=2,
     ),

@@ -768,3 +768,19 @@ def test_verification_checks_moe_experts_after_transformers_conversion(tmp_path:
     code, output = verify(folder, capsys)
     assert code == 1
     assert "model.layers.1.mlp.experts.gate_up_proj: transformers cannot build it" in output, output
+
+
+def test_tokenizer_from_an_empty_or_columnless_dataset_is_one_message(tmp_path: Path) -> None:
+    """datasets saves a split without rows as no Arrow file and then fails on it with an IndexError; a dataset
+    without a text column is told how to make one, not to pass a --text-column model_download.py does not have."""
+    import datasets
+
+    from fsdp_lib.hub.tokenizer import load_tokenizer_corpus
+
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(ToolError, match="empty holds a split without rows, which datasets cannot load; create it"):
+        load_tokenizer_corpus(tmp_path / "empty")
+    datasets.Dataset.from_dict({"foo": ["a b c"]}).save_to_disk(str(tmp_path / "foo"))
+    with pytest.raises(ToolError, match=r"columns \['foo'\] but no 'text'") as refused:
+        load_tokenizer_corpus(tmp_path / "foo")
+    assert "--text-column" not in str(refused.value) and "python data_hf.py" in str(refused.value)

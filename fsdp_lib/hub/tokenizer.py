@@ -39,7 +39,7 @@ def load_tokenizer_corpus(path: Path) -> Any:
             "that folder"
         )
     try:
-        dataset, _ = load_text_dataset(path)
+        dataset, _ = load_text_dataset(path, column_flag=False)  # model_download.py has no --text-column
     except ValueError as exc:
         raise ToolError(f"--tokenizer-from: {exc}") from exc
     if len(dataset) == 0:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def load_text_dataset(
-    path: str | Path, text_column: str | None = None
+    path: str | Path, text_column: str | None = None, column_flag: bool = True
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """(train, validation or None) from a folder written by data_hf.py, or from a hub dataset id ORG/NAME fetched
     beforehand into the HF_HOME cache (`model_download.py --dataset ORG/NAME`), loaded offline.
@@ -27,7 +27,8 @@ def load_text_dataset(
     has a `text` column (plain text), a `messages` column (conversations: lists of {"role", "content"}) or
     `prompt`, `chosen` and `rejected` columns (preference pairs, each a list of messages), or a `prompt` column
     (--objective grpo's prompts, with any other columns); with
-    `text_column` that column is used as the text instead. Memory-mapped, never copied."""
+    `text_column` that column is used as the text instead (column_flag: the caller has --text-column, which
+    messages suggest). Memory-mapped, never copied."""
     import datasets
     import pyarrow as pa
 
@@ -44,6 +45,8 @@ def load_text_dataset(
             raise ValueError(f"{folder} is not a saved dataset (no state.json or dataset_dict.json); {how_to_make}")
         try:
             loaded = datasets.load_from_disk(str(folder))
+        except IndexError as err:  # datasets saves a split without rows as no Arrow file, then cannot load it
+            raise ValueError(f"{folder} holds a split without rows, which datasets cannot load; {how_to_make}") from err
         except (OSError, ValueError, pa.ArrowException) as err:
             raise ValueError(f"{folder} could not be loaded as a saved dataset ({err}); {how_to_make}") from err
         if isinstance(loaded, datasets.DatasetDict):
@@ -61,8 +64,9 @@ def load_text_dataset(
             raise ValueError(
                 f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
                 f"column, nor 'prompt', 'chosen' and 'rejected' (preference pairs) or 'prompt' alone (prompts for "
-                f"--objective grpo); pass --text-column NAME to use "
-                f"another column as the text, or {how_to_make}"
+                f"--objective grpo); "
+                + ("pass --text-column NAME to use another column as the text, or " if column_flag else "")
+                + how_to_make
             )
     return train, validation
 
