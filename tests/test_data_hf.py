@@ -405,6 +405,12 @@ def test_cli_writes_a_dataset_that_load_from_disk_reads_in_order(tmp_path: Path,
     assert (summary["files_found"], summary["files_read"], summary["rows_total"]) == (6, 6, 10)
     assert summary["counts_by_reason"] == {} and summary["bytes_read"] == sum(len(c.encode()) for c in CORPUS.values())
     assert "6 files" in capsys.readouterr().out
+    (data / "picture.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # found, and skipped once read
+    assert main(["--data-folder", str(data), "--save-dir", str(out), "--num-proc", "1", "--overwrite"]) == 0
+    summary = summary_of(out)
+    assert (summary["files_found"], summary["files_read"], summary["files_skipped"]) == (7, 6, 1)
+    (data / "picture.txt").unlink()
+    assert main(["--data-folder", str(data), "--save-dir", str(out), "--num-proc", "1", "--overwrite"]) == 0
     assert sorted(os.listdir(out.parent)) == ["my_corpus"]  # no temporary folder left behind
     train, validation = load_text_dataset(out)
     assert list(train["text"]) == CORPUS_ROWS and validation is None

@@ -320,7 +320,10 @@ def test_auto_with_pairs_and_other_text_stays_text_and_pairs_with_conversations_
     assert summary["preference_records_as_text"] == 2 and summary["conversation_records_as_text"] == 0
     assert summary["preference_text_files"] == {str(data / "pairs.jsonl"): 2}
     printed = capsys.readouterr().out
-    assert "2 record(s) look like preference pairs" in printed and "--format preference" in printed
+    assert (
+        "2 record(s) look like preference data (pairs: chosen + rejected, or unpaired" in printed
+        and "--format preference" in printed
+    )
     assert "because the folder also holds other text" in printed
     # pairs beside conversations, without other text: neither kind is written alone, nor their strings as text
     mixed = write_files(tmp_path / "mixed", {"a.jsonl": jsonl([SHAPES[0][1], {"question": Q, "answer": GOOD}])})

@@ -123,6 +123,7 @@ class Tally:
             self.preference_text_files[file.path] = file.preference_shaped_as_text
         skipped = file.skipped_reason is not None
         self.files_skipped += skipped
+        self.files_read -= skipped  # counted as read when listed; unreadable, binary or empty after all
         for index, problem in enumerate(file.problems):
             self.add_problem(problem, skipped_file=skipped and index == 0)
 
@@ -241,9 +242,10 @@ def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:
     if tally.preference_shaped_as_text:
         files = ", ".join(list(tally.preference_text_files)[:3])
         notes.append(
-            f"{tally.preference_shaped_as_text} record(s) look like preference pairs (chosen + rejected; e.g. in "
-            f"{files}) and were extracted as text{why}. To train on them with DPO, convert them on their own: python "
-            "data_hf.py --format preference --data_folder <their folder> --save_dir <new dataset>"
+            f"{tally.preference_shaped_as_text} record(s) look like preference data (pairs: chosen + rejected, or "
+            f"unpaired examples: completion + label; e.g. in {files}) and were extracted as text{why}. To train on "
+            "them with DPO or KTO, convert them on their own: python data_hf.py --format preference --data_folder "
+            "<their folder> --save_dir <new dataset>"
         )
     return notes
 
