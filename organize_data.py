@@ -33,7 +33,6 @@ from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
     check_destination,
     device_of_nearest_existing,
-    holding_split_lock,
     is_in_place,
     place_file,
     read_manifest,
@@ -245,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dst_root.is_dir():
             split_lock(args.dst_root).check_free()
         return organize(args, settings, started)
-    with holding_split_lock(args.dst_root):
+    with split_lock(args.dst_root).held():
         return organize(args, settings, started)
 
 

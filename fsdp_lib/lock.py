@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from fsdp_lib.errors import ExperimentLockedError
@@ -119,6 +120,21 @@ class FolderLock:
         while not self._stop_refresh.wait(LOCK_REFRESH_S):
             with contextlib.suppress(OSError):
                 os.utime(self.path)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The lock for a `with` block; the folders that taking it created are removed again when they are still
+        empty at the end (a refused run leaves no empty folder behind)."""
+        folder = self.path.parent
+        created = [f for f in (folder, *folder.parents) if not f.exists()]  # deepest first
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+            for empty in created:
+                with contextlib.suppress(OSError):
+                    empty.rmdir()  # only an empty one
 
     def release(self) -> None:
         self._stop_refresh.set()

@@ -30,6 +30,7 @@ from fsdp_lib.hub.plan import glob_escape, plan_download
 from fsdp_lib.hub.presets import SIZE_PRESETS, preset_config_kwargs, preset_parameter_count
 from fsdp_lib.hub.verify import VERIFICATION_RECORD, read_verification_record
 from fsdp_lib.hub.weights import ExpectedTensor, compare_weights
+from fsdp_lib.lock import FolderLock
 from fsdp_lib.model.hf_files import TensorInfo, read_safetensors_header
 from fsdp_lib.model.memory_plan import format_memory_plan, training_memory_plan
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
@@ -605,6 +606,13 @@ def test_init_is_seeded_and_overwrite_is_explicit(corpus: Path, tiny_model: Path
     assert md.main([*argv, "--dtype", "float32", "--seed", "1", "--overwrite"]) == 0
     assert (target / "model.safetensors").read_bytes() != (tiny_model / "model.safetensors").read_bytes()
     assert not list(tmp_path.glob(".again.init-incomplete"))
+    # one --init per --local-dir at a time: a second one (its --overwrite too) is refused, the model kept
+    before = {f.name: f.read_bytes() for f in target.iterdir()}
+    held = FolderLock(tmp_path, ".again.init.lock", "", "", ToolError)
+    with held.held():
+        assert md.main([*argv, "--dtype", "float32", "--overwrite"]) == 1
+        assert f"--local-dir {target} is in use by another run: host" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in target.iterdir()} == before and not held.path.exists()
 
 
 def test_local_dir_inside_an_experiment_or_a_dataset_is_refused(corpus: Path, tiny_model: Path, tmp_path, capsys):

@@ -25,6 +25,7 @@ from fsdp_lib.hub.presets import (
 )
 from fsdp_lib.hub.tokenizer import build_tokenizer, save_tokenizer
 from fsdp_lib.hub.verify import VerifiedModel, verify_model, write_verification_record
+from fsdp_lib.lock import FolderLock
 from fsdp_lib.markers import VERIFICATION_RECORD, folder_kind
 from fsdp_lib.model.memory_plan import format_bytes, format_count
 
@@ -183,7 +184,15 @@ def save_model_files(config: Any, folder: Path, with_weights: bool, dtype_name: 
 
 
 def create_model_folder(request: InitRequest, target: Path, overwrite: bool) -> VerifiedModel:
-    """The new model folder at `target`, verified and recorded; a failure leaves whatever was there untouched."""
+    """The new model folder at `target`, verified and recorded; a failure leaves whatever was there untouched.
+    One --init per --local-dir at a time: a second one would build in the same staging folder and replace the
+    first one's model."""
+    what, instead = f"--local-dir {target}", "choose another --local-dir"
+    with FolderLock(target.parent, f".{target.name}.init.lock", what, instead, ToolError).held():
+        return _create_model_folder(request, target, overwrite)
+
+
+def _create_model_folder(request: InitRequest, target: Path, overwrite: bool) -> VerifiedModel:
     preset = request.shape
     check_init_target(target, overwrite)
     dtype_bytes = 4 if request.dtype == "float32" else 2

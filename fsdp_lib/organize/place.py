@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,25 +161,9 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
 
 
 def split_lock(dst_root: Path) -> FolderLock:
-    """One organize_data.py run per --dst-root at a time: a second one would plan against a folder the first is
-    changing (and an --overwrite would delete its files under it)."""
+    """One organize_data.py run per --dst-root at a time (`with split_lock(dst_root).held():`): a second one would
+    plan against a folder the first is changing (and an --overwrite would delete its files under it)."""
     return FolderLock(dst_root, LOCK_NAME, f"--dst-root {dst_root}", "choose another --dst-root", OrganizeError)
-
-
-@contextlib.contextmanager
-def holding_split_lock(dst_root: Path) -> Iterator[None]:
-    """The lock held for the run; the folders its taking created are removed again if the run wrote nothing
-    into them (a refused run leaves no empty --dst-root behind)."""
-    created = [folder for folder in (dst_root, *dst_root.parents) if not folder.exists()]  # deepest first
-    lock = split_lock(dst_root)
-    lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-        for folder in created:
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only an empty one
 
 
 def remove_path(path: Path) -> None:
