@@ -282,6 +282,8 @@ def organize(args: argparse.Namespace, settings: Settings, started: float) -> in
         return 0
 
     dst_root.mkdir(parents=True, exist_ok=True)
+    if earlier is not None and earlier.get("complete") and not state.resuming and state.to_delete:
+        write_json_atomic(dst_root / MANIFEST_NAME, {**earlier, "complete": False})  # its files are going now
     for path in state.to_delete:
         try:
             remove_path(path)

@@ -652,3 +652,4 @@ def test_no_permission_while_placing_is_one_message(
     monkeypatch.setattr(organize_data, "remove_path", undeletable)
     code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "other", "--num-dirs", "2", "--overwrite")
     assert code == 1 and f"could not delete {tmp_path / 'other' / 'split_00'} (Permission denied: x)" in err, err
+    assert manifest_of(tmp_path / "other")["complete"] is False  # the earlier split no longer says it is whole
