@@ -1,6 +1,6 @@
 """One writer per folder: a lock file taken atomically (hard link, also on NFS), refreshed while its holder lives, and
 taken over with a message when the holder is gone. fsdp_train.py's outputs/EXP/run.lock (one run per experiment),
-organize_data.py's --dst-root."""
+organize_data.py's --dst-root, model_download.py --init's --local-dir."""
 
 from __future__ import annotations
 
