@@ -270,12 +270,21 @@ def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, four_
     assert "The checkpoint is intact" in said and "Move that folder aside" not in said and "Traceback" not in said
     assert checkpoints(tmp_path) == ["step_00000004"]
     # forced, the pinned change is named; what may change (length of the run, logging, checkpoint frequency) is not
-    forced = run_trainer([*changed, "--force-resume", "--log-freq", "2", "--ckpt-freq", "3"])
+    forced = run_trainer([*changed, "--force-resume", "--log-freq", "2", "--ckpt-freq", "3", "--weight-decay", "0.5"])
     said = output_of(forced)
     assert forced.returncode == 0 and "at step 4" in said, said
     (warning,) = [line for line in said.splitlines() if "because of --force-resume" in line]
     assert "seq_length" in warning and not any(k in warning for k in ("max_steps", "log_freq", "ckpt_freq")), warning
     assert "step_00000008" in checkpoints(tmp_path)
+    # every changed flag is said, and applies: the optimizer's hyperparameters are the flags', not the checkpoint's
+    (noted,) = [line for line in said.splitlines() if "resuming with settings changed since step_00000004" in line]
+    for change in ("--max-steps 8 (was 4)", "--seq-length 16 (was 32)", "--weight-decay 0.5 (was 0.0)"):
+        assert change in noted, noted
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "run" / "checkpoint" / "step_00000008"), str(tmp_path / "resumed.pt"))
+    groups = torch.load(tmp_path / "resumed.pt", weights_only=False)["optim"]["param_groups"]
+    assert [group["weight_decay"] for group in groups] == [0.5, 0.0]  # (norms and biases never decay)
 
 
 @pytest.mark.parametrize("fault", ["ckpt_write@1:8", "side_files_write@0:8"])

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
-from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error
+from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, STEP_DIR
@@ -85,6 +85,19 @@ def export_fingerprint(cfg: TrainConfig, model_config: Any, tokenizer_hash: str,
             "start": peft.start,
         }
     return {"peft": adapters, "model": config_fingerprint(model_config), "tokenizer": tokenizer_hash}
+
+
+NOT_SETTINGS = ("force_resume", "export_only", "dry_run")  # how this launch runs, not what it trains
+
+
+def changed_flags(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The flags whose values differ from the checkpoint's run, as `--flag NOW (was THEN)`."""
+    now = dataclasses.asdict(cfg)
+    return [
+        f"--{key.replace('_', '-')} {now[key]} (was {saved[key]})"
+        for key in now
+        if key in saved and key not in NOT_SETTINGS and saved[key] != now[key]
+    ]
 
 
 def config_fingerprint(config: Any, with_path: bool = False) -> str:
@@ -306,6 +319,10 @@ class Checkpointer:
 
         payload = self.read_state(path)
         self.check_compatible(payload, path, model.config)
+        if not self.cfg.export_only and (changed := changed_flags(payload.get("config", {}), self.cfg)):
+            log(f"resuming with settings changed since {path.name} (they apply from here): {name_sample(changed, 8)}")
+        # the flags set the hyperparameters (--weight-decay, ...); the checkpoint restores the optimizer's state only
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
         try:
             if optimizer is None:
                 model_sd = get_model_state_dict(model, options=self.options)
@@ -319,6 +336,8 @@ class Checkpointer:
                 set_state_dict(
                     model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.load_options
                 )
+                for group, kept in zip(optimizer.param_groups, hyper, strict=True):
+                    group.update(kept)
         except CHECKPOINT_FAILURES as exc:
             changed = self.changed_settings(payload, model.config)
             if "model" in changed:  # --force-resume across architectures
