@@ -67,6 +67,7 @@ from fsdp_lib.runtime import (
     Dist,
     StopRequest,
     all_ranks_agree,
+    clear_stop_request,
     cpu_bf16_warning,
     die_with_launcher,
     eagerly,
@@ -303,7 +304,7 @@ def run(cfg: TrainConfig) -> int:
         for path in (metrics.path, metrics.path.with_name(SAMPLES_FILE)):  # from scratch: no line, not even step 0
             trim_metrics_file(path, state.step if state.step else -1)
     try:
-        stop.training = True  # from here a signal stops at the next step boundary, after a checkpoint
+        stop.start_training()  # from here a signal stops at the next step boundary, after a checkpoint
         finished = train_loop(cfg, d, bundle, data, optimizer, checkpointer, metrics, state, stop, objective, prompts)
     finally:
         metrics.close()
@@ -520,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         lock.release()
+        clear_stop_request()
         if ENV_RANK == 0:  # a run refused before it wrote anything leaves no empty experiment folder
             with contextlib.suppress(OSError):
                 cfg.experiment_dir.rmdir()

@@ -291,14 +291,23 @@ class StopRequest:
     and a preemption's SIGTERM would otherwise meet its SIGKILL while the run went on."""
 
     def __init__(self) -> None:
+        global _STOP
         self.requested = False
         self.training = False
         self.first: int | None = None  # the signal that asked for the checkpoint
+        self.at_once: int | None = None  # the signal before training that stops the run (raise_if_stopped)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        _STOP = self
+
+    def start_training(self) -> None:
+        """From here a signal stops at the next step boundary, after a checkpoint; one that came before stops now."""
+        raise_if_stopped()
+        self.training = True
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.training:
+            self.at_once = signum
             raise KeyboardInterrupt(signal.Signals(signum).name)
         # a second Ctrl-C means now; torchrun passes a second Ctrl-C on to its workers as SIGTERM, so after a Ctrl-C
         # any signal does (a scheduler's repeated SIGTERM still only asks for the checkpoint)
@@ -306,6 +315,23 @@ class StopRequest:
             raise KeyboardInterrupt("SIGINT")
         self.requested, self.first = True, signum
         log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
+
+
+_STOP: StopRequest | None = None  # the run's (the last one made)
+
+
+def clear_stop_request() -> None:
+    """The run is over: its signals no longer stop anything in this process (an in-process caller's next run)."""
+    global _STOP
+    _STOP = None
+
+
+def raise_if_stopped() -> None:
+    """A signal before training raises KeyboardInterrupt where the run is, but Python drops one raised inside a
+    weakref callback or a __del__ ("Exception ignored in ..."), and the run would go on and train: the start-up's
+    long loops (tokenising) and its end (StopRequest.start_training) look at the flag the signal left too."""
+    if _STOP is not None and _STOP.at_once is not None and not _STOP.training:
+        raise KeyboardInterrupt(signal.Signals(_STOP.at_once).name)
 
 
 def reshard_all(root: torch.nn.Module) -> None:

@@ -244,7 +244,24 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_b
         with pytest.raises(KeyboardInterrupt) as interrupt:
             stop._handle(signal.SIGTERM, None)
         assert interrupt.value.args == ("SIGINT",)
+        # before training, a KeyboardInterrupt Python dropped (raised in a weakref callback, "Exception ignored in")
+        # still stops the run: the tokenising loops and the start of training look at the flag it left
+        from fsdp_lib.runtime import raise_if_stopped
+
+        stop = StopRequest()
+        raise_if_stopped()  # nothing asked
+        try:
+            stop._handle(signal.SIGTERM, None)
+        except KeyboardInterrupt:
+            pass  # dropped
+        for look in (raise_if_stopped, stop.start_training):
+            with pytest.raises(KeyboardInterrupt) as interrupt:
+                look()
+            assert interrupt.value.args == ("SIGTERM",) and not stop.training
     finally:
+        from fsdp_lib.runtime import clear_stop_request
+
+        clear_stop_request()  # the flag would stop this worker's next in-process tokenisation
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -22,7 +22,7 @@ from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError, name_sample
 from fsdp_lib.integrity import commit_files, recorded_problems, remove_stale_staged, staged, staged_writes
 from fsdp_lib.markers import TOKEN_CACHE
-from fsdp_lib.runtime import Dist, log
+from fsdp_lib.runtime import Dist, log, raise_if_stopped
 
 
 def tokenizer_hash(model_dir: Path) -> str:
@@ -93,6 +93,7 @@ def _tokenize_to_file(dataset: Any, tokenizer: Any, out_path: Path, batch_rows: 
     total, skipped, first_skipped, rows = 0, {}, {}, 0
     with staged_writes({k: paths[k] for k in names}) as (handles, tmp):
         for batch in dataset.iter(batch_size=batch_rows):
+            raise_if_stopped()
             if chat is not None:
                 in_batch: dict[str, int] = {}
                 encoded = chat.encode(batch["messages"], skipped, in_batch, batch.get("tools"))

@@ -22,6 +22,7 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.chat import ChatEncoder, ChatFormatError
 from fsdp_lib.integrity import commit_files, staged, staged_writes
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
+from fsdp_lib.runtime import raise_if_stopped
 
 # --objective kto (unpaired.py): the trained mask's value on a desirable and on an undesirable example's completion
 DESIRABLE, UNDESIRABLE = 1, 2
@@ -134,6 +135,7 @@ def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], d
     first_skipped: dict[str, int] = {}
     with staged_writes({k: paths[k] for k in names}) as (handles, tmp):
         for batch in dataset.iter(batch_size=500):
+            raise_if_stopped()
             encoded = encoder.encode(batch, skipped, first_skipped, rows)
             rows += len(batch["prompt"])
             sequences = [
