@@ -299,6 +299,7 @@ class StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
         _STOP = self
+        sys.unraisablehook = _quiet_dropped_interrupts
 
     def start_training(self) -> None:
         """From here a signal stops at the next step boundary, after a checkpoint; one that came before stops now."""
@@ -320,10 +321,17 @@ class StopRequest:
 _STOP: StopRequest | None = None  # the run's (the last one made)
 
 
+def _quiet_dropped_interrupts(unraisable: Any) -> None:
+    """A KeyboardInterrupt Python drops is no error to print with a traceback: raise_if_stopped acts on it."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
 def clear_stop_request() -> None:
     """The run is over: its signals no longer stop anything in this process (an in-process caller's next run)."""
     global _STOP
     _STOP = None
+    sys.unraisablehook = sys.__unraisablehook__
 
 
 def raise_if_stopped() -> None:

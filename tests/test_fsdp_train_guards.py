@@ -7,7 +7,9 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -218,7 +220,7 @@ def test_missing_transformers_internals_name_the_installed_and_the_tested_versio
     assert "install transformers>=5.17,<6" in str(refused.value)
 
 
-def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_boundary():
+def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_boundary(capsys):
     """Tokenising, loading and a DPO reference pass take minutes with no step to save at: SIGINT or a preemption's
     SIGTERM there stops the run at once (it only logged "will checkpoint at the end of this step" and went on, so a
     SIGTERM met its SIGKILL). Once training, the first signal asks for a checkpoint; a second Ctrl-C is now."""
@@ -254,6 +256,9 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_b
             stop._handle(signal.SIGTERM, None)
         except KeyboardInterrupt:
             pass  # dropped
+        dropped = types.SimpleNamespace(exc_value=KeyboardInterrupt("SIGTERM"))
+        sys.unraisablehook(dropped)  # Python's "Exception ignored in ..." traceback: not printed for this one
+        assert "KeyboardInterrupt" not in capsys.readouterr().err
         for look in (raise_if_stopped, stop.start_training):
             with pytest.raises(KeyboardInterrupt) as interrupt:
                 look()
