@@ -117,9 +117,33 @@ class FolderLock:
         stale.unlink(missing_ok=True)
 
     def _refresh(self) -> None:
+        """Touch the lock while the holder lives. A lock deleted by hand is put back; one that now names another
+        run (a user deleted it, and a second launch took it) ends this one: two writers would interleave their
+        files (checkpoints, metrics), and the other one started from what is on disk."""
         while not self._stop_refresh.wait(LOCK_REFRESH_S):
+            holder = self._read()
+            if holder is None and not os.path.lexists(self.path):
+                mine = self.path.with_name(f".{self.path.name}.{socket.gethostname()}.{os.getpid()}")
+                with contextlib.suppress(OSError):
+                    mine.write_text(json.dumps(self.record))
+                    os.link(mine, self.path)
+                    self._announce(f"WARNING: {self.path} was deleted while this run holds it; put back")
+                with contextlib.suppress(OSError):
+                    mine.unlink()
+            elif holder is not None and holder != self.record and not self._stop_refresh.is_set():
+                self._lost(holder)
+                return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
+
+    def _lost(self, holder: dict) -> None:
+        self._announce(
+            f"ERROR: {self.path} now names another run (host {holder.get('host')}, pid {holder['pid']}, started "
+            f"{holder.get('started_at')}): its lock was deleted while this run held it. Two runs must not write "
+            f"{self.path.parent} at once, so this one stops now without saving; the other goes on "
+            "from what is on disk"
+        )
+        os._exit(1)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

@@ -65,6 +65,27 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, capsys):
     lock.release()
 
 
+def test_a_lock_deleted_under_a_live_run_is_put_back_and_one_taken_by_another_run_ends_it(tmp_path, monkeypatch):
+    """`rm run.lock` under a live run let a second launch train the same experiment beside it (interleaved
+    metrics, checkpoints of two runs); the holder now puts a deleted lock back, and stops once another run holds it."""
+    import fsdp_lib.lock as lock_module
+
+    monkeypatch.setattr(lock_module, "LOCK_REFRESH_S", 0.02)
+    exits = []
+    monkeypatch.setattr(lock_module.os, "_exit", exits.append)
+    held = ExperimentLock(tmp_path / "exp")
+    held.acquire()
+    record = held.path.read_text()
+    held.path.unlink()
+    wait_until(held.path.exists, timeout=5)
+    assert held.path.read_text() == record
+    intruder = {**json.loads(record), "pid": os.getpid() + 1}
+    held.path.write_text(json.dumps(intruder))
+    wait_until(lambda: exits == [1], timeout=5)
+    held.release()
+    assert json.loads(held.path.read_text()) == intruder  # the other run's lock is left to it
+
+
 def test_lock_from_another_host_is_stale_only_when_no_longer_refreshed(tmp_path):
     exp = tmp_path / "exp"
     exp.mkdir()
