@@ -33,6 +33,12 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             "fsdp_train.py did not write (a run replaces what it writes there): choose another --experiment-name or "
             "--save-dir"
         ]
+    exports = [folder / name for name in ("final", "final-merged")]
+    if blocked := [path for path in exports if path.is_symlink() or (path.exists() and not path.is_dir())]:
+        return [
+            f"--experiment-name {cfg.experiment_name}: {blocked[0]} is a {'link' if blocked[0].is_symlink() else 'file'}"
+            ", where this run writes its export (a folder): move it aside, or choose another --experiment-name"
+        ]
     if not cfg.export_only and (evidence := lost_checkpoint(folder)):
         return [
             f"--experiment-name {cfg.experiment_name}: {evidence}, but no complete checkpoint is left in "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -996,3 +997,37 @@ def test_ctrl_c_while_the_trainer_loads_its_libraries_is_one_line(
     assert proc.returncode == 130, said
     assert said == "fsdp_train.py: stopped by Ctrl-C while loading its libraries; nothing was written\n", said
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refused(tmp_path: Path) -> None:
+    """A rerun with nothing to train exports again, replacing final/: a model card or notes the user put there were
+    deleted with it; an earlier export's weights (another shard count) still go. A file named final (or a link)
+    was renamed aside and every later export failed with 'Not a directory': refused before the run now."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.experiment_dir import experiment_dir_problems
+    from fsdp_lib.model.hf_weights import replace_folder
+
+    final, new = tmp_path / "exp" / "final", tmp_path / "exp" / ".final.tmp"
+    for name, text in [("README.md", "my card"), ("notes/run.txt", "mine"), ("config.json", "old"),
+                       ("model-00001-of-00002.safetensors", ""), ("model.safetensors.index.json", "")]:  # fmt: skip
+        (final / name).parent.mkdir(parents=True, exist_ok=True)
+        (final / name).write_text(text)
+    new.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (new / name).write_text("new")
+    replace_folder(new, final)
+    assert sorted(p.name for p in final.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes",
+                                                      "tokenizer.json"]  # fmt: skip
+    assert (final / "README.md").read_text() == "my card" and (final / "config.json").read_text() == "new"
+    assert not new.exists() and not (tmp_path / "exp" / ".final.old").exists()
+
+    cfg = TrainConfig(experiment_name="exp", save_dir=str(tmp_path))
+    (tmp_path / "exp" / "checkpoint" / "step_00000004").mkdir(parents=True)
+    assert experiment_dir_problems(cfg) == []
+    shutil.rmtree(final)
+    final.write_text("notes")
+    (problem,) = experiment_dir_problems(cfg)
+    assert f"{final} is a file, where this run writes its export (a folder): move it aside" in problem
+    final.unlink()
+    final.symlink_to(tmp_path)
+    assert "is a link, where this run writes its export" in experiment_dir_problems(cfg)[0]

@@ -399,10 +399,25 @@ class _ExportWriter(dcp.HuggingFaceStorageWriter):
         return super().write_data(plan, planner)
 
 
+# An earlier export's weights (shards, their index), which the new export's replace: a shard count or format may
+# differ between the two. Everything else in the folder that the new export does not write is kept (below).
+_EXPORTED_WEIGHTS = re.compile(r".+\.(safetensors|bin|pt)(\.index\.json)?")
+
+
 def replace_folder(tmp: Path, out_dir: Path) -> None:
-    """Put the finished folder `tmp` at out_dir, replacing an earlier export only once the new one is complete."""
+    """Put the finished folder `tmp` at out_dir, replacing an earlier export only once the new one is complete.
+    What the earlier folder holds that no export writes (a model card, notes) is moved into the new one first."""
     old = out_dir.with_name(f".{out_dir.name}.old")
-    if out_dir.exists():
+    if out_dir.is_dir() and not out_dir.is_symlink():
+        kept = [
+            e
+            for e in sorted(out_dir.iterdir())
+            if not (tmp / e.name).exists() and not _EXPORTED_WEIGHTS.fullmatch(e.name)
+        ]
+        for entry in kept:
+            os.rename(entry, tmp / entry.name)
+        if kept:
+            log(f"kept in {out_dir} what the export does not write: {', '.join(e.name for e in kept)}")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
