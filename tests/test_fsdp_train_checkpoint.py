@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -72,7 +73,6 @@ def four_steps(inputs, tmp_path_factory) -> Path:
 
 def copy_run(save: Path, to: Path, exp: str = "run") -> None:
     """The experiment `exp` of `save` copied under `to` (the token cache is left behind: a rerun rebuilds it)."""
-    import shutil
 
     shutil.copytree(save / exp, to / exp)
 
@@ -312,6 +312,22 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(inputs, four_steps, tmp_pa
     assert "resumed from" not in output_of(rerun) and "training steps 1.." not in output_of(rerun)
 
 
+def test_a_checkpoint_copied_under_a_newer_name_is_not_resumed_from(inputs, four_steps, tmp_path):
+    """cp -r step_4 step_9: by its name the newest, it resumed at step 4 on every rerun, so the steps after it were
+    trained again each time; now it is set aside as damaged, naming both steps."""
+    args = flags(inputs, tmp_path)
+    args[args.index("--max-steps") + 1] = "4"
+    copy_run(four_steps, tmp_path)
+    root = tmp_path / "run" / "checkpoint"
+    shutil.copytree(root / "step_00000004", root / "step_00000009")
+    rerun = run_trainer(args)
+    said = output_of(rerun)
+    assert rerun.returncode == 0, said
+    assert "step 4, but the folder is named step 9 (copied or renamed by hand?)" in said
+    assert "resumed from" in said and "step_00000004 at step 4" in said
+    assert checkpoints(tmp_path) == ["corrupt_step_00000009", "step_00000004"]
+
+
 def test_an_async_checkpoint_is_committed_once_written_not_at_the_next_save(inputs, tmp_path):
     """--async-ckpt on, --ckpt-freq 4, kill -9 at step 6: the step-4 save finished writing seconds earlier (steps
     slowed to 1 s), so it is a complete checkpoint. It stayed .tmp_step_00000004 until the step-8 save committed
@@ -367,7 +383,6 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_step
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "4"
     copy_run(four_steps, tmp_path)
-    import shutil
 
     own = {f.name: f.read_bytes() for f in (tmp_path / "run" / "final").iterdir()}  # the run's own export
     shutil.rmtree(tmp_path / "run" / "final")
@@ -518,7 +533,6 @@ def test_a_damaged_only_checkpoint_stops_the_run_instead_of_restarting(inputs, f
 
 
 def test_folders_not_named_like_a_step_are_ignored(inputs, four_steps, tmp_path):
-    import shutil
 
     args = flags(inputs, tmp_path)
     args[args.index("--max-steps") + 1] = "8"
@@ -560,7 +574,6 @@ def test_garbage_rng_file_is_a_clear_error(inputs, four_steps, tmp_path, checksu
 def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
     """A checkpoint written by the single-file fsdp_train.py of commit ed51a19 (tests/fixtures/make_legacy_run.py)
     resumes under the current code, and steps 3-4 train to the losses the old code got after the same checkpoint."""
-    import shutil
 
     fixture = Path(__file__).parent / "fixtures" / "legacy_run"
     work = tmp_path / "legacy_run"
@@ -582,7 +595,6 @@ def test_a_moved_model_folder_still_resumes(inputs, reference, tmp_path):
     (or HF_HOME to another disk) the same run resumes, and trains as the uninterrupted reference did. The crash is
     a kill after step 8's shards are written and before the folder is renamed: the rerun removes the incomplete
     checkpoint and resumes from step 4 (the third case of test_killed_inside_a_save_resumes_from_newest_complete)."""
-    import shutil
 
     dataset, model = inputs
     first = shutil.copytree(model, tmp_path / "models" / "a")

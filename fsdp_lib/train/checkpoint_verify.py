@@ -48,17 +48,33 @@ def latest_intact_checkpoint(root: Path, d: Dist, export: bool = False) -> Path 
 
 def verify_checkpoint(path: Path, d: Dist) -> list[str]:
     """Every rank checks its share of the files against checksums.json, in parallel; all get every problem."""
+    misnamed = _misnamed(path) if d.is_main else []
     try:
         recorded = json.loads((path / CHECKSUM_FILE).read_text())["files"]
     except FileNotFoundError:
         log(f"WARNING: {path} has no {CHECKSUM_FILE} (written by an older version); its files are not verified")
-        return []
+        return broadcast_object(misnamed, d)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return [f"{path / CHECKSUM_FILE}: unreadable ({exc})"]
     mine = sorted(recorded)[d.rank :: d.world_size]
     found: list[list[str] | None] = [None] * d.world_size
-    dist.all_gather_object(found, checksum_problems(path, mine, recorded), group=d.cpu_group)
+    dist.all_gather_object(found, checksum_problems(path, mine, recorded) + misnamed, group=d.cpu_group)
     return [problem for part in found for problem in part or []]
+
+
+def _misnamed(path: Path) -> list[str]:
+    """A folder copied or renamed by hand (cp -r step_10 step_30) is the newest by its name but resumes at its own
+    step, so every rerun would train the same steps again from it."""
+    try:
+        step = json.loads((path / "train_state.json").read_text())["train_state"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # the load says what is wrong with it
+    named = int(path.name[len("step_") :])
+    if step == named:
+        return []
+    return [
+        f"{path / 'train_state.json'}: step {step}, but the folder is named step {named} (copied or renamed by hand?)"
+    ]
 
 
 def _set_aside(root: Path, damaged: list[tuple[Path, list[str]]], intact: Path, d: Dist, export: bool) -> None:
