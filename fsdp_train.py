@@ -35,7 +35,6 @@ if __name__ == "__main__":  # Ctrl-C in the seconds torch and transformers take 
     stop_while_loading("fsdp_train.py")
 
 import contextlib
-import dataclasses
 import math
 import os
 from typing import Any
@@ -53,6 +52,7 @@ from fsdp_lib.data.chat import export_tokenizer
 from fsdp_lib.data.mixture import MixedBlocks
 from fsdp_lib.data.plan import Prefetcher, TrainData, build_data, describe_datasets, evaluation_shares, total_steps
 from fsdp_lib.errors import CheckpointError, ConfigError, ExperimentLockedError, TrainError, explain_write_error
+from fsdp_lib.experiment_dir import run_settings
 from fsdp_lib.faults import install_step_hooks
 from fsdp_lib.lock import ExperimentLock
 from fsdp_lib.model.adapters import export_adapter, merged_state_dict
@@ -291,7 +291,7 @@ def run(cfg: TrainConfig) -> int:
         )
     if d.is_main:  # only now: a refused run writes nothing
         cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(run_settings(cfg), sort_keys=False))
 
     steps = range(state.step + 1, total_steps(cfg, data.train) + 1)
     flops = bundle.flops_per_token

@@ -5,6 +5,7 @@ torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -48,6 +49,28 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             f"delete {folder / EXPERIMENT_STATE} and its final/ yourself"
         ]
     return []
+
+
+def run_settings(cfg: TrainConfig) -> dict:
+    """What outputs/EXP/config.yaml holds: the run's flags, with its local files and folders (the model, datasets,
+    chat template, sample prompts, adapter, reward files) made absolute, so `-e EXP --export-only`, which reads the
+    file, finds them from any working folder (a relative path named a folder of the folder it was run from)."""
+
+    def absolute(value: str) -> str:
+        path_text, colon, function = value.rpartition(":")
+        if not path_text.endswith(".py"):  # not a reward's FILE.py:FUNCTION
+            path_text, colon, function = value, "", ""
+        path = Path(path_text)
+        if path.is_absolute() or not path.exists():  # a hub id, a built-in reward, or already absolute
+            return value
+        return str(path.resolve()) + colon + function
+
+    settings = dataclasses.asdict(cfg)
+    for key in ("model_name", "chat_template", "sample_prompts", "adapter", "save_dir"):
+        settings[key] = absolute(settings[key]) if settings[key] else settings[key]
+    for key in ("dataset_name", "reward"):
+        settings[key] = [absolute(value) for value in settings[key]]
+    return settings
 
 
 def _train_on_hint(final: Path) -> str:

@@ -1031,3 +1031,23 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     final.unlink()
     final.symlink_to(tmp_path)
     assert "is a link, where this run writes its export" in experiment_dir_problems(cfg)[0]
+
+
+def test_config_yaml_holds_absolute_paths_for_an_export_from_any_folder(tmp_path: Path, monkeypatch) -> None:
+    """`-e EXP --export-only` reads the run's config.yaml: a -m ./model typed in another folder said `--model-name
+    ./model: no such folder`, a flag the exporting user never typed. Local paths are written absolute; hub ids and
+    built-in rewards as given."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.experiment_dir import run_settings
+
+    monkeypatch.chdir(tmp_path)
+    for folder in ("model", "data"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "mine.py").write_text("def f(prompts, completions, **kw): return [0.0] * len(completions)\n")
+    cfg = TrainConfig(model_name="model", dataset_name=["data", "org/hub-set"], reward=["mine.py:f", "accuracy"],
+                      save_dir="outputs", chat_template="")  # fmt: skip
+    settings = run_settings(cfg)
+    assert settings["model_name"] == str(tmp_path / "model")
+    assert settings["dataset_name"] == [str(tmp_path / "data"), "org/hub-set"]
+    assert settings["reward"] == [f"{tmp_path / 'mine.py'}:f", "accuracy"]
+    assert settings["save_dir"] == "outputs" and settings["chat_template"] == ""  # (not there yet; not given)
