@@ -138,7 +138,8 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
         ("--model-name/-m", cfg.model_name),
     ):
         if not value:
-            problems.append(f"{flag} is required")
+            saved = cfg.experiment_dir / "config.yaml"  # where an --export-only takes the run's model from
+            problems.append(f"{flag} is required" + (f" ({saved} names none)" if cfg.export_only else ""))
     if cfg.experiment_name and (os.sep in cfg.experiment_name or cfg.experiment_name in (".", "..")):
         problems.append(f"--experiment-name '{cfg.experiment_name}' must be a plain folder name, not a path")
     elif not cfg.experiment_name.isprintable():

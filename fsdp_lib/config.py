@@ -483,7 +483,7 @@ def load_config(argv: list[str] | None) -> TrainConfig:
     if args.get("export_only", values.get("export_only")):  # the run's own settings first, where it is now
         where = {**values, **args}
         folder = Path(where.get("save_dir", TrainConfig.save_dir)) / where.get("experiment_name", "")
-        values = {**saved_run_settings(folder, errors), **values}
+        values = {**saved_run_settings(folder, errors, where.get("peft")), **values}
     # --global-batch-size sets the accumulation: the one of the two given on the command line overrides the file's
     for given, other in (("global_batch_size", "grad_accum_steps"), ("grad_accum_steps", "global_batch_size")):
         if given in args and other not in args:
@@ -502,10 +502,10 @@ EXPORT_SETTINGS = (
 )  # fmt: skip
 
 
-def saved_run_settings(folder: Path, errors: list[str]) -> dict[str, Any]:
+def saved_run_settings(folder: Path, errors: list[str], peft: str | None = None) -> dict[str, Any]:
     """The EXPORT_SETTINGS of FOLDER/config.yaml (what the run wrote at its start), read as --config reads a file,
     for an --export-only of that experiment; {} where there is none or it is not a mapping (the command line then
-    says everything, as for a training run)."""
+    says everything, as for a training run). `--peft none` given: without the run's adapter settings."""
     path = folder / "config.yaml"
     try:
         saved = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)
@@ -514,7 +514,8 @@ def saved_run_settings(folder: Path, errors: list[str]) -> dict[str, Any]:
     if not isinstance(saved, dict):
         return {}
     names = {str(key).replace("-", "_"): value for key, value in saved.items()}
-    return {n: _normalise_yaml_value(n, names[n], errors, str(path)) for n in EXPORT_SETTINGS if n in names}
+    keys = [n for n in EXPORT_SETTINGS if n in names and not (peft == "none" and n in LORA_FLAGS)]
+    return {n: _normalise_yaml_value(n, names[n], errors, str(path)) for n in keys}
 
 
 LORA_FLAGS = (

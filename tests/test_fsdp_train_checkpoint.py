@@ -424,7 +424,7 @@ def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
     (tmp_path / "run" / "checkpoint").mkdir(parents=True)  # an empty folder: still nothing to export
     assert validate_config(cfg, 2) == problems
     (tmp_path / "run" / "checkpoint" / "step_00000004").mkdir()
-    assert validate_config(cfg, 2) == ["--model-name/-m is required"]
+    assert validate_config(cfg, 2) == [f"--model-name/-m is required ({tmp_path / 'run' / 'config.yaml'} names none)"]
     cfg.model_name = str(inputs[1])
     assert validate_config(cfg, 2) == []
     cfg.export_only = False  # a training run with the same flags is refused

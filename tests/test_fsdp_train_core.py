@@ -136,6 +136,11 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     assert (cfg.global_batch_size, cfg.grad_accum_steps, cfg.context_parallel, cfg.document_masking) == (0, 1, 1, "off")
     assert load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved")]).peft == "none", "only for an export"
     assert load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved"), "--export-only"]).seq_length == 1024
+    # --peft none given to export a LoRA run's base: the run's adapter flags are not taken (they were refused as
+    # "--lora-rank needs --peft lora", flags the user never typed)
+    (tmp_path / "moved" / "exp" / "config.yaml").write_text(yaml.safe_dump({**saved, "lora_rank": 8}))
+    cfg = load_config(["-e", "exp", "--save-dir", str(tmp_path / "moved"), "--export-only", "--peft", "none"])
+    assert (cfg.peft, cfg.lora_rank) == ("none", TrainConfig.lora_rank)
 
 
 def test_lr_schedule_shapes():
