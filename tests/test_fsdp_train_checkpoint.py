@@ -608,3 +608,27 @@ def test_a_moved_model_folder_still_resumes(inputs, reference, tmp_path):
     assert not any(name.startswith(".tmp") for name in checkpoints(tmp_path))
     resumed = losses_by_step(tmp_path / "run")
     assert all(resumed[s] == reference[s] for s in range(5, STEPS + 1))
+
+
+def test_a_refused_resume_names_the_flag_that_restores_the_run():
+    """The dataset refused by its hashes alone (after --data-slice changed), the global batch with "restore the
+    original settings" (after another process count): the message now names the flag."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.errors import CheckpointError
+    from fsdp_lib.train.checkpoint import Checkpointer
+
+    saved = {
+        "fingerprint": {"dataset": "9a02", "global_batch_size": 8},
+        "config": {"data_slice": "", "dataset_name": ["d"]},
+    }
+    cfg = TrainConfig(dataset_name=["d"], data_slice="0:100")
+    with pytest.raises(CheckpointError) as refused:
+        Checkpointer(cfg, None, {"dataset": "685c", "global_batch_size": 4}).check_compatible(
+            saved, Path("step_4"), None
+        )
+    said = str(refused.value)
+    assert "dataset: checkpoint '9a02' vs now '685c' (--data-slice: checkpoint '' vs now '0:100')" in said
+    assert "global_batch_size: checkpoint 8 vs now 4 (--global-batch-size 8 keeps it on any process count)" in said
+    cfg.data_slice = ""
+    with pytest.raises(CheckpointError, match="the same -d: its files changed since the checkpoint"):
+        Checkpointer(cfg, None, {"dataset": "685c", "global_batch_size": 8}).check_compatible(saved, Path("s"), None)

@@ -272,13 +272,24 @@ class Checkpointer:
             return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
         if key == "objective" and objective_name(was) != objective_name(now):  # the rest follows from it
             return f"--objective: checkpoint {objective_name(was)} vs now {objective_name(now)}"
-        then = payload.get("config", {}).get("context_parallel", 1)
+        config = payload.get("config", {})
+        then = config.get("context_parallel", 1)
         if key == "global_batch_size" and then != self.cfg.context_parallel:  # a context group trains one row
             return (
                 f"{key}: checkpoint {was!r} vs now {now!r} (--context-parallel {then} then, "
                 f"{self.cfg.context_parallel} now: the processes of a context group share a row; "
                 f"--global-batch-size {was} keeps the run's batch)"
             )
+        if key == "global_batch_size":  # processes x batch x accumulation: another process count, most often
+            return f"{key}: checkpoint {was!r} vs now {now!r} (--global-batch-size {was} keeps it on any process count)"
+        if key == "dataset":  # the same -d: what else shapes the data, or the files themselves
+            shaping = [
+                f"--{k.replace('_', '-')}: checkpoint {config[k]!r} vs now {getattr(self.cfg, k)!r}"
+                for k in ("data_slice", "data_weights", "text_column")
+                if k in config and config[k] != getattr(self.cfg, k)
+            ]
+            why = "; ".join(shaping) or "the same -d: its files changed since the checkpoint"
+            return f"{key}: checkpoint {was!r} vs now {now!r} ({why})"
         if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
             parts = [
                 f"{key}.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"
