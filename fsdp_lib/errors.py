@@ -4,6 +4,7 @@ sample of the names a message lists."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -90,8 +91,13 @@ def explain_write_error(error: BaseException, folder: Path) -> str:
     file system when it is nearly full."""
     for root in underlying_errors(error):
         if (os_error := _os_error_in_chain(root)) is not None:
-            return f"{os.strerror(os_error.errno)}: {os_error.filename or folder} ({type(root).__name__}: {root})"
-    text = describe_error(error)
+            limit = " (a file-size limit: ulimit -f)" if os_error.errno == errno.EFBIG else ""
+            return (
+                f"{os.strerror(os_error.errno)}{limit}: {os_error.filename or folder} ({type(root).__name__}: {root})"
+            )
+    text = f"{describe_error(error)} (writing under {folder})"
+    if "requested and" in text and "written" in text:  # numpy's tofile: a short write, its errno lost
+        text += "; a short write: the disk is full, or a file-size limit is set (ulimit -f)"
     try:
         usage = shutil.disk_usage(folder)
     except OSError:

@@ -718,6 +718,14 @@ def test_a_full_disk_is_named_even_when_the_library_lost_the_errno(tmp_path: Pat
     said = explain_write_error(full, tmp_path)
     assert said.startswith(f"No space left on device: {tmp_path / '__1_0.distcp'} (OSError: [Errno 28]"), said
     assert "Traceback" not in said
+    # a file-size limit (ulimit -f) is named as one; numpy's short write (the token cache) has no errno at all
+    too_big = OSError(27, "File too large", str(tmp_path / "x.distcp"))
+    assert explain_write_error(too_big, tmp_path).startswith(
+        f"File too large (a file-size limit: ulimit -f): {tmp_path}"
+    )
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 2**30, 2**30, 99 * 2**30))
+    short = explain_write_error(OSError("92672 requested and 51200 written"), tmp_path)
+    assert f"92672 requested and 51200 written (writing under {tmp_path}); a short write: the disk is full" in short
 
 
 @pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

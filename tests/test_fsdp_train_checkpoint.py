@@ -632,3 +632,29 @@ def test_a_refused_resume_names_the_flag_that_restores_the_run():
     cfg.data_slice = ""
     with pytest.raises(CheckpointError, match="the same -d: its files changed since the checkpoint"):
         Checkpointer(cfg, None, {"dataset": "685c", "global_batch_size": 8}).check_compatible(saved, Path("s"), None)
+
+
+def test_a_failed_extra_writer_thread_fails_the_save(monkeypatch):
+    """DCP's extra writer threads (thread_count > 1) dropped their errors: the file they failed to write was missing
+    from a checkpoint that still committed (checksums of the rest), and a thread traceback was printed."""
+    import threading
+
+    from fsdp_lib.train.checkpoint import _writer_thread_failures
+
+    others: list = []
+    monkeypatch.setattr(threading, "excepthook", others.append)
+
+    def _write_files_from_queue() -> None:  # DCP's writer loop, by name
+        raise OSError(27, "File too large")
+
+    def elsewhere() -> None:
+        raise ValueError("not a write")
+
+    with _writer_thread_failures() as failed:
+        for target in (_write_files_from_queue, elsewhere):
+            thread = threading.Thread(target=target)
+            thread.start()
+            thread.join()
+    assert [type(e) for e in failed] == [OSError] and failed[0].errno == 27
+    assert [type(args.exc_value) for args in others] == [ValueError]  # another thread's error: the usual hook
+    assert threading.excepthook == others.append

@@ -8,6 +8,7 @@ background), loading with the resume-compatibility check, and pruning. Which che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
@@ -15,7 +16,10 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +178,29 @@ def _attempt(fn: Any, *args: Any, **kwargs: Any) -> BaseException | None:
     return None
 
 
+@contextlib.contextmanager
+def _writer_thread_failures() -> Iterator[list[BaseException]]:
+    """The errors of DCP's extra writer threads (thread_count > 1): DCP neither joins their errors nor notices the
+    results they never delivered, so a file one of them failed to write (a full disk, a file-size limit) left a
+    checkpoint without its tensors, with checksums of the rest, and printed a thread traceback. Collected here so
+    the save fails as any other failed write does; other threads' errors go to the usual hook."""
+    failed: list[BaseException] = []
+    previous = threading.excepthook
+
+    def collect(args: Any) -> None:
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
+        if args.exc_value is not None and any(f.name == "_write_files_from_queue" for f in frames):
+            failed.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = collect
+    try:
+        yield failed
+    finally:
+        threading.excepthook = previous
+
+
 class _CheckpointWriter(dcp.FileSystemWriter):
     """DCP's file writer with fsync on and the fault-injection point inside DCP's write phase. Right after this
     rank wrote its files (in the background with --async-ckpt) it adds their checksums to `checksums`."""
@@ -184,7 +211,10 @@ class _CheckpointWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fault_point("ckpt_write", self._dist, self._step)
-        future = super().write_data(plan, planner)  # FileSystemWriter returns it completed
+        with _writer_thread_failures() as failed:
+            future = super().write_data(plan, planner)  # FileSystemWriter returns it completed
+        if failed:
+            raise failed[0]
         start = time.perf_counter()
         for name in sorted({result.storage_data.relative_path for result in future.value()}):
             self.checksums[name] = file_checksum(Path(self.path) / name)
@@ -483,7 +513,8 @@ class Checkpointer:
             previous = self.latest_complete_name()
             raise CheckpointError(
                 f"writing checkpoint {tmp.name} failed on {where}. The previous checkpoint "
-                f"({previous or 'none'}) is intact; free disk space or fix permissions and rerun."
+                f"({previous or 'none'}) is intact; fix the cause (a full disk, a file-size limit: ulimit -f, "
+                "permissions) and rerun."
             )
 
     def latest_complete_name(self) -> str | None:
