@@ -206,7 +206,8 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     else:
         used = [flag for flag, value in scratch_flags.items() if value not in (None, False)]
         if used:
-            problems.append(f"{', '.join(used)} only apply with --init SIZE")
+            weights = " --with-weights" if {"--dtype", "--seed"} & set(used) else ""
+            problems.append(f"{', '.join(used)} only appl{'ies' if len(used) == 1 else 'y'} with --init SIZE{weights}")
         if args.model_name is None and args.dataset is None and not (args.verify_only and args.local_dir):
             problems.append(
                 "pass --model-name NAME (download), --dataset ORG/NAME, --verify-only with --model-name or"

@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dst_root.is_dir():
             split_lock(args.dst_root).check_free()
         return organize(args, settings, started)
-    with split_lock(args.dst_root).held():
+    with split_lock(args.dst_root).held(unless_read_only=True):  # a finished split on a read-only mount reruns
         return organize(args, settings, started)
 
 

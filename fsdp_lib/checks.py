@@ -129,6 +129,14 @@ def _text_file_problems(flag: str, path: Path) -> list[str]:
     return []
 
 
+def _saved_model_hint(cfg: TrainConfig) -> str:
+    """Where an --export-only looked for the run's model: the experiment's config.yaml."""
+    if not (cfg.export_only and cfg.experiment_name):
+        return ""
+    saved = cfg.experiment_dir / "config.yaml"
+    return f" ({saved} names none)" if saved.is_file() else f" (no {saved} to take it from)"
+
+
 def _required_problems(cfg: TrainConfig) -> list[str]:
     """-e, -d and -m are given, and -e names a folder, not a path."""
     problems: list[str] = []
@@ -138,8 +146,7 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
         ("--model-name/-m", cfg.model_name),
     ):
         if not value:
-            saved = cfg.experiment_dir / "config.yaml"  # where an --export-only takes the run's model from
-            problems.append(f"{flag} is required" + (f" ({saved} names none)" if cfg.export_only else ""))
+            problems.append(f"{flag} is required{_saved_model_hint(cfg) if flag.startswith('--model') else ''}")
     if cfg.experiment_name and (os.sep in cfg.experiment_name or cfg.experiment_name in (".", "..")):
         problems.append(f"--experiment-name '{cfg.experiment_name}' must be a plain folder name, not a path")
     elif not cfg.experiment_name.isprintable():

@@ -80,20 +80,25 @@ class FolderLock:
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv),
         }
-        mine = self.path.with_name(f".{self.path.name}.{self.record['host']}.{os.getpid()}")
-        mine.write_text(json.dumps(self.record))
+        for _ in range(3):
+            try:
+                self._link(self.record)
+                break
+            except FileExistsError:
+                self._take_over_if_stale()
+        else:
+            raise self.error(f"could not take {self.path}: other launches keep racing for it")
+        threading.Thread(target=self._refresh, name="experiment-lock", daemon=True).start()
+
+    def _link(self, record: dict) -> None:
+        """`record` put in place whole (written under a private name, hard-linked): FileExistsError if a lock is
+        there."""
+        mine = self.path.with_name(f".{self.path.name}.{socket.gethostname()}.{os.getpid()}")
         try:
-            for _ in range(3):
-                try:
-                    os.link(mine, self.path)
-                    break
-                except FileExistsError:
-                    self._take_over_if_stale()
-            else:
-                raise self.error(f"could not take {self.path}: other launches keep racing for it")
+            mine.write_text(json.dumps(record))
+            os.link(mine, self.path)
         finally:
             mine.unlink(missing_ok=True)
-        threading.Thread(target=self._refresh, name="experiment-lock", daemon=True).start()
 
     def _take_over_if_stale(self) -> None:
         holder = self._read()
@@ -121,16 +126,14 @@ class FolderLock:
         run (a user deleted it, and a second launch took it) ends this one: two writers would interleave their
         files (checkpoints, metrics), and the other one started from what is on disk."""
         while not self._stop_refresh.wait(LOCK_REFRESH_S):
-            holder = self._read()
+            holder, record = self._read(), self.record
+            if record is None or self._stop_refresh.is_set():  # released meanwhile
+                return
             if holder is None and not os.path.lexists(self.path):
-                mine = self.path.with_name(f".{self.path.name}.{socket.gethostname()}.{os.getpid()}")
-                with contextlib.suppress(OSError):
-                    mine.write_text(json.dumps(self.record))
-                    os.link(mine, self.path)
+                with contextlib.suppress(OSError):  # FileExistsError: another run took it first (next round)
+                    self._link(record)
                     self._announce(f"WARNING: {self.path} was deleted while this run holds it; put back")
-                with contextlib.suppress(OSError):
-                    mine.unlink()
-            elif holder is not None and holder != self.record and not self._stop_refresh.is_set():
+            elif holder is not None and holder != record:
                 self._lost(holder)
                 return
             with contextlib.suppress(OSError):
@@ -140,18 +143,26 @@ class FolderLock:
         self._announce(
             f"ERROR: {self.path} now names another run (host {holder.get('host')}, pid {holder['pid']}, started "
             f"{holder.get('started_at')}): its lock was deleted while this run held it. Two runs must not write "
-            f"{self.path.parent} at once, so this one stops now without saving; the other goes on "
-            "from what is on disk"
+            f"{self.path.parent} at once, so this one stops now, writing nothing more; the other goes on"
         )
         os._exit(1)
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self, unless_read_only: bool = False) -> Iterator[None]:
         """The lock for a `with` block; the folders that taking it created are removed again when they are still
-        empty at the end (a refused run leaves no empty folder behind)."""
+        empty at the end (a refused run leaves no empty folder behind). unless_read_only: where the lock cannot be
+        written (a read-only mount, another user's folder), the block runs without it once no live holder is seen,
+        for a run that then writes nothing there (a rerun of a finished split)."""
         folder = self.path.parent
         created = [f for f in (folder, *folder.parents) if not f.exists()]  # deepest first
-        self.acquire()
+        try:
+            self.acquire()
+        except OSError:
+            if not unless_read_only or not folder.is_dir():
+                raise
+            self.check_free()
+            yield
+            return
         try:
             yield
         finally:

@@ -299,7 +299,9 @@ class StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
         _STOP = self
-        sys.unraisablehook = _quiet_dropped_interrupts
+        if sys.unraisablehook is not _quiet_dropped_interrupts:
+            _HOOKS.append(sys.unraisablehook)
+            sys.unraisablehook = _quiet_dropped_interrupts
 
     def start_training(self) -> None:
         """From here a signal stops at the next step boundary, after a checkpoint; one that came before stops now."""
@@ -321,23 +323,28 @@ class StopRequest:
 _STOP: StopRequest | None = None  # the run's (the last one made)
 
 
+_HOOKS: list[Callable[[Any], None]] = []  # the unraisable hook in place before the run's (at most one)
+
+
 def _quiet_dropped_interrupts(unraisable: Any) -> None:
     """A KeyboardInterrupt Python drops is no error to print with a traceback: raise_if_stopped acts on it."""
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
-        sys.__unraisablehook__(unraisable)
+        (_HOOKS[-1] if _HOOKS else sys.__unraisablehook__)(unraisable)
 
 
 def clear_stop_request() -> None:
     """The run is over: its signals no longer stop anything in this process (an in-process caller's next run)."""
     global _STOP
     _STOP = None
-    sys.unraisablehook = sys.__unraisablehook__
+    if sys.unraisablehook is _quiet_dropped_interrupts and _HOOKS:
+        sys.unraisablehook = _HOOKS.pop()
 
 
 def raise_if_stopped() -> None:
     """A signal before training raises KeyboardInterrupt where the run is, but Python drops one raised inside a
-    weakref callback or a __del__ ("Exception ignored in ..."), and the run would go on and train: the start-up's
-    long loops (tokenising) and its end (StopRequest.start_training) look at the flag the signal left too."""
+    weakref callback or a __del__ ("Exception ignored in ..."), and the run would go on and train: the token
+    cache's loops (tokenising, the other ranks' wait for it) and the start-up's end (StopRequest.start_training)
+    look at the flag the signal left too."""
     if _STOP is not None and _STOP.at_once is not None and not _STOP.training:
         raise KeyboardInterrupt(signal.Signals(_STOP.at_once).name)
 

@@ -1009,7 +1009,7 @@ def test_ctrl_c_while_the_trainer_loads_its_libraries_is_one_line(
 
 def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refused(tmp_path: Path) -> None:
     """A rerun with nothing to train exports again, replacing final/: a model card or notes the user put there were
-    deleted with it; an earlier export's weights (another shard count) still go. A file named final (or a link)
+    deleted with it; an earlier export's own files (other shards, an adapter's config, a tokenizer file) still go. A file named final (or a link)
     was renamed aside and every later export failed with 'Not a directory': refused before the run now."""
     from fsdp_lib.config import TrainConfig
     from fsdp_lib.experiment_dir import experiment_dir_problems
@@ -1017,7 +1017,8 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
 
     final, new = tmp_path / "exp" / "final", tmp_path / "exp" / ".final.tmp"
     for name, text in [("README.md", "my card"), ("notes/run.txt", "mine"), ("config.json", "old"),
-                       ("model-00001-of-00002.safetensors", ""), ("model.safetensors.index.json", "")]:  # fmt: skip
+                       ("model-00001-of-00002.safetensors", ""), ("model.safetensors.index.json", ""),
+                       ("adapter_config.json", ""), ("tokenizer.model", "")]:  # fmt: skip
         (final / name).parent.mkdir(parents=True, exist_ok=True)
         (final / name).write_text(text)
     new.mkdir()

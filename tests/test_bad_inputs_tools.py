@@ -352,7 +352,7 @@ MODEL_DOWNLOAD_CASES = [
     model_download_case(
         "--overwrite without --init",
         lambda r: [M, "org/name", "--overwrite"],
-        "--overwrite only apply with --init SIZE",
+        "--overwrite only applies with --init SIZE",
         exit_code=2,
     ),
     model_download_case(
@@ -386,7 +386,7 @@ MODEL_DOWNLOAD_CASES = [
     model_download_case(
         "--seed with a download",
         lambda r: [M, "org/name", "--seed", "1"],
-        "--seed only apply with --init SIZE",
+        "--seed only applies with --init SIZE --with-weights",
         exit_code=2,
     ),
     model_download_case(

@@ -47,7 +47,8 @@ def write_files(root: Path, files: dict[str, str | bytes]) -> Path:
 
 
 def convert(data: Path, out: Path, *extra: str) -> int:
-    return main(["--data_folder", str(data), "--save_dir", str(out), "--num-proc", "1", *extra])
+    workers = [] if "--num-proc" in extra else ["--num-proc", "1"]  # a flag given twice is refused
+    return main(["--data_folder", str(data), "--save_dir", str(out), *workers, *extra])
 
 
 def rows_of(out: Path) -> list[str]:

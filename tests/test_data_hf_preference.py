@@ -38,7 +38,8 @@ def jsonl(records: list[object]) -> str:
 
 
 def convert(data: Path, out: Path, *extra: str) -> int:
-    return main(["--data_folder", str(data), "--save_dir", str(out), "--num-proc", "1", *extra])
+    workers = [] if "--num-proc" in extra else ["--num-proc", "1"]  # a flag given twice is refused
+    return main(["--data_folder", str(data), "--save_dir", str(out), *workers, *extra])
 
 
 def summary_of(out: Path) -> dict:

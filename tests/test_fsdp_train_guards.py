@@ -248,6 +248,8 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_b
     from fsdp_lib.runtime import StopRequest
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_hook, seen = sys.unraisablehook, []
+    sys.unraisablehook = seen.append
     try:
         stop = StopRequest()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -279,7 +281,10 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_b
             pass  # dropped
         dropped = types.SimpleNamespace(exc_value=KeyboardInterrupt("SIGTERM"))
         sys.unraisablehook(dropped)  # Python's "Exception ignored in ..." traceback: not printed for this one
-        assert "KeyboardInterrupt" not in capsys.readouterr().err
+        assert "KeyboardInterrupt" not in capsys.readouterr().err and seen == []
+        other = types.SimpleNamespace(exc_value=ValueError("in a __del__"))
+        sys.unraisablehook(other)  # anything else: the hook that was in place (pytest's, here a recorder)
+        assert seen == [other]
         for look in (raise_if_stopped, stop.start_training):
             with pytest.raises(KeyboardInterrupt) as interrupt:
                 look()
@@ -288,6 +293,8 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_at_the_step_b
         from fsdp_lib.runtime import clear_stop_request
 
         clear_stop_request()  # the flag would stop this worker's next in-process tokenisation
+        assert sys.unraisablehook == seen.append  # the hook in place before the run's is back
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

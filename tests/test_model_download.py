@@ -486,8 +486,8 @@ def test_free_space_is_checked_before_downloading(tmp_path: Path):
         (["--init", "tiny", "--local-dir", "x"], "exactly one of --tokenizer-from"),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--vocab-size", "500"], "--vocab-size applies"),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer-from", "d", "--vocab-size", "100"], "below 259"),
-        (["--model-name", "a/b", "--with-weights"], "--with-weights only apply with --init"),
-        (["--model-name", "a/b", "--num-layers", "4"], "--num-layers only apply with --init"),
+        (["--model-name", "a/b", "--with-weights"], "--with-weights only applies with --init"),
+        (["--model-name", "a/b", "--num-layers", "4"], "--num-layers only applies with --init"),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--num-layers", "0"], "--num-layers 0 must be a"),
         (
             ["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--intermediate-size", "-5"],

@@ -573,6 +573,22 @@ def test_one_run_per_dst_root_at_a_time(src: Path, tmp_path: Path, capsys: pytes
     assert code == 2 and not (tmp_path / "new").exists()
 
 
+def test_a_finished_split_on_a_read_only_mount_reruns_without_its_lock(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_lib.lock import FolderLock
+
+    dst = tmp_path / "splits"
+    assert run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2")[0] == 0
+
+    def read_only(self: FolderLock) -> None:
+        raise PermissionError(30, "Read-only file system", str(self.path))
+
+    monkeypatch.setattr(FolderLock, "acquire", read_only)
+    code, out, _ = run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
+    assert code == 0 and "0 placed" in out
+
+
 def test_overwrite_never_deletes_a_moved_split(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     dst = tmp_path / "splits"
     assert run(capsys, "--src-dir", src, "--dst-root", dst, "--num-dirs", "3", "--mode", "move")[0] == 0

@@ -213,6 +213,7 @@ def load_token_stream(
         log(f"tokenised {count:,} {pairs.unit if pairs else 'tokens'} in {time.perf_counter() - start:.1f}s")
     deadline = time.monotonic() + cfg.collective_timeout_s
     while not paths["tokens"].exists():
+        raise_if_stopped()
         if failed_path.exists():
             raise TrainError(f"tokenisation failed on local rank 0: {failed_path.read_text()}")
         if time.monotonic() > deadline:

@@ -187,6 +187,7 @@ def create_model_folder(request: InitRequest, target: Path, overwrite: bool) -> 
     """The new model folder at `target`, verified and recorded; a failure leaves whatever was there untouched.
     One --init per --local-dir at a time: a second one would build in the same staging folder and replace the
     first one's model."""
+    check_init_target(target, overwrite)  # refused before the lock is taken (a file in the path, say); again under it
     what, instead = f"--local-dir {target}", "choose another --local-dir"
     with FolderLock(target.parent, f".{target.name}.init.lock", what, instead, ToolError).held():
         return _create_model_folder(request, target, overwrite)

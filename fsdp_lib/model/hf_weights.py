@@ -399,28 +399,32 @@ class _ExportWriter(dcp.HuggingFaceStorageWriter):
         return super().write_data(plan, planner)
 
 
-# An earlier export's weights (shards, their index), which the new export's replace: a shard count or format may
-# differ between the two. Everything else in the folder that the new export does not write is kept (below).
-_EXPORTED_WEIGHTS = re.compile(r".+\.(safetensors|bin|pt)(\.index\.json)?")
+# What an export writes (export_hf_model, export_adapter): weights and their index, configs, a tokenizer's files, an
+# adapter's base record. An earlier export's files of these kinds go with it (the new export writes its own: a shard
+# count, a tokenizer file or adapter against full weights may differ); anything else in the folder, a model card or
+# notes the user put there, is kept.
+_EXPORT_FILES = re.compile(
+    r".+\.(safetensors|bin|pt)(\.index\.json)?|.*config\.json|.*tokens?(_map)?\.json|tokenizer\.\w+|vocab\.\w+"
+    r"|merges\.txt|spiece\.model|chat_template\.\w+|training_base\.json|.+\.tiktoken"
+)
 
 
 def replace_folder(tmp: Path, out_dir: Path) -> None:
-    """Put the finished folder `tmp` at out_dir, replacing an earlier export only once the new one is complete.
-    What the earlier folder holds that no export writes (a model card, notes) is moved into the new one first."""
+    """Put the finished folder `tmp` at out_dir, replacing an earlier export only once the new one is complete;
+    what the earlier folder holds that no export writes (a model card, notes) is moved into the new one."""
     old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
     if out_dir.is_dir() and not out_dir.is_symlink():
-        kept = [
-            e
-            for e in sorted(out_dir.iterdir())
-            if not (tmp / e.name).exists() and not _EXPORTED_WEIGHTS.fullmatch(e.name)
-        ]
-        for entry in kept:
-            os.rename(entry, tmp / entry.name)
-        if kept:
-            log(f"kept in {out_dir} what the export does not write: {', '.join(e.name for e in kept)}")
-        shutil.rmtree(old, ignore_errors=True)
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
+    if old.is_dir():
+        kept = [
+            e for e in sorted(old.iterdir()) if not (out_dir / e.name).exists() and not _EXPORT_FILES.fullmatch(e.name)
+        ]
+        for entry in kept:
+            os.rename(entry, out_dir / entry.name)
+        if kept:
+            log(f"kept in {out_dir} what no export writes: {', '.join(e.name for e in kept)}")
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
+from fsdp_lib.experiment_dir import run_settings
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, STEP_DIR
@@ -94,9 +95,9 @@ def export_fingerprint(cfg: TrainConfig, model_config: Any, tokenizer_hash: str,
 NOT_SETTINGS = ("force_resume", "export_only", "dry_run")  # how this launch runs, not what it trains
 
 
-def changed_flags(saved: dict, cfg: TrainConfig) -> list[str]:
-    """The flags whose values differ from the checkpoint's run, as `--flag NOW (was THEN)`."""
-    now = dataclasses.asdict(cfg)
+def flags_changed_since(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The flags whose values differ from the checkpoint's run (its run_settings), as `--flag NOW (was THEN)`."""
+    now = run_settings(cfg)
     return [
         f"--{key.replace('_', '-')} {now[key]} (was {saved[key]})"
         for key in now
@@ -360,7 +361,7 @@ class Checkpointer:
 
         payload = self.read_state(path)
         self.check_compatible(payload, path, model.config)
-        if not self.cfg.export_only and (changed := changed_flags(payload.get("config", {}), self.cfg)):
+        if not self.cfg.export_only and (changed := flags_changed_since(payload.get("config", {}), self.cfg)):
             log(f"resuming with settings changed since {path.name} (they apply from here): {name_sample(changed, 8)}")
         # the flags set the hyperparameters (--weight-decay, ...); the checkpoint restores the optimizer's state only
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
@@ -495,7 +496,7 @@ class Checkpointer:
                 "train_state": dataclasses.asdict(state),
                 "fingerprint": self.fingerprint,
                 "world_size": self.d.world_size,
-                "config": dataclasses.asdict(self.cfg),
+                "config": run_settings(self.cfg),  # as config.yaml has them: local paths absolute
                 "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
             }
             write_json_atomic(tmp / "train_state.json", payload)
