@@ -40,6 +40,12 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             f"--experiment-name {cfg.experiment_name}: {blocked[0]} is a {'link' if blocked[0].is_symlink() else 'file'}"
             ", where this run writes its export (a folder): move it aside, or choose another --experiment-name"
         ]
+    if not (cfg.export_only or cfg.force_resume) and (changed := settings_a_resume_refuses(folder, cfg)):
+        return [
+            f"--experiment-name {cfg.experiment_name}: cannot resume from {changed[0]}: {'; '.join(changed[1:])}. "
+            "These change the math or the data. Restore them, pass --force-resume to resume anyway, or use a new "
+            "--experiment-name"
+        ]
     if not cfg.export_only and (evidence := lost_checkpoint(folder)):
         return [
             f"--experiment-name {cfg.experiment_name}: {evidence}, but no complete checkpoint is left in "
@@ -71,6 +77,27 @@ def run_settings(cfg: TrainConfig) -> dict:
     for key in ("dataset_name", "reward"):
         settings[key] = [absolute(value) for value in settings[key]]
     return settings
+
+
+def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig) -> list[str]:
+    """The newest checkpoint and the pinned plain flags it differs in (--seq-length, --seed), read from its
+    train_state.json before any data or model is loaded: the full check (train/checkpoint.py) comes after both,
+    minutes into a large run. [] when there is no readable checkpoint or nothing differs."""
+    steps = [p for p in (experiment / "checkpoint").glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    if not steps:
+        return []
+    newest = max(steps, key=lambda p: int(p.name[len("step_") :]))
+    try:
+        saved = json.loads((newest / "train_state.json").read_text(encoding="utf-8"))["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # the run's own reads say what is wrong with it
+    now = {"seq_length": cfg.seq_length, "seed": cfg.seed}
+    changed = [
+        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r} vs now {v!r}"
+        for k, v in now.items()
+        if k in saved and saved[k] != v
+    ]
+    return [str(newest), *changed] if changed else []
 
 
 def _train_on_hint(final: Path) -> str:

@@ -1060,3 +1060,25 @@ def test_config_yaml_holds_absolute_paths_for_an_export_from_any_folder(tmp_path
     assert settings["dataset_name"] == [str(tmp_path / "data"), "org/hub-set"]
     assert settings["reward"] == [f"{tmp_path / 'mine.py'}:f", "accuracy"]
     assert settings["save_dir"] == "outputs" and settings["chat_template"] == ""  # (not there yet; not given)
+
+
+def test_a_resume_of_another_seq_length_or_seed_is_refused_before_any_data_is_read(tmp_path: Path) -> None:
+    """The full resume check runs once the data and the model are built (minutes into a large run); the plain
+    pinned flags are read from the newest checkpoint's train_state.json first."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.experiment_dir import experiment_dir_problems
+
+    step = tmp_path / "exp" / "checkpoint" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "train_state.json").write_text(json.dumps({"fingerprint": {"seq_length": 32, "seed": 3}}))
+    (tmp_path / "exp" / "checkpoint" / "step_00000002").mkdir()  # older: not the one compared
+    cfg = TrainConfig(experiment_name="exp", save_dir=str(tmp_path), seq_length=32, seed=3)
+    assert experiment_dir_problems(cfg) == []
+    cfg.seq_length, cfg.seed = 64, 4
+    (problem,) = experiment_dir_problems(cfg)
+    assert f"cannot resume from {step}: --seq-length: checkpoint 32 vs now 64; --seed: checkpoint 3 vs now 4" in problem
+    assert "--force-resume" in problem
+    cfg.force_resume = True
+    assert experiment_dir_problems(cfg) == []
+    cfg.force_resume, cfg.export_only = False, True  # an export trains nothing: --seq-length is not its concern
+    assert experiment_dir_problems(cfg) == []

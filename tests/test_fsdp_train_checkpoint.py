@@ -247,7 +247,9 @@ def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, four_
     changed = [*args, "--seq-length", "16", "--max-steps", "8"]
     refused = run_trainer(changed)
     assert refused.returncode != 0
-    assert "seq_length: checkpoint 32 vs now 16" in output_of(refused) and "--force-resume" in output_of(refused)
+    said = output_of(refused)  # refused from the checkpoint's train_state.json, before any tokenising or loading
+    assert "--seq-length: checkpoint 32 vs now 16" in said and "--force-resume" in said
+    assert "tokenis" not in said and "loaded pretrained weights" not in said, said
     assert checkpoints(tmp_path) == ["step_00000004"]
     assert config.read_bytes() == written, "the refused run rewrote config.yaml with its settings"
     # another model, forced: the change names both folders (not only their hashes, as the refusal without
