@@ -1,7 +1,7 @@
 """What a run may do with its experiment folder (--save-dir/--experiment-name), checked before any process group:
-never write into another tool's folder or a folder of the user's own files, and never start an experiment over by
-itself (a rerun whose checkpoints are gone would train from step 0 and replace final/ and metrics.jsonl). No
-torch."""
+never write into another tool's folder or a folder of the user's own files, never start an experiment over by
+itself (a rerun whose checkpoints are gone would train from step 0 and replace final/ and metrics.jsonl), refuse a
+resume of another --seq-length or --seed before any data is read; and what its config.yaml holds. No torch."""
 
 from __future__ import annotations
 
