@@ -79,14 +79,25 @@ def run_settings(cfg: TrainConfig) -> dict:
     return settings
 
 
+def newest_checkpoint(experiment: Path) -> Path | None:
+    """The experiment's newest complete checkpoint folder by name (checkpoint/step_N), not yet verified."""
+    steps = [p for p in (experiment / "checkpoint").glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return max(steps, key=lambda p: int(p.name[len("step_") :])) if steps else None
+
+
+def resume_outlook(experiment: Path) -> str:
+    """What the same command without --dry-run would do with the experiment's checkpoints, for the dry run."""
+    if (newest := newest_checkpoint(experiment)) is None:
+        return f"a run would start at step 0 (no checkpoint in {experiment / 'checkpoint'})"
+    return f"a run would resume from {newest} (verified against its checksums first)"
+
+
 def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig) -> list[str]:
     """The newest checkpoint and the pinned plain flags it differs in (--seq-length, --seed), read from its
     train_state.json before any data or model is loaded: the full check (train/checkpoint.py) comes after both,
     minutes into a large run. [] when there is no readable checkpoint or nothing differs."""
-    steps = [p for p in (experiment / "checkpoint").glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()]
-    if not steps:
+    if (newest := newest_checkpoint(experiment)) is None:
         return []
-    newest = max(steps, key=lambda p: int(p.name[len("step_") :]))
     try:
         saved = json.loads((newest / "train_state.json").read_text(encoding="utf-8"))["fingerprint"]
     except (OSError, ValueError, KeyError, TypeError):

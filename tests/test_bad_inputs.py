@@ -1066,7 +1066,7 @@ def test_a_resume_of_another_seq_length_or_seed_is_refused_before_any_data_is_re
     """The full resume check runs once the data and the model are built (minutes into a large run); the plain
     pinned flags are read from the newest checkpoint's train_state.json first."""
     from fsdp_lib.config import TrainConfig
-    from fsdp_lib.experiment_dir import experiment_dir_problems
+    from fsdp_lib.experiment_dir import experiment_dir_problems, resume_outlook
 
     step = tmp_path / "exp" / "checkpoint" / "step_00000004"
     step.mkdir(parents=True)
@@ -1074,6 +1074,7 @@ def test_a_resume_of_another_seq_length_or_seed_is_refused_before_any_data_is_re
     (tmp_path / "exp" / "checkpoint" / "step_00000002").mkdir()  # older: not the one compared
     cfg = TrainConfig(experiment_name="exp", save_dir=str(tmp_path), seq_length=32, seed=3)
     assert experiment_dir_problems(cfg) == []
+    assert resume_outlook(tmp_path / "exp") == f"a run would resume from {step} (verified against its checksums first)"
     cfg.seq_length, cfg.seed = 64, 4
     (problem,) = experiment_dir_problems(cfg)
     assert f"cannot resume from {step}: --seq-length: checkpoint 32 vs now 64; --seed: checkpoint 3 vs now 4" in problem

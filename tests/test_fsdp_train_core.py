@@ -508,6 +508,7 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
     assert code == 0
     assert "seq_length: 64" in out and "2 x LlamaDecoderLayer" in out and "16 B/param" in out
     assert "activations per GPU" in out and "longest --seq-length that fits one GPU" in out
+    assert f"a run would start at step 0 (no checkpoint in {tmp_path / 'dry' / 'checkpoint'})" in out
     assert not (tmp_path / "dry").exists()
     # what the run refuses about the data before tokenising it, the dry run refuses too (it said "nothing trained")
     import datasets

@@ -22,6 +22,7 @@ import yaml
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.context_degree import context_heads_problem
 from fsdp_lib.errors import TrainError
+from fsdp_lib.experiment_dir import resume_outlook
 from fsdp_lib.model import varlen
 from fsdp_lib.model.activations import ActivationOffload, tile_mlps
 from fsdp_lib.model.adapters import (
@@ -469,5 +470,6 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     else:
         state = next(r for r in peft_rows if r["world_size"] == world_size and r["mode"] == cfg.peft)
     log(long_context_plan(model, cfg, float(state["gpu_total_bytes"])))
+    log(resume_outlook(cfg.experiment_dir))
     log("dry run: nothing was trained")
     return 0
