@@ -29,13 +29,13 @@ from fsdp_lib.config import (
 from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, not_utf8, unreadable
 from fsdp_lib.experiment_dir import experiment_dir_problems
-from fsdp_lib.markers import STEP_DIR, TOKEN_CACHE, folder_kind
+from fsdp_lib.markers import TOKEN_CACHE, folder_kind, step_dirs
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
 def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     """Check everything that can be checked before any process group or model exists."""
-    if cfg.export_only and cfg.experiment_name and not _has_checkpoints(cfg.experiment_dir / "checkpoint"):
+    if cfg.export_only and cfg.experiment_name and not step_dirs(cfg.experiment_dir / "checkpoint"):
         return [  # the one thing to say: without a run, the flags an export would also need are beside the point
             f"--export-only: {cfg.experiment_dir / 'checkpoint'} holds no checkpoint, so there is nothing to export; "
             "check --experiment-name/-e and --save-dir (those of the run that trained it)"
@@ -67,12 +67,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     for name in cfg.dataset_name:
         problems += _dataset_problems(name)
     return problems + _mixture_problems(cfg)
-
-
-def _has_checkpoints(folder: Path) -> bool:
-    """A checkpoint folder in `folder`, named as train.checkpoint.step_dirs reads them (STEP_DIR: not a folder moved
-    aside, nor a temporary); whether it is complete and intact is checked when it is loaded."""
-    return folder.is_dir() and any(STEP_DIR.fullmatch(path.name) and path.is_dir() for path in folder.iterdir())
 
 
 def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import name_sample
-from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, STEP_DIR, folder_kind
+from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, folder_kind, step_dirs
 
 
 def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
@@ -43,8 +43,7 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
     if not (cfg.export_only or cfg.force_resume) and (changed := settings_a_resume_refuses(folder, cfg)):
         return [
             f"--experiment-name {cfg.experiment_name}: cannot resume from {changed[0]}: {'; '.join(changed[1:])}. "
-            "These change the math or the data. Restore them, pass --force-resume to resume anyway, or use a new "
-            "--experiment-name"
+            f"{RESUME_REFUSED_FIX}"
         ]
     if not cfg.export_only and (evidence := lost_checkpoint(folder)):
         return [
@@ -55,6 +54,13 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             f"delete {folder / EXPERIMENT_STATE} and its final/ yourself"
         ]
     return []
+
+
+# A refused resume's way out: here (the plain flags, before any data is read) and in train/checkpoint.py (the rest)
+RESUME_REFUSED_FIX = (
+    "These change the math or the data. Restore the original settings, pass --force-resume to resume anyway, or use "
+    "a new --experiment-name"
+)
 
 
 def run_settings(cfg: TrainConfig) -> dict:
@@ -81,8 +87,11 @@ def run_settings(cfg: TrainConfig) -> dict:
 
 def newest_checkpoint(experiment: Path) -> Path | None:
     """The experiment's newest complete checkpoint folder by name (checkpoint/step_N), not yet verified."""
-    steps = [p for p in (experiment / "checkpoint").glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()]
-    return max(steps, key=lambda p: int(p.name[len("step_") :])) if steps else None
+    try:
+        steps = step_dirs(experiment / "checkpoint")
+    except OSError:  # unreadable: the run's own reads say so, with the path
+        return None
+    return steps[-1] if steps else None
 
 
 def resume_outlook(experiment: Path) -> str:
@@ -137,9 +146,8 @@ _HARMLESS = re.compile(rf"\..+\.(tmp.*|old)|\.{re.escape(EXPERIMENT_LOCK)}\..+|.
 def lost_checkpoint(experiment: Path) -> str | None:
     """What shows that an experiment trained before (its state.json naming a checkpoint, or final/) when no complete
     checkpoint is left in checkpoint/: a rerun would start from step 0 and replace final/ and metrics.jsonl."""
-    root = experiment / "checkpoint"
     try:
-        if root.is_dir() and any(STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir()):
+        if step_dirs(experiment / "checkpoint"):
             return None
     except OSError:  # unreadable: the run's own reads say so, with the path
         return None

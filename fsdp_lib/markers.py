@@ -110,3 +110,17 @@ def _kind_by_markers(folder: Path) -> FolderKind | None:
     ):
         return FolderKind("model", "config.json")
     return None
+
+
+def step_of(folder: Path) -> int:
+    """The step a checkpoint folder is named for (STEP_DIR)."""
+    return int(folder.name[len("step_") :])
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """fsdp_train.py's complete checkpoints in `root` (EXP/checkpoint), oldest first: only folders named exactly
+    step_ + digits, so a folder moved aside (step_00000020.bad, corrupt_step_00000020) or a temporary
+    (.tmp_step_...) is never resumed from. Not yet verified (train/checkpoint_verify.py)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()), key=step_of)

@@ -333,7 +333,7 @@ def export_tokenizer(cfg: TrainConfig, model_dir: Path, saved: dict) -> Any:
             given
             and trained
             and not chat_template_problems(given)
-            and given.read_text(encoding="utf-8") != (saved["chat_template"])
+            and given.read_text(encoding="utf-8") != saved["chat_template"]
         ):
             log(
                 f"WARNING: --export-only: --chat-template {given} is not the template the run trained with "

@@ -130,14 +130,16 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
     problems = describe_mismatch(earlier, planned)
     if problems:
         if not overwrite:
+            same_flags = earlier["settings"] == planned["settings"]  # the sources changed, not the flags
             keep = (
-                f"Rerun with the earlier flags ({settings_flags(earlier['settings'])}) to keep it"
-                if earlier["settings"] != planned["settings"]
-                else "Restore --src-dir's files to keep it"
+                "Restore --src-dir's files to keep it"
+                if same_flags
+                else f"Rerun with the earlier flags ({settings_flags(earlier['settings'])}) to keep it"
             )
             if earlier["settings"].get("mode") != "move":  # a moved split is never replaced (below)
-                keep += ", pass --overwrite to replace it"
-                keep += "" if earlier["settings"] != planned["settings"] else " with a split of the files there now"
+                keep += ", pass --overwrite to replace it" + (
+                    " with a split of the files there now" if same_flags else ""
+                )
             raise OrganizeError(
                 f"--dst-root {dst_root} holds a different earlier split: {'; '.join(problems)}. {keep}, or choose "
                 "another --dst-root"

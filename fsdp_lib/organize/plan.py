@@ -33,9 +33,8 @@ MANIFEST_FORMAT = 1
 # Files are written under a hidden temporary name and renamed into place: a killed run never leaves a
 # truncated file under the real name, which a rerun would otherwise take as done.
 TMP_SUFFIX = ".organize-tmp"
-LOCK_NAME = (
-    ".organize.lock"  # in --dst-root while a run writes there (lock.FolderLock; its temporaries ..organize.lock.*)
-)
+# In --dst-root while a run writes there (lock.FolderLock; its temporaries are ..organize.lock.*).
+LOCK_NAME = ".organize.lock"
 
 
 SPLIT_DIR_PATTERN = re.compile(r"split_\d+")

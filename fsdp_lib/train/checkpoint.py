@@ -32,10 +32,10 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
-from fsdp_lib.experiment_dir import run_settings
+from fsdp_lib.experiment_dir import RESUME_REFUSED_FIX, run_settings
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
-from fsdp_lib.markers import EXPERIMENT_STATE, STEP_DIR
+from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs
 from fsdp_lib.model.adapters import target_names
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
@@ -152,15 +152,6 @@ def step_dir_name(step: int) -> str:
 
 
 CHECKSUM_FILE = "checksums.json"  # {"algorithm": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
-
-
-def step_dirs(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first: only folders named exactly step_ + digits, so a folder moved aside
-    (step_00000020.bad, corrupt_step_00000020) or a temporary (.tmp_step_...) is never resumed from."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name[len("step_") :]))
 
 
 # DCP's CheckpointException derives from BaseException, not Exception.
@@ -345,10 +336,7 @@ class Checkpointer:
                 "merged into or pointing at another base. Pass the run's --model-name (its config.yaml has it), "
                 "or --force-resume to export with these anyway."
             )
-        raise CheckpointError(
-            f"cannot resume from {path}: {details}. These change the math or the data. Restore the original "
-            f"settings, pass --force-resume to resume anyway, or use a new --experiment-name."
-        )
+        raise CheckpointError(f"cannot resume from {path}: {details}. {RESUME_REFUSED_FIX}.")
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainState:

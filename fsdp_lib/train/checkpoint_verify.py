@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from fsdp_lib.errors import CheckpointError
 from fsdp_lib.integrity import checksum_problems
-from fsdp_lib.markers import EXPERIMENT_STATE
+from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs, step_of
 from fsdp_lib.runtime import Dist, broadcast_object, log
-from fsdp_lib.train.checkpoint import CHECKSUM_FILE, step_dirs
+from fsdp_lib.train.checkpoint import CHECKSUM_FILE
 
 
 def latest_intact_checkpoint(root: Path, d: Dist, export: bool = False) -> Path | None:
@@ -69,7 +69,7 @@ def _misnamed(path: Path) -> list[str]:
         step = json.loads((path / "train_state.json").read_text())["train_state"]["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return []  # the load says what is wrong with it
-    named = int(path.name[len("step_") :])
+    named = step_of(path)
     if step == named:
         return []
     return [
