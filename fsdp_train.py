@@ -83,7 +83,7 @@ from fsdp_lib.train.checkpoint_verify import latest_intact_checkpoint
 from fsdp_lib.train.dpo import step_flops_per_token
 from fsdp_lib.train.grpo import check_reward_fit
 from fsdp_lib.train.metrics import Metrics, PhaseTimer, plot_metrics, trim_metrics_file
-from fsdp_lib.train.objective import Objective, build_objective
+from fsdp_lib.train.objective import Objective, build_objective, needs_starting_weights
 from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer, global_grad_norm, lr_at
 from fsdp_lib.train.profiling import StepProfiler
 from fsdp_lib.train.rewards import reward_problems
@@ -274,14 +274,16 @@ def run(cfg: TrainConfig) -> int:
     seed_everything(cfg.seed + d.rank)
     data = build_data(cfg, resolve_model_dir(cfg.model_name), d)
     check_reward_fit(cfg, data)  # --objective grpo: the rewards take the prompts' columns, before the model loads
-    bundle = build_model(cfg, precision, d)
+    latest = latest_intact_checkpoint(cfg.experiment_dir / "checkpoint", d)  # verified before the model loads
+    bundle = build_model(
+        cfg, precision, d, from_checkpoint=latest is not None and not needs_starting_weights(cfg, data.objective)
+    )
     prompts = load_sample_prompts(cfg, data.tokenizer, getattr(bundle.config, "max_position_embeddings", None))
     objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, GRPO or None
     optimizer = build_optimizer(bundle.model, cfg)
 
     fingerprint = resume_fingerprint(cfg, bundle.config, data, bundle.peft, objective_fingerprint)
     checkpointer = Checkpointer(cfg, d, fingerprint)
-    latest = latest_intact_checkpoint(checkpointer.root, d)
     state = TrainState()
     if latest is not None:
         state = checkpointer.load(latest, bundle.model, optimizer)
@@ -323,7 +325,7 @@ def export_checkpoint(cfg: TrainConfig, precision: str, d: Dist) -> int:
     latest = latest_intact_checkpoint(cfg.experiment_dir / "checkpoint", d, export=True)
     if latest is None:
         raise CheckpointError(f"--export-only: no complete checkpoint in {cfg.experiment_dir / 'checkpoint'}")
-    bundle = build_model(cfg, precision, d, export_only=True)
+    bundle = build_model(cfg, precision, d, from_checkpoint=True, probes=False)
     checkpointer = Checkpointer(cfg, d, export_fingerprint(cfg, bundle.config, tokenizer_hash(model_dir), bundle.peft))
     tokenizer = export_tokenizer(cfg, model_dir, checkpointer.read_state(latest)["fingerprint"])
     state = checkpointer.load(latest, bundle.model, None)

@@ -12,6 +12,7 @@ into fp32 (fsdp_train.py's master weights), and reports its peak. The sides:
   reads only its slices of the safetensors files (DCP's Hugging Face reader);
 - full: `AutoModelForCausalLM.from_pretrained(dtype=float32)` on every process, then the same
   `fsdp_train.shard_model`: how FSDP code is commonly written.
+Neither runs the trainer's start-up probes (`build_model(..., probes=False)`): forward passes, not loading.
 
 Two peaks per process, because they tell different stories:
 - VmHWM, the kernel's peak resident set. It counts pages of the memory-mapped safetensors file a process
@@ -105,7 +106,7 @@ def loading_worker(mode: str, model_dir: str, out: str) -> None:
     start = time.perf_counter()
     with AnonPeak() as anon:
         if mode == "sharded":
-            model = build_model(cfg, "fp32", d).model
+            model = build_model(cfg, "fp32", d, probes=False).model
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             shard_model(model, find_decoder_layers(model), cfg, "fp32", d)

@@ -88,6 +88,9 @@ def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_
     rerun = run_trainer(flags(inputs, tmp_path))
     assert rerun.returncode == 0, output_of(rerun)
     assert "resumed from" in output_of(rerun) and "at step 4" in output_of(rerun)
+    # the checkpoint replaces every weight: the model folder's are not read (the losses below show none is missed)
+    assert "resuming: every weight comes from the checkpoint" in output_of(rerun)
+    assert "loaded pretrained weights" not in output_of(rerun)
     resumed = losses_by_step(tmp_path / "run")
     assert sorted(resumed) == list(range(1, STEPS + 1)), "metrics.jsonl keeps one line per step"
     for step in range(5, STEPS + 1):

@@ -107,6 +107,7 @@ def test_kill9_rerun_is_bit_identical_and_one_process_continues_it(peft_inputs, 
     killed_at_step(args, tmp_path / "run", 5)
     rerun = run_trainer(args, env={"FSDP_TRAIN_FAULT": "kill_after_rename@0:6"})
     assert rerun.returncode != 0 and "at step 4" in output_of(rerun), output_of(rerun)
+    assert "loaded pretrained weights" in output_of(rerun), "the checkpoint holds the adapters: the base is read"
     expected, resumed = losses_by_step(lora_run), losses_by_step(tmp_path / "run")
     assert all(resumed[s] == expected[s] for s in range(5, 7)), (resumed, expected)
     one = run_trainer([*args, "--grad-accum-steps", "2"], nproc=1)

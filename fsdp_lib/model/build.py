@@ -191,33 +191,36 @@ def materialize(model: nn.Module, d: Dist, cfg: TrainConfig) -> None:
         owner._buffers[buffer_name] = value.to(d.device)  # buffers stay on the compute device, even with offload
 
 
-def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist) -> None:
+def init_weights_on_shards(model: nn.Module, config: Any, seed: int, d: Dist, whole: bool = True) -> None:
     """Initialise from scratch, shard by shard, identically at any number of processes.
 
     Each parameter is drawn in full from a generator seeded by (seed, name) and sliced to this rank's shard,
     so only one full parameter exists at a time. Rule: matrices ~ N(0, initializer_range), 1-D weights
-    (norms) = 1, biases = 0.
+    (norms) = 1, biases = 0. whole=False: each rank draws its own shard alone from a generator of (seed, rank),
+    at 1/processes the cost and building no full parameter; the weights then depend on the process count: for
+    the start-up probes of a model whose checkpoint replaces every weight next.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     std = getattr(config, "initializer_range", 0.02)
     gen_device = d.device if d.device.type == "cuda" else torch.device("cpu")
+    own = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + d.rank)
     with torch.no_grad():
         for name, param in model.named_parameters():
             name = clean_fqn(name)
             if is_adapter_name(name):  # adapters.init_adapters
                 continue
-            full = torch.empty(param.shape, dtype=torch.float32, device=gen_device)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            shape, generator = (param.shape, None) if whole else (local.shape, own)
+            full = torch.empty(shape, dtype=torch.float32, device=gen_device)
             if param.ndim >= 2:
-                g = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full.normal_(0.0, std, generator=g)
+                seeded = seed * 1_000_003 + zlib.crc32(name.encode())
+                full.normal_(0.0, std, generator=generator or torch.Generator(device=gen_device).manual_seed(seeded))
             else:
                 full.fill_(0.0 if name.endswith("bias") else 1.0)
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(full)
+            if whole and isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local.copy_(full)
 
 
 def check_still_tied(model: nn.Module) -> None:
@@ -285,10 +288,13 @@ def check_context_parallel(model: nn.Module, n: int, world: int, seq_length: int
         raise TrainError(problem)
 
 
-def build_model(cfg: TrainConfig, precision: str, d: Dist, export_only: bool = False) -> ModelBundle:
-    """The model sharded for training, with its pretrained (or initial) weights and adapters. export_only: a
-    checkpoint is loaded next and nothing trains, so no start-up probe runs, and without adapters (the checkpoint
-    holds every weight) no weight is read or initialised either."""
+def build_model(
+    cfg: TrainConfig, precision: str, d: Dist, from_checkpoint: bool = False, probes: bool = True
+) -> ModelBundle:
+    """The model sharded for training, with its pretrained (or initial) weights and adapters. from_checkpoint: a
+    checkpoint is loaded next and, without adapters, replaces every weight, so the model folder's are not read
+    (a resumed 8B run reads 16 GB less before its first step); the shards are initialised for the start-up probes
+    instead. probes=False: no start-up probe runs (an --export-only, which trains nothing; bench_loading.py)."""
     model_dir = resolve_model_dir(cfg.model_name)
     packed = cfg.document_masking == "on" or cfg.context_parallel > 1  # auto: varlen first
     model = build_model_skeleton(model_dir, cfg.attn_implementation, packed)
@@ -329,8 +335,19 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist, export_only: bool = F
     shard_model(train_forward, layers, cfg, precision, d)
     materialize(model, d, cfg)
     files, fmt = weight_keys(model_dir)
-    if export_only and peft is None:
-        log(f"--export-only: every weight comes from the checkpoint; {model_dir}'s weights are not read")
+    if from_checkpoint and peft is None:
+        start = time.perf_counter()
+        if probes:  # finite numbers for them, which the checkpoint replaces
+            init_weights_on_shards(model, model.config, cfg.seed, d, whole=False)
+        log(
+            f"{'--export-only' if cfg.export_only else 'resuming'}: every weight comes from the checkpoint; "
+            f"{model_dir}'s weights are not read"
+            + (
+                f" (the shards initialised for the start-up checks, {time.perf_counter() - start:.1f}s)"
+                if probes
+                else ""
+            )
+        )
     elif files:
         start = time.perf_counter()
         load_pretrained_sharded(model, model_dir, files, fmt, d.file_threads)
@@ -346,8 +363,8 @@ def build_model(cfg: TrainConfig, precision: str, d: Dist, export_only: bool = F
     check_still_tied(model)
     model.train()
     train_forward.mask_dtype = compute_dtype
-    masked_training = cfg.document_masking == "on" and not export_only
-    if not export_only:
+    masked_training = cfg.document_masking == "on" and probes
+    if probes:
         run_start_up_checks(train_forward, vocab_size, precision, masked_training, d)
     log(
         f"model {arch}: {num_params:,} parameters, {len(layers)} decoder layers "

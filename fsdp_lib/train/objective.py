@@ -9,7 +9,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.runtime import Dist
-from fsdp_lib.train.dpo import DPOObjective, build_dpo
+from fsdp_lib.train.dpo import DPOObjective, build_dpo, reference_mode
 from fsdp_lib.train.grpo import GRPOObjective, build_grpo
 from fsdp_lib.train.kto import KTOObjective, build_kto
 
@@ -28,3 +28,10 @@ def build_objective(
     if data.objective == "grpo":
         return build_grpo(cfg, bundle, data, precision, d)
     return None, "lm"
+
+
+def needs_starting_weights(cfg: TrainConfig, objective: str) -> bool:
+    """Whether a resumed run still reads the model folder's weights, which the checkpoint then replaces: with
+    --peft (the checkpoint holds the adapters, the frozen base is the folder's) and for a DPO or KTO reference
+    precomputed by the starting model (computed before the checkpoint loads where its cache is missing)."""
+    return cfg.peft != "none" or (objective in ("dpo", "kto") and reference_mode(cfg) == "precomputed")
