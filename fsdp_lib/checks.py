@@ -28,7 +28,7 @@ from fsdp_lib.config import (
 )
 from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, not_utf8, unreadable
-from fsdp_lib.experiment_dir import experiment_dir_problems
+from fsdp_lib.experiment_dir import experiment_dir_problems, resume_refusal
 from fsdp_lib.markers import TOKEN_CACHE, folder_kind, step_dirs
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
@@ -53,6 +53,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += _grpo_problems(cfg)
     problems += context_problems(cfg, world_size)
     problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
+    problems += resume_refusal(cfg, world_size)  # what the checkpoint's flags alone show, before data or model
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
             f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"

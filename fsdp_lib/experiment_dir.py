@@ -1,7 +1,8 @@
 """What a run may do with its experiment folder (--save-dir/--experiment-name), checked before any process group:
 never write into another tool's folder or a folder of the user's own files, never start an experiment over by
 itself (a rerun whose checkpoints are gone would train from step 0 and replace final/ and metrics.jsonl), refuse a
-resume of another --seq-length or --seed before any data is read; and what its config.yaml holds. No torch."""
+resume the flags alone show to differ (--seq-length, --seed, the global batch, ...) before any data is read; and
+what its config.yaml holds. No torch."""
 
 from __future__ import annotations
 
@@ -39,11 +40,6 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
         return [
             f"--experiment-name {cfg.experiment_name}: {blocked[0]} is a {'link' if blocked[0].is_symlink() else 'file'}"
             ", where this run writes its export (a folder): move it aside, or choose another --experiment-name"
-        ]
-    if not (cfg.export_only or cfg.force_resume) and (changed := settings_a_resume_refuses(folder, cfg)):
-        return [
-            f"--experiment-name {cfg.experiment_name}: cannot resume from {changed[0]}: {'; '.join(changed[1:])}. "
-            f"{RESUME_REFUSED_FIX}"
         ]
     if not cfg.export_only and (evidence := lost_checkpoint(folder)):
         return [
@@ -101,23 +97,87 @@ def resume_outlook(experiment: Path) -> str:
     return f"a run would resume from {newest} (verified against its checksums first)"
 
 
-def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig) -> list[str]:
-    """The newest checkpoint and the pinned plain flags it differs in (--seq-length, --seed), read from its
-    train_state.json before any data or model is loaded: the full check (train/checkpoint.py) comes after both,
-    minutes into a large run. [] when there is no readable checkpoint or nothing differs."""
+def resume_refusal(cfg: TrainConfig, world_size: int) -> list[str]:
+    """A resume the full check would refuse, said before any data is tokenised or model loaded (at most one
+    problem): the settings its flags alone decide (settings_a_resume_refuses). Not with --force-resume."""
+    if cfg.export_only or cfg.force_resume or not cfg.experiment_name:
+        return []
+    if not (changed := settings_a_resume_refuses(cfg.experiment_dir, cfg, world_size)):
+        return []
+    return [
+        f"--experiment-name {cfg.experiment_name}: cannot resume from {changed[0]}: {'; '.join(changed[1:])}. "
+        f"{RESUME_REFUSED_FIX}"
+    ]
+
+
+def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig, world_size: int) -> list[str]:
+    """The newest checkpoint and the pinned settings it differs in that the flags alone decide, read from its
+    train_state.json before any data or model is loaded (the full check, train/checkpoint.py, comes after both,
+    minutes into a large run): --seq-length, --seed, the global batch (world_size processes), an --objective
+    given by name, --peft and, for adapters trained from scratch, their rank, alpha and dropout, --data-slice.
+    [] when there is no readable checkpoint or nothing differs."""
     if (newest := newest_checkpoint(experiment)) is None:
         return []
     try:
-        saved = json.loads((newest / "train_state.json").read_text(encoding="utf-8"))["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError):
+        payload = json.loads((newest / "train_state.json").read_text(encoding="utf-8"))
+        saved, config = payload["fingerprint"], payload.get("config", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []  # the run's own reads say what is wrong with it
-    now = {"seq_length": cfg.seq_length, "seed": cfg.seed}
+    if not isinstance(saved, dict) or not isinstance(config, dict):
+        return []
+    return [str(newest), *changed] if (changed := _plain_differences(saved, config, cfg, world_size)) else []
+
+
+def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: int) -> list[str]:
+    """settings_a_resume_refuses's comparisons, each as `--flag: checkpoint THEN vs now NOW`."""
     changed = [
         f"--{k.replace('_', '-')}: checkpoint {saved[k]!r} vs now {v!r}"
-        for k, v in now.items()
+        for k, v in (("seq_length", cfg.seq_length), ("seed", cfg.seed))
         if k in saved and saved[k] != v
     ]
-    return [str(newest), *changed] if changed else []
+    data_world = world_size // max(1, cfg.context_parallel)
+    batch = cfg.global_batch_size if cfg.global_batch_size > 0 else data_world * cfg.batch_size * cfg.grad_accum_steps
+    if "global_batch_size" in saved and saved["global_batch_size"] != batch:
+        how = f"{data_world} processes x -b {cfg.batch_size} x --grad-accum-steps {cfg.grad_accum_steps}"
+        if cfg.global_batch_size > 0:
+            how = f"--global-batch-size {batch}"
+        if (degree := config.get("context_parallel", 1)) != cfg.context_parallel:  # a context group trains one row
+            how += f"; --context-parallel {degree} then, {cfg.context_parallel} now"
+        changed.append(
+            f"the global batch: checkpoint {saved['global_batch_size']!r} vs now {batch} ({how}; "
+            f"--global-batch-size {saved['global_batch_size']} keeps it on any process count)"
+        )
+    if (
+        cfg.objective != "auto"
+        and "objective" in saved
+        and (then := objective_name(saved["objective"])) != cfg.objective
+    ):
+        changed.append(f"--objective: checkpoint {then} vs now {cfg.objective}")
+    if "peft" in saved:
+        changed += _adapter_differences(saved["peft"], config, cfg)
+    if "dataset" in saved and "data_slice" in config and config["data_slice"] != cfg.data_slice:
+        changed.append(f"--data-slice: checkpoint {config['data_slice']!r} vs now {cfg.data_slice!r}")
+    return changed
+
+
+def _adapter_differences(peft: object, config: dict, cfg: TrainConfig) -> list[str]:
+    """--peft, and the rank, alpha and dropout of adapters both runs initialise from the flags (with --adapter
+    they are the adapter folder's)."""
+    then = peft.get("mode") if isinstance(peft, dict) else peft
+    if then != cfg.peft:
+        return [f"--peft: checkpoint {then} vs now {cfg.peft}"]
+    if not isinstance(peft, dict) or peft.get("start") != "init" or config.get("adapter") or cfg.adapter:
+        return []
+    now = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout}
+    return [f"--lora-{k}: checkpoint {peft[k]!r} vs now {v!r}" for k, v in now.items() if k in peft and peft[k] != v]
+
+
+def objective_name(fingerprint: object) -> str:
+    """The --objective a resume fingerprint's objective entry stands for: lm's is the string, DPO's and KTO's a
+    dict of their settings (KTO's loss named kto), GRPO's a dict naming it."""
+    if not isinstance(fingerprint, dict):
+        return str(fingerprint)
+    return str(fingerprint.get("objective") or ("kto" if fingerprint.get("loss") == "kto" else "dpo"))
 
 
 def _train_on_hint(final: Path) -> str:

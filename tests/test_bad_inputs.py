@@ -1062,24 +1062,55 @@ def test_config_yaml_holds_absolute_paths_for_an_export_from_any_folder(tmp_path
     assert settings["save_dir"] == "outputs" and settings["chat_template"] == ""  # (not there yet; not given)
 
 
-def test_a_resume_of_another_seq_length_or_seed_is_refused_before_any_data_is_read(tmp_path: Path) -> None:
-    """The full resume check runs once the data and the model are built (minutes into a large run); the plain
-    pinned flags are read from the newest checkpoint's train_state.json first."""
+def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_path: Path) -> None:
+    """The full resume check runs once the data and the model are built (minutes into a large run); what the
+    flags alone decide is read from the newest checkpoint's train_state.json first: --seq-length, --seed, the
+    global batch (processes x -b x accumulation, or --global-batch-size), an --objective given by name, --peft and
+    the adapters' rank/alpha/dropout (not with --adapter, whose folder sets them), --data-slice."""
     from fsdp_lib.config import TrainConfig
-    from fsdp_lib.experiment_dir import experiment_dir_problems, resume_outlook
+    from fsdp_lib.experiment_dir import experiment_dir_problems, resume_outlook, resume_refusal
 
     step = tmp_path / "exp" / "checkpoint" / "step_00000004"
     step.mkdir(parents=True)
-    (step / "train_state.json").write_text(json.dumps({"fingerprint": {"seq_length": 32, "seed": 3}}))
+    adapters = {"mode": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0, "start": "init"}
+    fingerprint = {"seq_length": 32, "seed": 3, "global_batch_size": 8, "objective": "lm", "peft": adapters}
+    fingerprint["dataset"] = "9a02/"
+    config = {"data_slice": "", "adapter": "", "context_parallel": 1}
+    (step / "train_state.json").write_text(json.dumps({"fingerprint": fingerprint, "config": config}))
     (tmp_path / "exp" / "checkpoint" / "step_00000002").mkdir()  # older: not the one compared
-    cfg = TrainConfig(experiment_name="exp", save_dir=str(tmp_path), seq_length=32, seed=3)
-    assert experiment_dir_problems(cfg) == []
+    same = dict(experiment_name="exp", save_dir=str(tmp_path), seq_length=32, seed=3, batch_size=2)
+    same |= dict(peft="lora", lora_rank=8, lora_alpha=16.0)
+    cfg = TrainConfig(**same)
+    assert experiment_dir_problems(cfg) == [] and resume_refusal(cfg, 4) == []  # 4 processes x -b 2 = 8
     assert resume_outlook(tmp_path / "exp") == f"a run would resume from {step} (verified against its checksums first)"
     cfg.seq_length, cfg.seed = 64, 4
-    (problem,) = experiment_dir_problems(cfg)
+    (problem,) = resume_refusal(cfg, 4)
     assert f"cannot resume from {step}: --seq-length: checkpoint 32 vs now 64; --seed: checkpoint 3 vs now 4" in problem
     assert "--force-resume" in problem
     cfg.force_resume = True
-    assert experiment_dir_problems(cfg) == []
+    assert resume_refusal(cfg, 4) == []
     cfg.force_resume, cfg.export_only = False, True  # an export trains nothing: --seq-length is not its concern
-    assert experiment_dir_problems(cfg) == []
+    assert resume_refusal(cfg, 4) == []
+    # another process count: the global batch, with the flag that keeps it
+    (problem,) = resume_refusal(TrainConfig(**same), 2)
+    assert "the global batch: checkpoint 8 vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; " in problem
+    assert "--global-batch-size 8 keeps it on any process count)" in problem
+    assert resume_refusal(TrainConfig(**same, global_batch_size=8, grad_accum_steps=2), 2) == []
+    (problem,) = resume_refusal(TrainConfig(**same, context_parallel=2), 4)
+    assert "vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; --context-parallel 1 then, 2 now;" in problem
+    # the objective by name (auto is resolved against the data, later), the adapters, the slice
+    refused = {
+        "--objective: checkpoint lm vs now dpo": {"objective": "dpo"},
+        "--peft: checkpoint lora vs now none": {"peft": "none"},
+        "--lora-rank: checkpoint 8 vs now 16; --lora-alpha: checkpoint 16.0 vs now 32.0": {"lora_rank": 16, "lora_alpha": 32.0},
+        "--data-slice: checkpoint '' vs now '0:100'": {"data_slice": "0:100"},
+    }  # fmt: skip
+    for said, change in refused.items():
+        (problem,) = resume_refusal(TrainConfig(**(same | change)), 4)
+        assert f"step_00000004: {said}. These change the math" in problem, problem
+    assert resume_refusal(TrainConfig(**same, objective="lm"), 4) == []
+    # with --adapter the rank and alpha are the adapter folder's, not the flags'
+    assert resume_refusal(TrainConfig(**(same | {"lora_rank": 16, "adapter": str(tmp_path)})), 4) == []
+    # an unreadable train_state.json: the run's own reads say what is wrong with it
+    (step / "train_state.json").write_text("[1, 2]")
+    assert resume_refusal(TrainConfig(**(same | {"seed": 9})), 4) == []

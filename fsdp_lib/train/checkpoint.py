@@ -32,7 +32,7 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
-from fsdp_lib.experiment_dir import RESUME_REFUSED_FIX, run_settings
+from fsdp_lib.experiment_dir import RESUME_REFUSED_FIX, objective_name, run_settings
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs
@@ -229,14 +229,6 @@ def host_staging(d: Dist) -> Any:
             use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
         )
     )
-
-
-def objective_name(fingerprint: Any) -> str:
-    """The --objective a resume fingerprint's objective entry stands for: lm's is the string, DPO's and KTO's a
-    dict of their settings (KTO's loss named kto), GRPO's a dict naming it."""
-    if not isinstance(fingerprint, dict):
-        return str(fingerprint)
-    return str(fingerprint.get("objective") or ("kto" if fingerprint.get("loss") == "kto" else "dpo"))
 
 
 class Checkpointer:
