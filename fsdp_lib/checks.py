@@ -35,6 +35,11 @@ from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_mo
 
 def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     """Check everything that can be checked before any process group or model exists."""
+    problems = _flag_problems(cfg, world_size)
+    return problems + _non_finite_problems(cfg, problems)
+
+
+def _flag_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.export_only and cfg.experiment_name and not step_dirs(cfg.experiment_dir / "checkpoint"):
         return [  # the one thing to say: without a run, the flags an export would also need are beside the point
             f"--export-only: {cfg.experiment_dir / 'checkpoint'} holds no checkpoint, so there is nothing to export; "
@@ -208,6 +213,21 @@ def _range_problems(cfg: TrainConfig) -> list[str]:
     }
     problems += [f"{flag} must not be negative (got {value})" for flag, value in non_negative.items() if value < 0]
     return problems
+
+
+def _non_finite_problems(cfg: TrainConfig, problems: list[str]) -> list[str]:
+    """NaN passes every comparison (--min-lr nan trained NaN weights and exported them with exit 0), inf most:
+    each number flag that no other problem names already."""
+    found = []
+    for f in dataclasses.fields(TrainConfig):
+        flag, value = "--" + f.name.replace("_", "-"), getattr(cfg, f.name)
+        if (
+            isinstance(value, float)
+            and not math.isfinite(value)
+            and not any(p.startswith(f"{flag} ") for p in problems)
+        ):
+            found.append(f"{flag} must be a finite number (got {value})")
+    return found
 
 
 def _value_problems(cfg: TrainConfig) -> list[str]:

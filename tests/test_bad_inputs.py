@@ -276,6 +276,9 @@ TRAINER_FLAG_CASES = [
     flag_case("--lr nan", ("--lr", "nan"), "--lr must be a positive number (got nan)"),
     flag_case("--lr inf", ("--lr", "inf"), "--lr must be a positive number (got inf)"),
     flag_case("--lr abc", ("--lr", "fast"), "--lr", "invalid float value"),
+    # NaN passes `< 0`: --min-lr nan trained NaN weights and exported them with exit 0
+    flag_case("--min-lr nan", ("--min-lr", "nan"), "--min-lr must be a finite number (got nan)"),
+    flag_case("--grad-clip inf", ("--grad-clip", "inf"), "--grad-clip must be a finite number (got inf)"),
     flag_case("--min-lr above --lr", ("--lr", "1e-4", "--min-lr", "1e-3"), "--min-lr 0.001 is above --lr", "lower"),
     flag_case("-b 0", ("-b", "0"), "--batch-size must be at least 1 (got 0)"),
     flag_case("--grad-accum-steps 0", ("--grad-accum-steps", "0"), "--grad-accum-steps must be at least 1"),
