@@ -74,6 +74,8 @@ def run_settings(cfg: TrainConfig) -> dict:
         return str(path.resolve()) + colon + function
 
     settings = dataclasses.asdict(cfg)
+    if cfg.global_batch_size > 0:  # the accumulation validate_config derived for this launch's process count: the
+        settings["grad_accum_steps"] = 1  # file, reused with --config on another count, contradicted the batch
     for key in ("model_name", "chat_template", "sample_prompts", "adapter", "save_dir"):
         settings[key] = absolute(settings[key]) if settings[key] else settings[key]
     for key in ("dataset_name", "reward"):

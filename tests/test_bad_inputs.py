@@ -1117,3 +1117,20 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
     # an unreadable train_state.json: the run's own reads say what is wrong with it
     (step / "train_state.json").write_text("[1, 2]")
     assert resume_refusal(TrainConfig(**(same | {"seed": 9})), 4) == []
+
+
+def test_a_runs_config_yaml_reused_on_another_process_count_keeps_its_global_batch(tmp_path: Path) -> None:
+    """config.yaml held the accumulation validate_config derived from --global-batch-size for the run's process
+    count (1 x -b 2 -> 4): reused with --config on 2 processes it was refused ('--grad-accum-steps 4 contradicts
+    --global-batch-size 8'), flags the user never passed."""
+    import yaml
+
+    from fsdp_lib.checks import _batch_problems
+    from fsdp_lib.config import TrainConfig, load_config
+    from fsdp_lib.experiment_dir import run_settings
+
+    cfg = TrainConfig(batch_size=2, global_batch_size=8)
+    assert _batch_problems(cfg, 1) == [] and cfg.grad_accum_steps == 4
+    (tmp_path / "reuse.yaml").write_text(yaml.safe_dump(run_settings(cfg), sort_keys=False))
+    again = load_config(["--config", str(tmp_path / "reuse.yaml")])
+    assert _batch_problems(again, 2) == [] and again.grad_accum_steps == 2
