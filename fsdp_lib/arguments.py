@@ -1,6 +1,7 @@
 """The helper CLIs' argument parser (organize_data.py, data_hf.py, model_download.py): a flag given twice with two
 values is refused instead of keeping the last one in silence (`--data-folder a --data-folder b` read b alone), and
-a list flag given twice is joined (`--extensions txt --extensions json` reads both); no torch."""
+a list flag given twice is joined (`--extensions txt --extensions json` reads both); fsdp_train.py's --config is
+StoreOnce too (its other flags keep argparse's last-wins: `$COMMAND --lr 1e-5` overrides); no torch."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ class OneValueParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.register("action", None, _StoreOnce)
-        self.register("action", "store", _StoreOnce)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
         self.given: dict[str, tuple[str, Any]] = {}  # dest -> (the flag as written, its value), per parse
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
@@ -27,11 +28,14 @@ def _shown(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-class _StoreOnce(argparse.Action):
-    """store, refusing a second value for the same flag (the same value twice is harmless)."""
+class StoreOnce(argparse.Action):
+    """store, refusing a second value for the same flag (the same value twice is harmless); per parse in a
+    OneValueParser, else per parser."""
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        given = getattr(parser, "given", {})
+        if not hasattr(parser, "given"):
+            parser.given = {}
+        given = parser.given
         if self.dest in given and given[self.dest][1] != values:
             first, value = given[self.dest]
             parser.error(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import yaml
 
+from fsdp_lib.arguments import StoreOnce
 from fsdp_lib.errors import ConfigError, not_utf8
 
 ON_OFF = ("on", "off")
@@ -374,7 +375,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # --max-step must not silently mean --max-steps
     )
     required = parser.add_argument_group("required (on the command line or in --config)")
-    parser.add_argument("--config", help="YAML file whose keys are flag names; the command line overrides it")
+    parser.add_argument("--config", action=StoreOnce, help="YAML file of flag names; the command line overrides it")
     for f in dataclasses.fields(TrainConfig):
         names = list(dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"]))
         if f.metadata.get("short"):
@@ -470,7 +471,8 @@ def load_config(argv: list[str] | None) -> TrainConfig:
         except UnicodeDecodeError as exc:
             raise ConfigError([f"--config {config_file}: {not_utf8(exc)}; save it as UTF-8 YAML"]) from exc
         except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError([f"--config {config_file}: cannot read it as YAML ({exc})"]) from exc
+            what = "no such file" if isinstance(exc, FileNotFoundError) else f"cannot read it as YAML ({exc})"
+            raise ConfigError([f"--config {config_file}: {what}"]) from exc
         if not isinstance(loaded, dict):
             raise ConfigError([f"--config {config_file}: expected a mapping of flag names to values"])
         known = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -607,7 +607,10 @@ TRAINER_INPUT_CASES = [
 ]
 
 CONFIG_CASES = [
-    flag_case("--config that does not exist", ("--config", "@nope.yaml"), "--config", "cannot read it as YAML"),
+    flag_case("--config that does not exist", ("--config", "@nope.yaml"), "--config", "nope.yaml: no such file"),
+    flag_case(  # the second file replaced the first in silence
+        "--config twice", ("--config", "@trainer/broken.yaml", "--config", "@nope.yaml"), "--config is given twice ("
+    ),
     flag_case("--config a folder", ("--config", "@raw"), "--config", "cannot read it as YAML", "Is a directory"),
     flag_case(
         "--config that is not UTF-8",
