@@ -200,13 +200,31 @@ def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(c
 
     # a block too small for both: the same number of prompt tokens is cut from the left of each, responses stay
     fitted = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), full_c + full_r - 20)
-    [(c2, m2, r2, n2)] = fitted.encode(_rows([pair]), skipped, {}, 0)
+    cut = [0, 0]
+    [(c2, m2, r2, n2)] = fitted.encode(_rows([pair]), skipped, {}, 0, cut)
     assert len(c2) + len(r2) <= full_c + full_r - 20 and len(c_ids) - len(c2) == len(r_ids) - len(r2) == 10
+    assert cut == [1, 10], "counted for the run's log: a pair cut, 10 tokens of each sequence"
     assert (
         (c2 == c_ids[10:]).all()
         and decode(c2, m2) == "2 plus 2 is 4.<|eot_id|>"
         and decode(r2, n2).endswith("5.<|eot_id|>")
     )
+
+    # a block that leaves the pair nothing of its prompt but the template's answer header: a counted skip (DPO
+    # trained such pairs, prompt-less, in silence); one token more of the prompt and it trains
+    header = encoder.header_tokens
+    assert chat_tokenizer.decode(c_ids[int(np.argmax(c_mask)) - header : int(np.argmax(c_mask))]).startswith(
+        "<|start_header_id|>assistant"
+    )
+    prompt_tokens = int(np.argmax(c_mask)) - header
+    bare = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), full_c + full_r - 2 * prompt_tokens)
+    skipped, first = {}, {}
+    assert bare.encode(_rows([pair]), skipped, first, 3) == []
+    assert first == {
+        f"the prompt would be cut away whole to fit one block of {bare.max_tokens} tokens (--seq-length)": 3
+    }
+    one_left = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), full_c + full_r - 2 * (prompt_tokens - 1))
+    assert len(one_left.encode(_rows([pair]), skipped, {}, 0)) == 1
 
     # responses alone too long, and identical responses: counted skips, the other rows kept
     tiny = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 20)
@@ -574,3 +592,17 @@ def test_bad_dpo_flags_and_data_are_refused(dpo_inputs, tmp_path, capsys):
     on_pairs = [*base, "--objective", "lm"]
     proc = run_trainer(on_pairs, nproc=1)
     assert proc.returncode != 0 and "holds preference pairs" in output_of(proc)
+
+
+def test_prompts_cut_to_fit_are_said_at_every_start(capsys):
+    """The pairs whose prompt lost tokens to fit a block were trained without a word (a 64-token block cut every
+    prompt of a run); the split's report says how many and how much, loudly above 1% (read from the cache too)."""
+    from fsdp_lib.data.cache import report_skipped
+
+    skips = {"conversations": 10, "expanded": 0, "skipped": {}, "first_row": {}, "unit": "pairs"}
+    report_skipped({**skips, "cut": {"units": 3, "tokens": 30, "block": 64}}, "train", 0.5, "pairs")
+    said = capsys.readouterr().out
+    assert "WARNING: 3 pairs (30.0%) of train lost prompt tokens from the left to fit one block of 64 tokens " in said
+    assert "(--seq-length), 10 per sequence on average" in said
+    report_skipped(skips, "train", 0.5, "pairs")  # a cache written before the count: nothing to say
+    assert "prompt tokens" not in capsys.readouterr().out

@@ -277,6 +277,13 @@ def report_skipped(skips: dict, split_name: str, max_fraction: float, unit: str 
         )
     for reason, count in sorted(skips["skipped"].items()):
         log(f"skipped {count} {unit[:-1]}(s) of {split_name}: {reason} (first: row {skips['first_row'][reason]})")
+    if (cut := skips.get("cut", {})).get("units"):  # pairs and KTO examples: prompts cut from the left to fit
+        share = cut["units"] / max(1, total)
+        log(
+            f"{'WARNING: ' if share > 0.01 else ''}{cut['units']} {unit} ({share:.1%}) of {split_name} lost prompt tokens "
+            f"from the left to fit one block of {cut['block']} tokens (--seq-length), {cut['tokens'] / cut['units']:.0f}"
+            " per sequence on average; a longer --seq-length keeps more of their prompts"
+        )
     fraction = skipped / max(1, total)
     if fraction <= 0.01:
         return

@@ -8,6 +8,7 @@ cache with their checksum."""
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -34,14 +35,16 @@ class PairEncoder:
     (their content and end-of-turn marker, found as ChatEncoder finds them), never the prompt's.
 
     A pair whose two sequences together exceed `max_tokens` (one block) loses prompt tokens from the left, the same
-    number from both sequences, down to the token before the first response token; a pair that still does not fit
-    is a counted skip, as is a pair whose chosen and rejected tokens are identical."""
+    number from both sequences, counted (`cut`: the run's log says how many and how much); a pair that fits only
+    with none of its prompt left (the template's answer header, `header_tokens`, does not count as prompt) or not
+    at all is a counted skip, as is a pair whose chosen and rejected tokens are identical."""
 
     chat: ChatEncoder
     max_tokens: int
 
-    VERSION = 1  # of the sequences this class writes: part of the token cache key
+    VERSION = 2  # of the sequences this class writes: part of the token cache key (2: no pair without its prompt)
     unit = "pairs"
+    TOO_LONG, PROMPT_GONE = "too long", "prompt gone"  # why fit() cannot fit one
 
     @property
     def version(self) -> str:
@@ -60,10 +63,36 @@ class PairEncoder:
             raise ChatFormatError("the chat template renders a multi-turn response's earlier turns differently")
         return full, [self.chat.turn_span(messages, i, renders) for i in turns]
 
+    @functools.cached_property
+    def header_tokens(self) -> int:
+        """The tokens the chat template puts between a prompt and its answer (the generation prompt, e.g.
+        `<|im_start|>assistant\n`), tokenised alone: a cut that reaches them has left no prompt. 0 when the
+        template adds none or renders a probe conversation differently."""
+        probe = [[{"role": "user", "content": "x"}]]
+        try:
+            bare, asking = self.chat.render(probe, False)[0], self.chat.render(probe, True)[0]
+        except ChatFormatError:
+            return 0
+        if not asking.startswith(bare) or asking == bare:
+            return 0
+        return len(self.chat.tokenizer(asking[len(bare) :], add_special_tokens=False)["input_ids"])
+
+    def unfit(self, why: str) -> str:
+        """The skip reason of a pair fit() could not fit."""
+        if why == self.PROMPT_GONE:
+            return f"the prompt would be cut away whole to fit one block of {self.max_tokens} tokens (--seq-length)"
+        return f"the responses alone do not fit one block of {self.max_tokens} tokens (--seq-length)"
+
     def encode(
-        self, rows: dict[str, list], skipped: dict[str, int], first_skipped: dict[str, int], row_offset: int
+        self,
+        rows: dict[str, list],
+        skipped: dict[str, int],
+        first_skipped: dict[str, int],
+        row_offset: int,
+        cut: list[int] | None = None,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """(chosen ids, chosen mask, rejected ids, rejected mask) per kept pair of a row batch."""
+        """(chosen ids, chosen mask, rejected ids, rejected mask) per kept pair of a row batch; `cut` adds up the
+        pairs whose prompt lost tokens and the tokens each of their sequences lost."""
         conversations, owners = [], []
         for row, (prompt, chosen, rejected) in enumerate(zip(*(rows[c] for c in PREFERENCE_COLUMNS))):
             for response in (chosen, rejected):
@@ -104,24 +133,36 @@ class PairEncoder:
                 skip("chosen and rejected are the same tokens", row)
                 continue
             fitted = self.fit(c_ids, c_mask, r_ids, r_mask)
-            if fitted is None:
-                skip(f"the responses alone do not fit one block of {self.max_tokens} tokens (--seq-length)", row)
+            if isinstance(fitted, str):
+                skip(self.unfit(fitted), row)
                 continue
+            count_cut(cut, len(c_ids) - len(fitted[0]))
             out.append(fitted)
         return out
 
     def fit(
         self, c_ids: np.ndarray, c_mask: np.ndarray, r_ids: np.ndarray, r_mask: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """The pair with prompt tokens cut from the left until both sequences fit one block; None if they cannot."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | str:
+        """The pair with prompt tokens cut from the left until both sequences fit one block, or why it cannot:
+        TOO_LONG (even the token that predicts the first response token would go), PROMPT_GONE (only the
+        template's answer header would be left before the response: DPO would train a pair without its prompt)."""
         if not c_mask.any() or not r_mask.any():
-            return None
+            return self.TOO_LONG
         over = len(c_ids) + len(r_ids) - self.max_tokens
         cut = max(0, -(-over // 2))
         first = min(int(np.argmax(c_mask)), int(np.argmax(r_mask)))  # the first response token of either
         if cut > first - 1:  # the token before the first trained token must stay: it predicts it
-            return None
+            return self.TOO_LONG
+        if cut and cut > first - self.header_tokens - 1:
+            return self.PROMPT_GONE
         return c_ids[cut:], c_mask[cut:], r_ids[cut:], r_mask[cut:]
+
+
+def count_cut(cut: list[int] | None, tokens: int) -> None:
+    """cut = [units whose prompt lost tokens, tokens they lost], for the run's log (report_skipped)."""
+    if cut is not None and tokens:
+        cut[0] += 1
+        cut[1] += tokens
 
 
 def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], dtype: np.dtype) -> int:
@@ -131,12 +172,13 @@ def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], d
     PairEncoder, or unpaired.ExampleEncoder, whose "pairs" are an example and its KL sequence."""
     names = ("docs", "mask", "tokens")
     total, pairs, rows = 0, 0, 0
+    cut = [0, 0]
     skipped: dict[str, int] = {}
     first_skipped: dict[str, int] = {}
     with staged_writes({k: paths[k] for k in names}) as (handles, tmp):
         for batch in dataset.iter(batch_size=500):
             raise_if_stopped()
-            encoded = encoder.encode(batch, skipped, first_skipped, rows)
+            encoded = encoder.encode(batch, skipped, first_skipped, rows, cut)
             rows += len(batch["prompt"])
             sequences = [
                 (ids, mask)
@@ -156,6 +198,7 @@ def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], d
         "skipped": skipped,
         "first_row": first_skipped,
         "unit": encoder.unit,
+        "cut": {"units": cut[0], "tokens": cut[1], "block": getattr(encoder, "pairs", encoder).max_tokens},
     }
     tmp["skips"] = staged(paths["skips"])
     tmp["skips"].write_text(json.dumps(skips, indent=1))

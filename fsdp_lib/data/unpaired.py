@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_lib.data.chat import ChatFormatError
-from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder
+from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, count_cut
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
 LABEL_TEXT = {"true": True, "false": False, "1": True, "0": False}
@@ -73,7 +73,12 @@ class ExampleEncoder:
         return f"kto-v{self.VERSION}|{self.pairs.version}"
 
     def encode(
-        self, rows: dict[str, list], skipped: dict[str, int], first_skipped: dict[str, int], row_offset: int
+        self,
+        rows: dict[str, list],
+        skipped: dict[str, int],
+        first_skipped: dict[str, int],
+        row_offset: int,
+        cut: list[int] | None = None,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """(example ids, mask, KL sequence ids, mask) per kept example of a row batch, in data order."""
 
@@ -115,10 +120,14 @@ class ExampleEncoder:
         for k, (row, ids, mask) in enumerate(sequences):
             kl_ids, kl_mask = kl_sequence(sequences, k)
             fitted = self.pairs.fit(ids, mask, kl_ids, kl_mask)
-            if fitted is None:
+            if fitted == self.pairs.TOO_LONG:
                 skip(f"the example and its KL sequence do not fit one block of {self.pairs.max_tokens} tokens "
                      "(--seq-length)", row)  # fmt: skip
                 continue
+            if isinstance(fitted, str):
+                skip(self.pairs.unfit(fitted), row)
+                continue
+            count_cut(cut, len(ids) - len(fitted[0]))
             out.append(fitted)
         return out
 
