@@ -103,6 +103,31 @@ def test_conversations_a_template_refuses_are_skipped_and_counted(chat_models):
     assert list(skipped.values()) == [2] and "System role not supported" in next(iter(skipped))
 
 
+def test_conversations_with_no_reply_to_learn_are_counted_skips(chat_models):
+    """With --loss-on assistant a conversation without an assistant turn trained as context carrying no loss (a
+    dataset of them was blamed on the chat template), and one whose replies are all empty taught empty answers;
+    both are counted skips now. A reply that only calls a tool is a reply; --loss-on all trains them all."""
+    tokenizer = _tokenizer(chat_models["qwen2.5"])
+    user = {"role": "user", "content": "What is 2 plus 2?"}
+    call = {"name": "add", "arguments": {"a": 2, "b": 2}}
+    conversations = [
+        [user],
+        [{"role": "system", "content": "Be brief."}],
+        [user, {"role": "assistant", "content": " "}],
+        [user, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}],
+        [user, {"role": "assistant", "content": "4."}],
+    ]
+    skipped: dict[str, int] = {}
+    first: dict[str, int] = {}
+    assert len(ChatEncoder(tokenizer, "assistant").encode(conversations, skipped, first)) == 2
+    assert first == {
+        "no assistant turn: nothing to train with --loss-on assistant": 0,
+        "every assistant turn is empty: it would teach empty answers": 2,
+    }
+    assert skipped["no assistant turn: nothing to train with --loss-on assistant"] == 2
+    assert len(ChatEncoder(tokenizer, "all").encode(conversations, {})) == 5
+
+
 def test_a_template_that_rewrites_earlier_turns_is_a_counted_skip(chat_models):
     tokenizer = _tokenizer(chat_models["qwen2.5"])
     # renders the last user turn differently once an assistant answer follows it: prefixes do not match

@@ -58,7 +58,7 @@ class ChatEncoder:
     expanded: int = 0  # conversations trained as one sample per assistant turn (see above), for the log
     _empty_prompt: str | None = ""  # render([], add_generation_prompt=True); "" = not tried yet, None = refused
 
-    VERSION = 2  # of the masks this class writes: part of the token cache key
+    VERSION = 3  # of the masks this class writes: part of the token cache key (3: no conversation without a reply)
 
     def render(self, conversations: list[list[dict]], generation_prompt: bool, tools: list | None = None) -> list[str]:
         try:
@@ -139,6 +139,10 @@ class ChatEncoder:
         if self.loss_on == "all":
             return [(full, [])]
         turns = [i for i, turn in enumerate(messages) if turn.get("role") == "assistant"]
+        if not turns:  # it trained as context carrying no loss, and a dataset of them was blamed on the template
+            raise ChatFormatError("no assistant turn: nothing to train with --loss-on assistant")
+        if not any(str(messages[i].get("content") or "").strip() or messages[i].get("tool_calls") for i in turns):
+            raise ChatFormatError("every assistant turn is empty: it would teach empty answers")
         spans = [self.turn_span(messages, i, renders) for i in turns]
         if all(full.startswith(renders[(i + 1, False)]) for i in turns):
             return [(full, spans)]
