@@ -504,7 +504,9 @@ def _mixture_problems(cfg: TrainConfig) -> list[str]:
     if len(cfg.dataset_name) < 2:
         return []
     problems = []
-    if len(set(cfg.dataset_name)) < len(cfg.dataset_name):
+    # the same folder however it is spelt (./data, data/, an absolute path); hub ids as given
+    folders = [str(Path(name).resolve()) if Path(name).exists() else name for name in cfg.dataset_name]
+    if len(set(folders)) < len(folders):
         problems.append(f"-d/--dataset-name names a dataset twice ({', '.join(cfg.dataset_name)}); raise its weight")
     if cfg.data_weights:
         weights = parse_data_weights(cfg.data_weights)

@@ -391,6 +391,11 @@ TRAINER_FLAG_CASES = [
         ("--reward", "accuracy", "--reward", "format", "--reward-weights", "1", "--max-new-tokens", "8"),
         "--reward-weights 1: 1 weight(s) for 2 --reward function(s)",
     ),
+    flag_case(  # every advantage 0: steps that trained nothing, with exit 0
+        "--reward-weights all 0",
+        ("--reward", "accuracy", "--reward-weights", "0", "--max-new-tokens", "8"),
+        "--reward-weights 0: every weight is 0, so no completion is ever rewarded",
+    ),
     flag_case(
         "--chat-template that does not exist",
         ("--chat-template", "@nope.jinja"),
@@ -458,6 +463,7 @@ TRAINER_FLAG_CASES = [
         "--data-weights with a zero", ("-d", "@outputs/corpus", "--data-weights", "1,0"), "every weight must be a"
     ),
     flag_case("the same dataset twice", ("-d", "@dataset"), "names a dataset twice", "raise its weight"),
+    flag_case("the same dataset spelt two ways", ("-d", "@outputs/../dataset"), "names a dataset twice"),
     flag_case(
         "--objective dpo on a mixture",
         ("-d", "@outputs/corpus", "--objective", "dpo"),

@@ -238,10 +238,10 @@ def too_few_blocks_fix(cfg: TrainConfig, objective: str, skipped: bool = True) -
     wider = f", or a wider --data-slice than {cfg.data_slice}" if cfg.data_slice else ""
     if objective == "grpo" and not skipped:  # every prompt is in: only a smaller batch or more prompts help
         return f"lower {smaller}{wider}"
-    if objective == "grpo":  # a prompt is skipped when it leaves no room for --max-new-tokens
+    if objective == "grpo":  # skipped: an empty prompt, one the template refuses, one that leaves no room to answer
         return (
-            "raise --seq-length or lower --max-new-tokens (a prompt longer than the difference is skipped), or lower "
-            f"{smaller}{wider}"
+            "the skipped prompts are listed above with their reasons (one longer than --seq-length minus "
+            f"--max-new-tokens is skipped: raise --seq-length or lower --max-new-tokens), or lower {smaller}{wider}"
         )
     if objective in PREFERENCE_OBJECTIVES:  # a pair (KTO: an example) is packed whole
         return f"lower {smaller} (each pair or example is packed whole: a shorter --seq-length adds none){wider}"

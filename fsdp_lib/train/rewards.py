@@ -134,6 +134,10 @@ def parse_weights(text: str, count: int) -> list[float] | str:
         return f"--reward-weights {text}: {len(weights)} weight(s) for {count} --reward function(s); give one each"
     if not all(math.isfinite(w) for w in weights):
         return f"--reward-weights {text}: the weights must be finite numbers"
+    if not any(weights):  # every reward 0, every advantage 0: steps that train nothing, with exit 0
+        return (
+            f"--reward-weights {text}: every weight is 0, so no completion is ever rewarded; give one a nonzero weight"
+        )
     return weights
 
 
