@@ -12,16 +12,8 @@ from pathlib import Path
 import torch
 
 from fsdp_lib.config import (
-    GRPO_FLAGS,
-    KTO_FLAGS,
     LORA_FLAGS,
-    PREFERENCE_OBJECTIVES,
-    REFERENCE_FREE_LOSSES,
     TrainConfig,
-    changed_dpo_flags,
-    changed_flags,
-    flags_apply,
-    grpo_conflicts,
     parse_data_slice,
     parse_data_weights,
     parse_profile_steps,
@@ -30,6 +22,7 @@ from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, not_utf8, unreadable
 from fsdp_lib.experiment_dir import experiment_dir_problems, resume_refusal
 from fsdp_lib.markers import TOKEN_CACHE, folder_kind, step_dirs
+from fsdp_lib.objective_flags import PREFERENCE_OBJECTIVES, changed_flags, grpo_problems, need, preference_problems
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
@@ -54,8 +47,8 @@ def _flag_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         return problems  # (--chat-template is checked where the checkpoint says the run used one: export_tokenizer)
     if cfg.chat_template:
         problems += chat_template_problems(Path(cfg.chat_template))
-    problems += _dpo_problems(cfg)
-    problems += _grpo_problems(cfg)
+    problems += preference_problems(cfg)
+    problems += grpo_problems(cfg)
     problems += context_problems(cfg, world_size)
     problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
     problems += resume_refusal(cfg, world_size)  # what the checkpoint's flags alone show, before data or model
@@ -82,11 +75,6 @@ def _input_file_problems(flag: str, path: Path, what: str) -> list[str]:
     if not path.is_file():
         return [f"{flag} {path}: no such file ({what})"]
     return _text_file_problems(flag, path)
-
-
-def need(flags: list[str]) -> str:
-    """'--a needs' or '--a, --b need': the start of a message about flags that only apply with another one."""
-    return f"{', '.join(flags)} {'needs' if len(flags) == 1 else 'need'}"
 
 
 def chat_template_problems(path: Path) -> list[str]:
@@ -352,130 +340,6 @@ def _peft_problems(cfg: TrainConfig) -> list[str]:
                 f"--peft {cfg.peft} needs the {package} package, which is not installed; pip install -r "
                 f"requirements.txt" + (", or use --peft lora" if package == "torchao" else "")
             )
-    return problems
-
-
-def _dpo_problems(cfg: TrainConfig) -> list[str]:
-    """The preference flags: only with --objective dpo (or auto, where the dataset decides), and in range."""
-    if cfg.objective == "lm":
-        changed = changed_dpo_flags(cfg) + changed_flags(cfg, KTO_FLAGS)
-        return [f"{need(changed)} --objective dpo or kto (got --objective lm)"] if changed else []
-    problems = _kto_problems(cfg)
-    if not cfg.dpo_beta > 0 or not math.isfinite(cfg.dpo_beta):
-        problems.append(f"--dpo-beta must be a positive number (got {cfg.dpo_beta}); 0.1 is usual")
-    if not 0.0 <= cfg.dpo_label_smoothing < 0.5:
-        problems.append(f"--dpo-label-smoothing must be in [0, 0.5) (got {cfg.dpo_label_smoothing})")
-    elif cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
-        problems.append(
-            f"--dpo-label-smoothing {cfg.dpo_label_smoothing} applies to --dpo-loss sigmoid (conservative DPO); "
-            f"the {cfg.dpo_loss} loss has no such term"
-        )
-    if not cfg.sft_weight >= 0 or not math.isfinite(cfg.sft_weight):
-        problems.append(f"--sft-weight must not be negative (got {cfg.sft_weight})")
-    problems += _reference_free_problems(cfg)
-    if cfg.reference == "live" and cfg.peft != "none" and cfg.adapter:
-        problems.append(
-            f"--reference live with --peft {cfg.peft} means adapters off, which is the base without --adapter "
-            f"{cfg.adapter}, not the starting model; use --reference precomputed (or auto)"
-        )
-    if cfg.objective in PREFERENCE_OBJECTIVES and cfg.document_masking == "off":
-        problems.append(
-            f"--objective {cfg.objective} packs a pair's sequences (KTO: an example and its KL sequence) as separate "
-            "documents: it needs --document-masking on"
-        )
-    return problems
-
-
-def _kto_problems(cfg: TrainConfig) -> list[str]:
-    """KTO's weights, and the DPO-only flags it has no use for (it reuses --dpo-beta and --reference)."""
-    if cfg.objective not in ("kto", "auto"):
-        changed = changed_flags(cfg, KTO_FLAGS)
-        return [f"{need(changed)} --objective kto (got --objective {cfg.objective})"] if changed else []
-    problems = []
-    for flag, weight in (("--kto-desirable-weight", cfg.kto_desirable_weight),
-                         ("--kto-undesirable-weight", cfg.kto_undesirable_weight)):  # fmt: skip
-        if not math.isfinite(weight) or weight < 0:
-            problems.append(f"{flag} must be a number >= 0 (got {weight}); 1 is usual")
-    if cfg.kto_desirable_weight == 0 and cfg.kto_undesirable_weight == 0:
-        problems.append("--kto-desirable-weight and --kto-undesirable-weight are both 0: nothing would be trained")
-    dpo_only = [flag for flag in changed_dpo_flags(cfg) if flag not in ("--dpo-beta", "--reference")]
-    if cfg.objective == "kto" and dpo_only:
-        problems.append(
-            f"{flags_apply(dpo_only)} to --objective dpo; --objective kto takes --dpo-beta, --reference and "
-            "--kto-desirable-weight / --kto-undesirable-weight"
-        )
-    return problems
-
-
-def _grpo_problems(cfg: TrainConfig) -> list[str]:
-    """The GRPO flags: only with --objective grpo, and in range. With auto the dataset decides first:
-    plan.resolve_objective runs these checks once auto has become grpo (and refuses the flags otherwise). The
-    reward files are imported later, in fsdp_train.main (rewards.reward_problems)."""
-    if cfg.objective in ("lm", *PREFERENCE_OBJECTIVES):
-        changed = changed_flags(cfg, GRPO_FLAGS)
-        return [f"{need(changed)} --objective grpo (got --objective {cfg.objective})"] if changed else []
-    if cfg.objective == "auto":
-        return []
-    problems = []
-    if not cfg.reward:
-        problems.append(
-            "--objective grpo needs at least one --reward: FILE.py:FUNCTION, or a built-in (accuracy, format)"
-        )
-    return problems + grpo_conflicts(cfg, "this run is --objective grpo") + grpo_range_problems(cfg)
-
-
-def grpo_range_problems(cfg: TrainConfig) -> list[str]:
-    """The GRPO flags' values, each problem naming its flag."""
-    problems = []
-    if changed_flags(cfg, ("reward_pattern",)) and "format" not in cfg.reward:  # it would be silently unused
-        problems.append("--reward-pattern is what --reward format checks; add --reward format or drop --reward-pattern")
-    if cfg.num_generations < 2:
-        problems.append(
-            f"--num-generations must be at least 2 (got {cfg.num_generations}): advantages compare the completions "
-            "of one prompt; 8-16 is usual"
-        )
-    if cfg.num_iterations < 1:
-        problems.append(f"--num-iterations must be at least 1 (got {cfg.num_iterations}); 1 samples every step")
-    if cfg.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
-    elif cfg.max_new_tokens >= cfg.seq_length:
-        problems.append(
-            f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in --seq-length {cfg.seq_length} "
-            "(prompt + completion); raise --seq-length or lower --max-new-tokens"
-        )
-    if not cfg.temperature > 0 or not math.isfinite(cfg.temperature):
-        problems.append(f"--temperature must be a positive number (got {cfg.temperature}); GRPO samples, 1.0 is usual")
-    if not 0.0 < cfg.top_p <= 1.0:
-        problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
-    if not 0.0 < cfg.epsilon < 1.0:
-        problems.append(f"--epsilon must be in (0, 1) (got {cfg.epsilon}); 0.2 is usual")
-    if cfg.epsilon_high and not cfg.epsilon_high >= cfg.epsilon:
-        problems.append(
-            f"--epsilon-high {cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher raises the upper bound "
-            "(DAPO: 0.28), 0 keeps it at --epsilon"
-        )
-    if not cfg.grpo_beta >= 0 or not math.isfinite(cfg.grpo_beta):
-        problems.append(f"--grpo-beta must not be negative (got {cfg.grpo_beta}); 0 = no KL term")
-    return problems
-
-
-def _reference_free_problems(cfg: TrainConfig) -> list[str]:
-    """SimPO and ORPO use no reference model; ORPO has its own NLL term; --simpo-gamma is SimPO's."""
-    problems = []
-    if not math.isfinite(cfg.simpo_gamma) or cfg.simpo_gamma < 0:
-        problems.append(f"--simpo-gamma must not be negative (got {cfg.simpo_gamma}); 0.5 is usual")
-    elif cfg.simpo_gamma != 0.5 and cfg.dpo_loss != "simpo":
-        problems.append(f"--simpo-gamma applies to --dpo-loss simpo (got --dpo-loss {cfg.dpo_loss})")
-    if cfg.dpo_loss in REFERENCE_FREE_LOSSES and cfg.reference != "auto":
-        problems.append(
-            f"--reference {cfg.reference}: --dpo-loss {cfg.dpo_loss} is reference-free (no reference model is "
-            "computed or built); leave --reference out"
-        )
-    if cfg.dpo_loss == "orpo" and cfg.sft_weight:
-        problems.append(
-            "--sft-weight: --dpo-loss orpo already adds the chosen response's NLL (weight 1) and weighs its "
-            "odds-ratio term with --dpo-beta; leave --sft-weight out"
-        )
     return problems
 
 

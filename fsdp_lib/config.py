@@ -523,47 +523,6 @@ def saved_run_settings(folder: Path, errors: list[str], peft: str | None = None)
 LORA_FLAGS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged",
 )  # fmt: skip
-DPO_FLAGS = ("dpo_beta", "dpo_loss", "simpo_gamma", "dpo_label_smoothing", "sft_weight", "reference")
-KTO_FLAGS = ("kto_desirable_weight", "kto_undesirable_weight")
-PREFERENCE_OBJECTIVES = ("dpo", "kto")  # trained on PairBlocks: DPO's pairs, KTO's examples with their KL sequences
-REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # --dpo-loss values that use no reference model
-GRPO_FLAGS = (
-    "num_generations", "max_new_tokens", "temperature", "top_p", "reward", "reward_weights", "reward_pattern",
-    "grpo_loss", "epsilon", "epsilon_high", "grpo_beta", "rollout_unshard", "num_iterations",
-)  # fmt: skip
-
-
-def changed_flags(cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
-    """Those of the fields `names` set to something other than their default, as --flag names."""
-    defaults = {
-        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        for f in dataclasses.fields(TrainConfig)
-    }
-    return [f"--{n.replace('_', '-')}" for n in names if getattr(cfg, n) != defaults[n]]
-
-
-def changed_dpo_flags(cfg: TrainConfig) -> list[str]:
-    """The preference flags (DPO_FLAGS) set to something other than their default, as --flag names."""
-    return changed_flags(cfg, DPO_FLAGS)
-
-
-def flags_apply(flags: list[str], negated: bool = False) -> str:
-    """'--a applies' or '--a, --b apply' ('does not apply', 'do not apply'): a message's start."""
-    verb = ("does not apply" if negated else "applies") if len(flags) == 1 else ("do not apply" if negated else "apply")
-    return f"{', '.join(flags)} {verb}"
-
-
-def grpo_conflicts(cfg: TrainConfig, why: str) -> list[str]:
-    """What a GRPO run cannot take, one problem each, whether --objective grpo was given or auto chose it from the
-    data (checks.py and plan.resolve_objective); `why` says which ("this run is --objective grpo", ...)."""
-    problems = []
-    if changed_dpo_flags(cfg):
-        problems.append(f"{flags_apply(changed_dpo_flags(cfg))} to --objective dpo; {why}: drop them")
-    if cfg.fp8 != "off":
-        problems.append(
-            f"--fp8 {cfg.fp8}: {why}, and generation through float8 layers is not built or tested; leave --fp8 off"
-        )
-    return problems
 
 
 def parse_data_slice(text: str) -> tuple[int, int | None] | None:

@@ -12,19 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_lib.checks import grpo_range_problems
-from fsdp_lib.config import (
-    GRPO_FLAGS,
-    KTO_FLAGS,
-    PREFERENCE_OBJECTIVES,
-    TrainConfig,
-    changed_dpo_flags,
-    changed_flags,
-    flags_apply,
-    grpo_conflicts,
-    parse_data_slice,
-    parse_data_weights,
-)
+from fsdp_lib.config import TrainConfig, parse_data_slice, parse_data_weights
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, use_template_file, uses_tools
@@ -33,6 +21,16 @@ from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.data.prompts import PromptSet, load_prompts
 from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError
+from fsdp_lib.objective_flags import (
+    GRPO_FLAGS,
+    KTO_FLAGS,
+    PREFERENCE_OBJECTIVES,
+    changed_dpo_flags,
+    changed_flags,
+    flags_apply,
+    grpo_conflicts,
+    grpo_range_problems,
+)
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.runtime import Dist, log

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lib.config import REFERENCE_FREE_LOSSES, TrainConfig
+from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.plan import TrainData, evaluation_shares
 from fsdp_lib.data.preference import PairBlocks, read_reference, reference_path, write_reference
@@ -26,6 +26,7 @@ from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle, build_model, flops_per_token
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
+from fsdp_lib.objective_flags import REFERENCE_FREE_LOSSES
 from fsdp_lib.runtime import Dist, StopRequest, evaluation_cut_short, log, reshard_all
 
 
