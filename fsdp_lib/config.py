@@ -73,6 +73,13 @@ class TrainConfig:
     document_masking: str = _opt(
         "on", "packed documents never attend to each other (position ids restart per document)", choices=ON_OFF
     )
+    packing: str = _opt(
+        "auto",
+        "how documents fill the blocks: whole = each whole in one block (best fit, the rest padding; one longer than "
+        "a block is cut into pieces), so a conversation never straddles two; stream = one token stream cut into "
+        "blocks (no padding); auto = whole for conversations, stream for text. Pairs and prompts are always whole",
+        choices=("auto", "whole", "stream"),
+    )
     context_parallel: int = _opt(
         1,
         "split each sequence over N processes (Ulysses: an all-to-all hands each process all tokens of 1/N of the "

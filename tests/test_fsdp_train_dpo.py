@@ -606,3 +606,20 @@ def test_prompts_cut_to_fit_are_said_at_every_start(capsys):
     assert "(--seq-length), 10 per sequence on average" in said
     report_skipped(skips, "train", 0.5, "pairs")  # a cache written before the count: nothing to say
     assert "prompt tokens" not in capsys.readouterr().out
+
+
+def test_packing_stream_is_refused_for_pairs(dpo_inputs):
+    """Pairs (and KTO's examples, GRPO's prompts) are always packed whole: --packing stream would change nothing,
+    so it is refused by name before anything is tokenised."""
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data.plan import load_source
+    from fsdp_lib.errors import TrainError
+
+    model, data, root = dpo_inputs
+    cfg = TrainConfig(experiment_name="x", dataset_name=[str(data)], model_name=str(model), packing="stream")
+    with pytest.raises(
+        TrainError, match="--packing stream: .* trains --objective dpo, whose pairs .* are always whole"
+    ):
+        load_source(cfg, str(data), AutoTokenizer.from_pretrained(model), "t", None)

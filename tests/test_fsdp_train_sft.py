@@ -391,6 +391,7 @@ def sft_reference(sft_reference_run) -> dict[int, float]:
 def test_sft_run_trains_on_assistant_tokens_and_reports_them(sft_reference_run):
     experiment, out = sft_reference_run
     assert "SFT on conversations" in out and "loss on assistant tokens" in out
+    assert "--packing whole (auto): " in out and " conversations packed whole into " in out  # none straddles
     rows = read_metrics(experiment)
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert all(0 < r["trained_tokens"] < 2 * 2 * 32 for r in rows)  # a window of one step: 128 targets
@@ -419,3 +420,18 @@ def test_sft_kill9_rerun_is_bit_identical_and_one_process_continues_it(
     assert sorted(got) == list(range(1, SFT_STEPS + 1))
     for step in range(9, SFT_STEPS + 1):
         assert got[step] == pytest.approx(sft_reference[step], abs=1e-5)
+
+
+def test_packing_stream_says_what_straddles_and_a_stream_run_is_not_resumed_whole(chat_dataset, chat_models, tmp_path):
+    """--packing stream cuts one token stream into blocks: the log counts the conversations a block boundary cuts.
+    A run begun so is not resumed with another packing (its blocks are others): the refusal names --packing and
+    the value that resumes it (the checkpoints of runs from before whole packing became the default)."""
+    args = [*sft_flags(chat_dataset, chat_models["llama3"], tmp_path), "--max-steps", "2"]
+    stream = run_trainer([*args, "--packing", "stream"])
+    said = output_of(stream)
+    assert stream.returncode == 0, said
+    assert "--packing stream: " in said and "start in one block and end in the next" in said
+    refused = run_trainer([*args, "--max-steps", "3"])
+    said = output_of(refused)
+    assert refused.returncode != 0 and "--packing: checkpoint stream vs now whole" in said, said
+    assert "--packing stream resumes this run as it began" in said

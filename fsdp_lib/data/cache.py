@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.batch import Batch, stack_blocks
 from fsdp_lib.data.chat import ChatEncoder
+from fsdp_lib.data.packing import WholeBlocks
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, tokenize_pairs_to_file
 from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError, name_sample
@@ -177,9 +178,9 @@ def load_token_stream(
     d: Dist,
     chat: ChatEncoder | None,
     pairs: PairEncoder | ExampleEncoder | None = None,
-) -> PackedBlocks | PairBlocks:
+) -> PackedBlocks | WholeBlocks | PairBlocks:
     """Tokenise once per node into a cache keyed by dataset fingerprint, tokenizer and chat settings, then
-    memory-map it as packed blocks of --seq-length.
+    memory-map it as packed blocks of --seq-length (--packing: whole documents, or the stream cut into blocks).
 
     The cache holds the flat token stream, so any --seq-length reuses it. Local rank 0 builds it;
     the others poll for the file instead of waiting in a collective, which would time out on a large corpus.
@@ -238,10 +239,19 @@ def load_token_stream(
         )
         return blocks
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None
-    doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
     if chat is not None:
         report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction)
+    if packs_whole(cfg, chat is not None):
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        docs = mapped(paths["docs"], np.int64)
+        return WholeBlocks(tokens, cfg.seq_length, trained, docs, pad_id, cfg.document_masking == "on")
+    doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
+
+
+def packs_whole(cfg: TrainConfig, conversations: bool) -> bool:
+    """--packing as resolved for a text or a conversation dataset (auto: whole for conversations)."""
+    return cfg.packing == "whole" or (cfg.packing == "auto" and conversations)
 
 
 def discard_if_damaged(paths: dict[str, Path], split_name: str) -> None:

@@ -14,9 +14,10 @@ import torch
 
 from fsdp_lib.config import TrainConfig, parse_data_slice, parse_data_weights
 from fsdp_lib.data.batch import Batch
-from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
+from fsdp_lib.data.cache import PackedBlocks, load_token_stream, packs_whole, tokenizer_hash
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, use_template_file, uses_tools
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
+from fsdp_lib.data.packing import WHOLE, straddling
 from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.data.prompts import PromptSet, load_prompts
 from fsdp_lib.data.unpaired import ExampleEncoder
@@ -287,6 +288,11 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
             "--val-fraction leaves rows to train on)"
         )
     objective = objective_of(cfg, train_split.column_names, name)
+    if cfg.packing == "stream" and objective != "lm":
+        raise TrainError(
+            f"--packing stream: --dataset-name {name} trains --objective {objective}, whose "
+            f"{'prompts' if objective == 'grpo' else 'pairs (KTO: examples)'} are always whole; leave --packing out"
+        )
     if objective == "grpo":
         return prompt_source(cfg, name, train_split, val_split, tokenizer)
     preference = objective in PREFERENCE_OBJECTIVES
@@ -302,6 +308,9 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     if pairs is not None:
         data_format = f"pairs:{chat_template_hash(tokenizer)}"
     key = f"{tok_hash}|{data_format}"
+    whole = pairs is None and packs_whole(cfg, chat is not None)
+    if whole:  # after the cache key: the token cache does not depend on the packing, the blocks do
+        data_format += WHOLE
     train_blocks = load_token_stream(train_split, "train", tokenizer, key, cfg, d, chat, pairs)
     validation = None
     if val_split is not None and len(val_split):
@@ -332,6 +341,18 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
         log(
             f"SFT on conversations (a 'messages' column) of {name}: chat template {chat_template_hash(tokenizer)}, "
             f"loss on {cfg.loss_on} tokens ({share:.1%} of all tokens carry loss)"
+        )
+    if whole:
+        unit = "conversations" if chat is not None else "documents"
+        log(f"--packing whole{' (auto)' if cfg.packing == 'auto' else ''}: {train_blocks.describe(unit)} (train)")
+    elif (
+        chat is not None
+        and train_blocks.doc_ends is not None
+        and (cut := straddling(train_blocks.doc_ends, cfg.seq_length))
+    ):
+        log(
+            f"--packing stream: {cut:,} conversations of {name} ({cut / max(1, len(train_blocks.doc_ends)):.1%}) start in "
+            "one block and end in the next, their end trained without their start; --packing whole keeps each whole"
         )
     fingerprint = f"{getattr(train_split, '_fingerprint', '')}/{getattr(val_split, '_fingerprint', '')}"
     tokens = len(train_blocks.tokens) if isinstance(train_blocks, PackedBlocks) else int(np.sum(train_blocks.lengths))

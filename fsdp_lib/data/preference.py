@@ -7,7 +7,6 @@ cache with their checksum."""
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import json
@@ -21,6 +20,7 @@ import torch
 
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.chat import ChatEncoder, ChatFormatError
+from fsdp_lib.data.packing import best_fit_decreasing
 from fsdp_lib.integrity import commit_files, staged, staged_writes
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 from fsdp_lib.runtime import raise_if_stopped
@@ -207,23 +207,10 @@ def tokenize_pairs_to_file(dataset: Any, encoder: Any, paths: dict[str, Path], d
 
 
 def pack_pairs(lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Pairs (by their two sequences' total length) into blocks of `capacity` tokens, best fit decreasing: each
-    pair, longest first, goes into the fullest block it still fits. Deterministic and independent of the process
-    count; each block lists its pairs in data order."""
-    order = np.argsort(-lengths, kind="stable")
-    free: list[tuple[int, int]] = []  # (tokens left, block), sorted
-    blocks: list[list[int]] = []
-    for pair in order.tolist():
-        need = int(lengths[pair])
-        at = bisect.bisect_left(free, (need, -1))
-        if at < len(free):
-            left, block = free.pop(at)
-        else:
-            left, block = capacity, len(blocks)
-            blocks.append([])
-        blocks[block].append(pair)
-        bisect.insort(free, (left - need, block))
-    return [sorted(b) for b in blocks]
+    """Pairs (by their two sequences' total length) into blocks of `capacity` tokens, best fit decreasing
+    (packing.best_fit_decreasing): each pair, longest first, goes into the fullest block it still fits.
+    Deterministic and independent of the process count; each block lists its pairs in data order."""
+    return best_fit_decreasing(lengths, capacity)
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.data.packing import WHOLE
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
 from fsdp_lib.experiment_dir import RESUME_REFUSED_FIX, objective_name, run_settings
@@ -284,6 +285,12 @@ class Checkpointer:
         named = payload.get("config", {}).get(flag) if flag else None
         if flag and named is not None and named != getattr(self.cfg, flag):
             return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
+        if key == "data_format" and str(was).replace(WHOLE, "") == str(now).replace(WHOLE, ""):  # --packing alone
+            then, packing = ("whole" if WHOLE in str(value) else "stream" for value in (was, now))
+            return (
+                f"--packing: checkpoint {then} vs now {packing} (conversations are packed whole by default since "
+                f"2026-11-28; --packing {then} resumes this run as it began)"
+            )
         if key == "objective" and objective_name(was) != objective_name(now):  # the rest follows from it
             return f"--objective: checkpoint {objective_name(was)} vs now {objective_name(now)}"
         config = payload.get("config", {})

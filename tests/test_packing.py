@@ -1,0 +1,113 @@
+"""--packing whole (the default for conversations): every document whole in one block, best fit, padding that
+carries no loss; its trained targets are exactly the stream's, only without the ones that crossed a block
+boundary, and the packing is the one DPO's pairs always had (the same blocks, so their resumes hold)."""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import pytest
+
+from fsdp_lib.data.cache import PackedBlocks
+from fsdp_lib.data.packing import WholeBlocks, best_fit_decreasing, straddling
+
+
+def reference_best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """The best fit decreasing DPO's pairs were packed with before 2026-11-28 (preference.pack_pairs, a sorted list
+    of free spaces), kept here so a change to the shared one cannot move a pair run's blocks unnoticed."""
+    order = np.argsort(-lengths, kind="stable")
+    free: list[tuple[int, int]] = []
+    blocks: list[list[int]] = []
+    for item in order.tolist():
+        need = int(lengths[item])
+        at = bisect.bisect_left(free, (need, -1))
+        if at < len(free):
+            left, block = free.pop(at)
+        else:
+            left, block = capacity, len(blocks)
+            blocks.append([])
+        blocks[block].append(item)
+        bisect.insort(free, (left - need, block))
+    return [sorted(b) for b in blocks]
+
+
+@pytest.mark.parametrize("capacity", [7, 64, 128, 1000])
+def test_best_fit_is_the_packing_pairs_always_had(capacity):
+    rng = np.random.default_rng(capacity)
+    for n in (1, 5, 300, 2000):
+        lengths = rng.integers(1, capacity + 1, size=n)
+        lengths[: n // 4] = lengths[0]  # ties
+        blocks = best_fit_decreasing(lengths, capacity)
+        assert blocks == reference_best_fit(lengths, capacity)
+        assert sorted(i for b in blocks for i in b) == list(range(n))
+        assert all(lengths[b].sum() <= capacity for b in blocks)
+    with pytest.raises(ValueError, match="an item of 8 tokens cannot be packed into blocks of 7"):
+        best_fit_decreasing(np.array([3, 8]), 7)
+
+
+def documents(lengths: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A token stream of documents of these lengths (token = 1000 x document + position), its ends, and a trained
+    mask marking the second half of each document (an "answer")."""
+    tokens = np.concatenate([1000 * d + np.arange(n) for d, n in enumerate(lengths)]).astype(np.int64)
+    ends = np.cumsum(lengths).astype(np.int64)
+    trained = np.concatenate([(np.arange(n) >= n // 2).astype(np.uint8) for n in lengths])
+    return tokens, ends, trained
+
+
+def trained_pairs(blocks, count: int) -> list[tuple[int, int]]:
+    """Every (input, target) pair that carries loss, over all blocks."""
+    found = []
+    for i in range(count):
+        inputs, labels, _ = blocks.block(i)
+        found += [(int(a), int(b)) for a, b in zip(inputs, labels) if b != -100]
+    return sorted(found)
+
+
+def test_every_document_is_whole_in_one_block_and_trains_what_the_stream_trains():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, 40, size=60).tolist()
+    tokens, ends, trained = documents(lengths)
+    L = 48
+    whole = WholeBlocks(tokens, L, trained, ends, pad_id=-1)
+    assert whole.documents == 60 and whole.split == 0 and len(whole) < len(tokens) // L + 10
+    seen = []
+    for i in range(len(whole)):
+        inputs, labels, positions = whole.block(i)
+        starts = np.flatnonzero(positions == 0)
+        for a, b in zip(starts, [*starts[1:], L]):
+            if inputs[a] == -1:  # the padding: no loss, after every document of the block
+                assert (inputs[a:b] == -1).all() and (labels[a:b] == -100).all() and b == L
+                continue
+            doc = int(inputs[a]) // 1000
+            assert (inputs[a:b] == 1000 * doc + np.arange(b - a)).all(), "whole, in order, from its first token"
+            seen.append(doc)
+    assert sorted(seen) == list(range(60)), "each document exactly once"
+    # its trained targets are the stream's (document masking on), less those a block boundary cut off there
+    stream = PackedBlocks(tokens, L, trained, ends)
+    streamed = trained_pairs(stream, len(stream))
+    packed = trained_pairs(whole, len(whole))
+    assert set(streamed) <= set(packed) and len(packed) == len(set(packed))
+    expected = sorted((1000 * d + k, 1000 * d + k + 1) for d, n in enumerate(lengths) for k in range(n // 2 - 1, n - 1))
+    assert packed == sorted(p for p in expected)
+    assert whole.trained_tokens(list(range(len(whole)))) == len(packed)
+    assert straddling(ends, L) > 0 and len(streamed) < len(packed)
+    assert WholeBlocks(tokens, L, trained, ends, pad_id=-1).block_items.tolist() == whole.block_items.tolist()
+
+
+def test_a_document_longer_than_a_block_is_cut_into_pieces_and_counted():
+    tokens, ends, _ = documents([10, 100, 5])
+    whole = WholeBlocks(tokens, 32, None, ends, pad_id=0, restart_positions=False)
+    assert whole.split == 1 and sorted(whole.lengths.tolist()) == [4, 5, 10, 32, 32, 32]
+    inputs, labels, positions = whole.block(0)
+    assert positions is None  # --document-masking off: one causal row
+    assert "1 documents (33.3%) are longer than a block" in whole.describe("documents")
+    assert "3 documents packed whole into" in whole.describe("documents")
+    every = trained_pairs(whole, len(whole))
+    assert len(every) == (10 - 1) + (100 - 4) + (5 - 1), "all but the last of each piece: pieces train apart"
+
+
+def test_straddling_counts_documents_a_stream_cuts():
+    assert straddling(np.array([4, 8, 12]), 4) == 0
+    assert straddling(np.array([3, 9, 12]), 4) == 1
+    assert straddling(np.array([10]), 4) == 1
