@@ -158,3 +158,25 @@ def test_mixture_run_reports_per_dataset_and_resumes_after_kill9_on_another_proc
     got = losses_by_step(tmp_path / "run" / "mix")
     for step in range(5, MIX_STEPS + 1):  # the same blocks in the same order: equal up to the reduction order
         assert got[step] == pytest.approx(expected[step], abs=1e-5), step
+
+
+def test_a_mixture_names_its_prompts_or_pairs_dataset_in_any_order(tmp_path):
+    """Text first and GRPO's flags given: the text dataset was blamed ('--num-generations ... apply to --objective
+    grpo, on prompts only; --dataset-name text has the columns [text]'); the prompts first: 'train alone'. Both
+    orders now name the dataset that cannot be mixed."""
+    import datasets
+
+    from fsdp_lib.data.plan import check_mixture_kinds
+    from fsdp_lib.errors import TrainError
+
+    text = make_dataset(tmp_path / "text", n_docs=20)
+    prompts = tmp_path / "prompts"
+    rows = datasets.Dataset.from_dict({"prompt": ["1 + 1?", "2 + 2?"], "answer": ["2", "4"]})
+    datasets.DatasetDict({"train": rows}).save_to_disk(str(prompts))
+    for order in ([text, prompts], [prompts, text]):
+        cfg = load_config(["-e", "x", "-m", str(tmp_path), *(f for d in order for f in ("-d", str(d)))])
+        with pytest.raises(
+            TrainError, match=f"--dataset-name {prompts} holds prompts, which train alone; give -d once"
+        ):
+            check_mixture_kinds(cfg)
+    check_mixture_kinds(load_config(["-e", "x", "-m", str(tmp_path), "-d", str(text), "-d", str(prompts / "..")]))

@@ -197,6 +197,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
             f"--model-name {cfg.model_name}: the tokenizer has no EOS token, needed between packed documents"
         )
     tok_hash = tokenizer_hash(model_dir)
+    check_mixture_kinds(cfg)
     sources = [load_source(cfg, name, tokenizer, tok_hash, d) for name in cfg.dataset_name]
     check_ids_fit(sources, tokenizer, model_dir)
     global_batch = d.data_world * cfg.batch_size * cfg.grad_accum_steps  # the ranks of a context group share theirs
@@ -426,6 +427,21 @@ def mixture_plan(
     return plan, validation
 
 
+def check_mixture_kinds(cfg: TrainConfig) -> None:
+    """A mixture trains text and conversations: a dataset of pairs or prompts in it is named before any dataset's
+    objective is resolved (with text first and the GRPO flags given, the text dataset was blamed for them)."""
+    if len(cfg.dataset_name) < 2:
+        return
+    for name in cfg.dataset_name:
+        try:
+            kind = dataset_kind(load_text_dataset(name, cfg.text_column or None)[0].column_names)
+        except ValueError:
+            continue  # load_source says what is wrong with it
+        if kind in ("preference", "unpaired", "prompts"):
+            what = "prompts" if kind == "prompts" else "preference data"
+            raise TrainError(f"--dataset-name {name} holds {what}, which train alone; give -d once")
+
+
 def objective_of(cfg: TrainConfig, columns: list[str], name: str) -> str:
     """resolve_objective for dataset `name` of the run, which must then be its only dataset unless it trains lm."""
     objective = resolve_objective(cfg, columns, name)
@@ -442,6 +458,7 @@ def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
     counted when the run tokenises them); what the run would refuse about the data before tokenising it (the
     objective the data and flags resolve to, a chat template for conversations and pairs) is refused here too."""
     weights = parse_data_weights(cfg.data_weights) if cfg.data_weights else None
+    check_mixture_kinds(cfg)
     lines = []
     templated = None  # a dataset whose rows the chat template renders
     for i, name in enumerate(cfg.dataset_name):
