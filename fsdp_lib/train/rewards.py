@@ -256,10 +256,16 @@ def column_problems(
         try:
             signature.bind(prompts=[], completions=[], **dict.fromkeys(columns))
         except TypeError as exc:
+            kinds = {p.kind for p in signature.parameters.values()}
+            fix = (  # with **kwargs already, what is wrong is a parameter's name (def r(x, y, **kw))
+                "name its first two parameters prompts and completions, as TRL's reward functions do"
+                if inspect.Parameter.VAR_KEYWORD in kinds
+                else "end its parameters with **kwargs, as TRL's reward functions do"
+            )
             problems.append(
                 f"--reward {reward.name} cannot be called as f(prompts=..., completions=..., "
                 f"{', '.join(f'{c}=...' for c in columns) or 'no columns'}) ({exc}): every column of the prompts "
-                "comes as a keyword; end its parameters with **kwargs, as TRL's reward functions do"
+                f"comes as a keyword; {fix}"
             )
     return problems
 
