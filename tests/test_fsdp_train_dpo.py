@@ -240,6 +240,16 @@ def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(c
     assert encoder.encode(_rows([no_answer]), skipped, {}, 0) == [] and skipped == {
         "a response has no assistant turn": 1
     }
+    # a hub dataset reaches the trainer without data_hf.py's checks: an empty reply or prompt trained (an empty
+    # chosen taught the end-of-turn marker alone; a pair without a prompt prefers a reply to nothing)
+    skipped = {}
+    empty_reply = {**pair, "chosen": [{"role": "assistant", "content": " "}]}
+    no_prompt = {**pair, "prompt": [{"role": "user", "content": ""}]}
+    assert encoder.encode(_rows([empty_reply, no_prompt, {**pair, "prompt": []}]), skipped, {}, 0) == []
+    assert skipped == {
+        "a response's assistant turns are empty": 1,
+        "an empty prompt: nothing before the response to answer": 2,
+    }
 
 
 def test_pack_pairs_puts_every_pair_in_one_block_within_capacity():

@@ -59,6 +59,10 @@ class PairEncoder:
         turns = [i for i in range(len(prompt), len(messages)) if messages[i].get("role") == "assistant"]
         if not turns:
             raise ChatFormatError("a response has no assistant turn")
+        if not any(str(messages[i].get("content") or "").strip() or messages[i].get("tool_calls") for i in turns):
+            raise ChatFormatError("a response's assistant turns are empty")
+        if not any(str(turn.get("content") or "").strip() for turn in messages[: turns[0]]):
+            raise ChatFormatError("an empty prompt: nothing before the response to answer")
         if not all(full.startswith(renders[(i + 1, False)]) for i in turns):
             raise ChatFormatError("the chat template renders a multi-turn response's earlier turns differently")
         return full, [self.chat.turn_span(messages, i, renders) for i in turns]
