@@ -389,6 +389,10 @@ def _mixture_problems(cfg: TrainConfig) -> list[str]:
 
 
 def _dataset_problems(name: str) -> list[str]:
+    if not name.strip():  # Path("") is ".": it said "--dataset-name .: not a dataset"
+        return [
+            "--dataset-name/-d is empty: give a dataset folder written by data_hf.py, or a cached hub dataset ORG/NAME"
+        ]
     if is_hub_dataset_id(name):  # resolved from the HF_HOME cache only, never the network
         try:
             hub_dataset_snapshot(name)

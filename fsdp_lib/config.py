@@ -441,7 +441,9 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
     if str(f.type) == "list[str]":
         values = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in values):
-            errors.append(f"{source}: key '{name}' has value {value!r}; expected a string or a list of strings")
+            errors.append(
+                f"{source}: key '{name.replace('_', '-')}' has value {value!r}; expected a string or a list of strings"
+            )
             return []
         return values
     if isinstance(value, str) and str(f.type) in ("int", "float"):
@@ -455,8 +457,12 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
         hint = ""
         if str(f.type) == "str" and isinstance(value, list):  # a comma-separated flag written as a YAML list
             hint = f', e.g. {name.replace("_", "-")}: "{",".join(str(item) for item in value)}"'
-        errors.append(f"{source}: key '{name}' has value {value!r}; expected {str(f.type)}{hint}")
+        errors.append(f"{source}: key '{name.replace('_', '-')}' has value {value!r}; expected {str(f.type)}{hint}")
         return f.default
+    if (choices := f.metadata.get("choices")) and str(value) not in choices:  # with the type errors, not after them
+        errors.append(
+            f"{source}: key '{name.replace('_', '-')}' has value {value!r}; expected one of {', '.join(choices)}"
+        )
     if str(f.type) == "float":
         return float(value)
     if str(f.type) == "str":

@@ -463,6 +463,9 @@ TRAINER_FLAG_CASES = [
         "--data-weights with a zero", ("-d", "@outputs/corpus", "--data-weights", "1,0"), "every weight must be a"
     ),
     flag_case("the same dataset twice", ("-d", "@dataset"), "names a dataset twice", "raise its weight"),
+    flag_case(
+        "-d ''", ("-d", ""), "--dataset-name/-d is empty: give a dataset folder"
+    ),  # it said '-d .: not a dataset'
     flag_case("the same dataset spelt two ways", ("-d", "@outputs/../dataset"), "names a dataset twice"),
     flag_case(
         "--objective dpo on a mixture",
@@ -648,12 +651,12 @@ CONFIG_CASES = [
     flag_case(
         "--config with a comma-separated flag written as a list",
         ("--config", "@trainer/list_value.yaml"),
-        "key 'data_weights' has value [0.7, 0.3]; expected str, e.g. data-weights: \"0.7,0.3\"",
+        "key 'data-weights' has value [0.7, 0.3]; expected str, e.g. data-weights: \"0.7,0.3\"",
     ),
     flag_case(
         "--config with a choice that does not exist",
         ("--config", "@trainer/bad_choice.yaml"),
-        "--precision 'fp8' is not one of",
+        "key 'precision' has value 'fp8'; expected one of auto, bf16, fp16, fp32",  # with its type errors, not after
     ),
 ]
 
