@@ -41,7 +41,7 @@ def flags_apply(flags: list[str], negated: bool = False) -> str:
 
 def grpo_conflicts(cfg: TrainConfig, why: str) -> list[str]:
     """What a GRPO run cannot take, one problem each, whether --objective grpo was given or auto chose it from the
-    data (checks.py and plan.resolve_objective); `why` says which ("this run is --objective grpo", ...)."""
+    data (checks.py and data.objective.resolve_objective); `why` says which ("this run is --objective grpo", ...)."""
     problems = []
     if changed_dpo_flags(cfg):
         problems.append(f"{flags_apply(changed_dpo_flags(cfg))} to --objective dpo; {why}: drop them")
@@ -111,7 +111,7 @@ def _kto_problems(cfg: TrainConfig) -> list[str]:
 
 def grpo_problems(cfg: TrainConfig) -> list[str]:
     """The GRPO flags: only with --objective grpo, and in range. With auto the dataset decides first:
-    plan.resolve_objective runs these checks once auto has become grpo (and refuses the flags otherwise). The
+    data.objective.resolve_objective runs these checks once auto has become grpo (and refuses the flags otherwise). The
     reward files are imported later, in fsdp_train.main (rewards.reward_problems)."""
     if cfg.objective in ("lm", *PREFERENCE_OBJECTIVES):
         changed = changed_flags(cfg, GRPO_FLAGS)

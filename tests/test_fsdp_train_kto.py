@@ -259,7 +259,7 @@ def test_bad_kto_flags_and_data_are_refused(kto_inputs, tmp_path, capsys):
 
 def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     from fsdp_lib.config import TrainConfig
-    from fsdp_lib.data.plan import resolve_objective
+    from fsdp_lib.data.objective import resolve_objective
     from fsdp_lib.errors import TrainError
 
     unpaired, pairs = ["prompt", "completion", "label"], ["prompt", "chosen", "rejected"]

@@ -166,7 +166,7 @@ def test_a_mixture_names_its_prompts_or_pairs_dataset_in_any_order(tmp_path):
     orders now name the dataset that cannot be mixed."""
     import datasets
 
-    from fsdp_lib.data.plan import check_mixture_kinds
+    from fsdp_lib.data.objective import check_mixture_kinds
     from fsdp_lib.errors import TrainError
 
     text = make_dataset(tmp_path / "text", n_docs=20)
