@@ -93,6 +93,9 @@ def test_every_document_is_whole_in_one_block_and_trains_what_the_stream_trains(
     assert whole.trained_tokens(list(range(len(whole)))) == len(packed)
     assert straddling(ends, L) > 0 and len(streamed) < len(packed)
     assert WholeBlocks(tokens, L, trained, ends, pad_id=-1).block_items.tolist() == whole.block_items.tolist()
+    # blocks in data order (each block's first document): --eval-max-blocks took the longest conversations first
+    firsts = [int(whole.block_items[whole.block_ptr[i]]) for i in range(len(whole))]
+    assert firsts == sorted(firsts)
 
 
 def test_a_document_longer_than_a_block_is_cut_into_pieces_and_counted():
