@@ -52,6 +52,21 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
+PACKED_WHOLE = ":packing-whole"  # in a run's data format (data/plan.py): its documents were packed whole
+
+
+def packing_refusal(then_format: str, now_format: str, config: dict) -> str:
+    """A resume refused for its --packing alone, with the value that resumes it: the run's (its config.yaml
+    settings), else stream (a run from before the flag)."""
+    then, now = ("whole" if PACKED_WHOLE in fmt else "stream" for fmt in (then_format, now_format))
+    value = config.get("packing") or "stream"
+    fix = "leave --packing out" if value == "auto" else f"--packing {value}"
+    return (
+        f"--packing: checkpoint {then} vs now {now} (conversations are packed whole by default since 2026-11-28; "
+        f"{fix} resumes this run as it began)"
+    )
+
+
 # A refused resume's way out: here (the plain flags, before any data is read) and in train/checkpoint.py (the rest)
 RESUME_REFUSED_FIX = (
     "These change the math or the data. Restore the original settings, pass --force-resume to resume anyway, or use "
@@ -99,7 +114,7 @@ def resume_outlook(experiment: Path) -> str:
     return f"a run would resume from {newest} (verified against its checksums first)"
 
 
-def resume_refusal(cfg: TrainConfig, world_size: int) -> list[str]:
+def resume_refusal(cfg: TrainConfig, world_size: int | None) -> list[str]:
     """A resume the full check would refuse, said before any data is tokenised or model loaded (at most one
     problem): the settings its flags alone decide (settings_a_resume_refuses). Not with --force-resume."""
     if cfg.export_only or cfg.force_resume or not cfg.experiment_name:
@@ -112,10 +127,11 @@ def resume_refusal(cfg: TrainConfig, world_size: int) -> list[str]:
     ]
 
 
-def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig, world_size: int) -> list[str]:
+def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig, world_size: int | None) -> list[str]:
     """The newest checkpoint and the pinned settings it differs in that the flags alone decide, read from its
     train_state.json before any data or model is loaded (the full check, train/checkpoint.py, comes after both,
-    minutes into a large run): --seq-length, --seed, the global batch (world_size processes), an --objective
+    minutes into a large run): --seq-length, --seed, the global batch (world_size processes; None = not known, as
+    in a --dry-run without torchrun: only --global-batch-size is compared), --packing of one dataset, an --objective
     given by name, --peft and, for adapters trained from scratch, their rank, alpha and dropout, --data-slice.
     [] when there is no readable checkpoint or nothing differs."""
     if (newest := newest_checkpoint(experiment)) is None:
@@ -130,16 +146,17 @@ def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig, world_size: in
     return [str(newest), *changed] if (changed := _plain_differences(saved, config, cfg, world_size)) else []
 
 
-def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: int) -> list[str]:
+def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: int | None) -> list[str]:
     """settings_a_resume_refuses's comparisons, each as `--flag: checkpoint THEN vs now NOW`."""
     changed = [
         f"--{k.replace('_', '-')}: checkpoint {saved[k]!r} vs now {v!r}"
         for k, v in (("seq_length", cfg.seq_length), ("seed", cfg.seed))
         if k in saved and saved[k] != v
     ]
-    data_world = world_size // max(1, cfg.context_parallel)
+    data_world = (world_size or 1) // max(1, cfg.context_parallel)
     batch = cfg.global_batch_size if cfg.global_batch_size > 0 else data_world * cfg.batch_size * cfg.grad_accum_steps
-    if "global_batch_size" in saved and saved["global_batch_size"] != batch:
+    known = world_size is not None or cfg.global_batch_size > 0
+    if known and "global_batch_size" in saved and saved["global_batch_size"] != batch:
         how = f"{data_world} processes x -b {cfg.batch_size} x --grad-accum-steps {cfg.grad_accum_steps}"
         if cfg.global_batch_size > 0:
             how = f"--global-batch-size {batch}"
@@ -155,6 +172,11 @@ def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: 
         and (then := objective_name(saved["objective"])) != cfg.objective
     ):
         changed.append(f"--objective: checkpoint {then} vs now {cfg.objective}")
+    fmt = saved.get("data_format")
+    if isinstance(fmt, str) and fmt.startswith(("chat:", "text")):  # one dataset of text or conversations
+        whole = cfg.packing == "whole" or (cfg.packing == "auto" and fmt.startswith("chat:"))
+        if (PACKED_WHOLE in fmt) != whole:
+            changed.append(packing_refusal(fmt, PACKED_WHOLE if whole else "", config))
     if "peft" in saved:
         changed += _adapter_differences(saved["peft"], config, cfg)
     if "dataset" in saved and "data_slice" in config and config["data_slice"] != cfg.data_slice:

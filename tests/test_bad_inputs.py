@@ -1111,6 +1111,8 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
     assert "the global batch: checkpoint 8 vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; " in problem
     assert "--global-batch-size 8 keeps it on any process count)" in problem
     assert resume_refusal(TrainConfig(**same, global_batch_size=8, grad_accum_steps=2), 2) == []
+    assert resume_refusal(TrainConfig(**same), None) == []  # a --dry-run without torchrun: the count is not known
+    assert "checkpoint 8 vs now 6" in resume_refusal(TrainConfig(**same, global_batch_size=6), None)[0]
     (problem,) = resume_refusal(TrainConfig(**same, context_parallel=2), 4)
     assert "vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; --context-parallel 1 then, 2 now;" in problem
     # the objective by name (auto is resolved against the data, later), the adapters, the slice
@@ -1124,6 +1126,18 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
         (problem,) = resume_refusal(TrainConfig(**(same | change)), 4)
         assert f"step_00000004: {said}. These change the math" in problem, problem
     assert resume_refusal(TrainConfig(**same, objective="lm"), 4) == []
+    # a chat run from before whole packing (its data format without the marker), resumed with the default
+    fingerprint["data_format"] = "chat:9f1e:loss-on-assistant:document-masking-on"
+    (step / "train_state.json").write_text(json.dumps({"fingerprint": fingerprint, "config": config}))
+    (problem,) = resume_refusal(TrainConfig(**same), 4)
+    assert "--packing: checkpoint stream vs now whole (" in problem and "--packing stream resumes this run" in problem
+    assert resume_refusal(TrainConfig(**same, packing="stream"), 4) == []
+    fingerprint["data_format"] = "text:document-masking-on"  # text streams by default
+    (step / "train_state.json").write_text(
+        json.dumps({"fingerprint": fingerprint, "config": {**config, "packing": "auto"}})
+    )
+    assert resume_refusal(TrainConfig(**same), 4) == []
+    assert "leave --packing out resumes this run" in resume_refusal(TrainConfig(**same, packing="whole"), 4)[0]
     # with --adapter the rank and alpha are the adapter folder's, not the flags'
     assert resume_refusal(TrainConfig(**(same | {"lora_rank": 16, "adapter": str(tmp_path)})), 4) == []
     # an unreadable train_state.json: the run's own reads say what is wrong with it

@@ -671,3 +671,24 @@ def test_a_failed_extra_writer_thread_fails_the_save(monkeypatch):
     from torch.distributed.checkpoint import filesystem
 
     assert callable(filesystem._write_files_from_queue)
+
+
+def test_the_same_data_planned_otherwise_is_refused_by_its_block_count():
+    """A version that tokenises, skips or packs the same files otherwise (a chat run from before conversations
+    without a reply were skipped) resumed on other blocks under the same dataset fingerprint, in silence: the
+    blocks per epoch are pinned, and explained only where no named change (dataset, packing, ...) explains them."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.errors import CheckpointError
+    from fsdp_lib.train.checkpoint import Checkpointer
+
+    saved = {"fingerprint": {"dataset": "9a02", "data_format": "chat:1", "epoch_blocks": 120}, "config": {}}
+    ckpt = Checkpointer(TrainConfig(), None, {"dataset": "9a02", "data_format": "chat:1", "epoch_blocks": 118})
+    with pytest.raises(CheckpointError, match="the train data make 118 blocks .* where the checkpoint's run made 120"):
+        ckpt.check_compatible(saved, Path("step_4"), None)
+    ckpt.fingerprint["data_format"] = "chat:1:packing-whole"
+    with pytest.raises(CheckpointError) as refused:
+        ckpt.check_compatible(saved, Path("step_4"), None)
+    assert "--packing: checkpoint stream vs now whole" in str(refused.value) and "make 118" not in str(refused.value)
+    older = {"fingerprint": {"dataset": "9a02", "data_format": "chat:1"}, "config": {}}  # before the count: not checked
+    ckpt.fingerprint["data_format"] = "chat:1"
+    ckpt.check_compatible(older, Path("step_4"), None)

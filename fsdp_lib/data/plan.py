@@ -18,11 +18,12 @@ from fsdp_lib.data.cache import PackedBlocks, load_token_stream, packs_whole, to
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, use_template_file, uses_tools
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.objective import check_mixture_kinds, objective_of
-from fsdp_lib.data.packing import WHOLE, straddling
+from fsdp_lib.data.packing import straddling
 from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.data.prompts import PromptSet, load_prompts
 from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError
+from fsdp_lib.experiment_dir import PACKED_WHOLE
 from fsdp_lib.objective_flags import (
     PREFERENCE_OBJECTIVES,
 )
@@ -305,7 +306,7 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     key = f"{tok_hash}|{data_format}"
     whole = pairs is None and packs_whole(cfg, chat is not None)
     if whole:  # after the cache key: the token cache does not depend on the packing, the blocks do
-        data_format += WHOLE
+        data_format += PACKED_WHOLE
     train_blocks = load_token_stream(train_split, "train", tokenizer, key, cfg, d, chat, pairs)
     validation = None
     if val_split is not None and len(val_split):

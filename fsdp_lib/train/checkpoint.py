@@ -30,10 +30,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.data.packing import WHOLE
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
-from fsdp_lib.experiment_dir import RESUME_REFUSED_FIX, objective_name, run_settings
+from fsdp_lib.experiment_dir import PACKED_WHOLE, RESUME_REFUSED_FIX, objective_name, packing_refusal, run_settings
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs
@@ -53,6 +52,7 @@ RESUME_PINNED = (
     "data_format",
     "peft",
     "objective",
+    "epoch_blocks",
 )
 # What an --export-only compares (export_fingerprint): the rest changes nothing when nothing trains.
 EXPORT_PINNED = ("model", "tokenizer", "peft")
@@ -71,6 +71,8 @@ def resume_fingerprint(
         "dataset": data.dataset_fingerprint,
         "seq_length": cfg.seq_length,
         "global_batch_size": data.train.global_batch,
+        # what the same files and settings made: another version's tokenising, skips or packing moves the data
+        "epoch_blocks": data.train.epoch_blocks,
         "seed": cfg.seed,
         "data_format": data.data_format,
         "chat_template": getattr(data.tokenizer, "chat_template", None),
@@ -99,10 +101,11 @@ NOT_SETTINGS = ("force_resume", "export_only", "dry_run")  # how this launch run
 def flags_changed_since(saved: dict, cfg: TrainConfig) -> list[str]:
     """The flags whose values differ from the checkpoint's run (its run_settings), as `--flag NOW (was THEN)`."""
     now = run_settings(cfg)
+    derived = {"grad_accum_steps"} if cfg.global_batch_size > 0 else set()  # older config.yaml saved the derived one
     return [
         f"--{key.replace('_', '-')} {now[key]} (was {saved[key]})"
         for key in now
-        if key in saved and key not in NOT_SETTINGS and saved[key] != now[key]
+        if key in saved and key not in NOT_SETTINGS and key not in derived and saved[key] != now[key]
     ]
 
 
@@ -276,6 +279,8 @@ class Checkpointer:
         changed = [k for k in pinned if k in saved and saved[k] != self.fingerprint.get(k)]
         if "model" in changed and saved["model"] == config_fingerprint(model_config, with_path=True):
             changed.remove("model")  # written by an older version, whose model fingerprint included the path
+        if "epoch_blocks" in changed and {"dataset", "data_format", "seq_length", "tokenizer"} & set(changed):
+            changed.remove("epoch_blocks")  # what the named change does to the data, not a change of its own
         return changed
 
     def _difference(self, key: str, payload: dict) -> str:
@@ -285,12 +290,8 @@ class Checkpointer:
         named = payload.get("config", {}).get(flag) if flag else None
         if flag and named is not None and named != getattr(self.cfg, flag):
             return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
-        if key == "data_format" and str(was).replace(WHOLE, "") == str(now).replace(WHOLE, ""):  # --packing alone
-            then, packing = ("whole" if WHOLE in str(value) else "stream" for value in (was, now))
-            return (
-                f"--packing: checkpoint {then} vs now {packing} (conversations are packed whole by default since "
-                f"2026-11-28; --packing {then} resumes this run as it began)"
-            )
+        if key == "data_format" and str(was).replace(PACKED_WHOLE, "") == str(now).replace(PACKED_WHOLE, ""):
+            return packing_refusal(str(was), str(now), payload.get("config", {}))  # --packing alone
         if key == "objective" and objective_name(was) != objective_name(now):  # the rest follows from it
             return f"--objective: checkpoint {objective_name(was)} vs now {objective_name(now)}"
         config = payload.get("config", {})
@@ -300,6 +301,13 @@ class Checkpointer:
                 f"{key}: checkpoint {was!r} vs now {now!r} (--context-parallel {then} then, "
                 f"{self.cfg.context_parallel} now: the processes of a context group share a row; "
                 f"--global-batch-size {was} keeps the run's batch)"
+            )
+        if key == "epoch_blocks":
+            return (
+                f"the train data make {now} blocks (pairs, prompts) per epoch where the checkpoint's run made {was}, "
+                "with the same files and settings: this version of fsdp_train.py tokenises, skips or packs them "
+                "otherwise (the log's skip counts say which), so the saved data position would not be exact; resume "
+                "with the version that wrote it, or pass --force-resume to go on from about there"
             )
         if key == "global_batch_size":  # processes x batch x accumulation: another process count, most often
             return f"{key}: checkpoint {was!r} vs now {now!r} (--global-batch-size {was} keeps it on any process count)"
