@@ -214,7 +214,7 @@ def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(c
     # trained such pairs, prompt-less, in silence); one token more of the prompt and it trains
     header = encoder.header_tokens
     assert chat_tokenizer.decode(c_ids[int(np.argmax(c_mask)) - header : int(np.argmax(c_mask))]).startswith(
-        "<|start_header_id|>assistant"
+        "<|eot_id|><|start_header_id|>assistant"  # the user turn's end counts as markup, not prompt
     )
     prompt_tokens = int(np.argmax(c_mask)) - header
     bare = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), full_c + full_r - 2 * prompt_tokens)

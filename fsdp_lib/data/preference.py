@@ -36,7 +36,7 @@ class PairEncoder:
 
     A pair whose two sequences together exceed `max_tokens` (one block) loses prompt tokens from the left, the same
     number from both sequences, counted (`cut`: the run's log says how many and how much); a pair that fits only
-    with none of its prompt left (the template's answer header, `header_tokens`, does not count as prompt) or not
+    with no word of its prompt left (the end of the user's turn and the answer header, `header_tokens`, are markup) or not
     at all is a counted skip, as is a pair whose chosen and rejected tokens are identical."""
 
     chat: ChatEncoder
@@ -69,17 +69,18 @@ class PairEncoder:
 
     @functools.cached_property
     def header_tokens(self) -> int:
-        """The tokens the chat template puts between a prompt and its answer (the generation prompt, e.g.
-        `<|im_start|>assistant\n`), tokenised alone: a cut that reaches them has left no prompt. 0 when the
-        template adds none or renders a probe conversation differently."""
-        probe = [[{"role": "user", "content": "x"}]]
+        """The tokens the chat template puts after a prompt's last words and before its answer (the end of the
+        user's turn and the generation prompt, e.g. `<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n`),
+        tokenised alone: a cut that leaves no more than them has left no word of the prompt. 0 when a probe
+        conversation does not render its words."""
+        words = "zq9"
         try:
-            bare, asking = self.chat.render(probe, False)[0], self.chat.render(probe, True)[0]
+            asking = self.chat.render([[{"role": "user", "content": words}]], True)[0]
         except ChatFormatError:
             return 0
-        if not asking.startswith(bare) or asking == bare:
+        if (at := asking.rfind(words)) < 0:
             return 0
-        return len(self.chat.tokenizer(asking[len(bare) :], add_special_tokens=False)["input_ids"])
+        return len(self.chat.tokenizer(asking[at + len(words) :], add_special_tokens=False)["input_ids"])
 
     def unfit(self, why: str) -> str:
         """The skip reason of a pair fit() could not fit."""
@@ -149,7 +150,7 @@ class PairEncoder:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | str:
         """The pair with prompt tokens cut from the left until both sequences fit one block, or why it cannot:
         TOO_LONG (even the token that predicts the first response token would go), PROMPT_GONE (only the
-        template's answer header would be left before the response: DPO would train a pair without its prompt)."""
+        template's markup after the prompt's words would be left: DPO would train a pair without its prompt)."""
         if not c_mask.any() or not r_mask.any():
             return self.TOO_LONG
         over = len(c_ids) + len(r_ids) - self.max_tokens
