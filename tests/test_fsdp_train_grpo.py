@@ -241,6 +241,7 @@ def test_rewards_are_checked_against_the_prompts_columns_before_the_model_loads(
         "def strict(prompts, completions):\n    return [1.0] * len(completions)\n"
         "async def waits(prompts, completions, **kw):\n    return []\n"
         "def renamed(x, y, **kw):\n    return [1.0] * len(y)\n"
+        "def wants(prompts, completions, solution, **kw):\n    return [1.0] * len(completions)\n"
     )
     functions = load_rewards(["accuracy", f"{path}:keywords", f"{path}:named", f"{path}:strict"], "", ".*")
     assert column_problems(functions, ("answer",)) == [column_problems(functions[3:], ("answer",))[0]]
@@ -249,6 +250,8 @@ def test_rewards_are_checked_against_the_prompts_columns_before_the_model_loads(
     # with **kwargs already, the fix is the names (it advised adding the **kwargs the function had)
     (renamed,) = column_problems(load_rewards([f"{path}:renamed"], "", ".*"), ("answer",))
     assert "name its first two parameters prompts and completions" in renamed and "**kwargs, as" not in renamed
+    (wants,) = column_problems(load_rewards([f"{path}:wants"], "", ".*"), ("answer",))
+    assert "give solution a default, or name a column the prompts have" in wants
     assert score(functions[1:2], ["p"], ["c"], {"answer": ["7"]}).tolist() == [[2.0]]
     problems = column_problems(functions, ("result",))
     assert "--reward accuracy reads each prompt's reference answer from a column named answer or" in problems[0]

@@ -256,12 +256,16 @@ def column_problems(
         try:
             signature.bind(prompts=[], completions=[], **dict.fromkeys(columns))
         except TypeError as exc:
-            kinds = {p.kind for p in signature.parameters.values()}
-            fix = (  # with **kwargs already, what is wrong is a parameter's name (def r(x, y, **kw))
-                "name its first two parameters prompts and completions, as TRL's reward functions do"
-                if inspect.Parameter.VAR_KEYWORD in kinds
-                else "end its parameters with **kwargs, as TRL's reward functions do"
-            )
+            parameters = signature.parameters.values()
+            fix = "end its parameters with **kwargs, as TRL's reward functions do"
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):  # so a parameter's name is wrong
+                fix = "name its first two parameters prompts and completions, as TRL's reward functions do"
+                if {"prompts", "completions"} <= set(
+                    signature.parameters
+                ):  # def r(prompts, completions, solution, **kw)
+                    wanted = [p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_KEYWORD]
+                    missing = [n for n in wanted if n not in ("prompts", "completions", *columns)]
+                    fix = f"give {', '.join(missing)} a default, or name a column the prompts have"
             problems.append(
                 f"--reward {reward.name} cannot be called as f(prompts=..., completions=..., "
                 f"{', '.join(f'{c}=...' for c in columns) or 'no columns'}) ({exc}): every column of the prompts "
