@@ -282,7 +282,7 @@ def run(cfg: TrainConfig) -> int:
     objective, objective_fingerprint = build_objective(cfg, bundle, data, precision, d)  # DPO, GRPO or None
     optimizer = build_optimizer(bundle.model, cfg)
 
-    fingerprint = resume_fingerprint(cfg, bundle.config, data, bundle.peft, objective_fingerprint)
+    fingerprint = resume_fingerprint(cfg, bundle.config, data, bundle.peft, objective_fingerprint, bundle.train_forward)
     checkpointer = Checkpointer(cfg, d, fingerprint)
     state = TrainState()
     if latest is not None:

@@ -91,6 +91,9 @@ def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_
     # the checkpoint replaces every weight: the model folder's are not read (the losses below show none is missed)
     assert "resuming: every weight comes from the checkpoint" in output_of(rerun)
     assert "loaded pretrained weights" not in output_of(rerun)
+    assert "the start-up checks chose" not in output_of(rerun), "probed on initialised shards, they chose the same"
+    saved = json.loads(next((tmp_path / "run" / "checkpoint").glob("step_*/train_state.json")).read_text())
+    assert saved["fingerprint"]["start_up_choices"]["document_masking"] in ("varlen", "position_ids", "one_row")
     resumed = losses_by_step(tmp_path / "run")
     assert sorted(resumed) == list(range(1, STEPS + 1)), "metrics.jsonl keeps one line per step"
     for step in range(5, STEPS + 1):

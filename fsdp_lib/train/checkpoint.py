@@ -59,7 +59,12 @@ EXPORT_PINNED = ("model", "tokenizer", "peft")
 
 
 def resume_fingerprint(
-    cfg: TrainConfig, model_config: Any, data: TrainData, peft: Any = None, objective: dict | str = "lm"
+    cfg: TrainConfig,
+    model_config: Any,
+    data: TrainData,
+    peft: Any = None,
+    objective: dict | str = "lm",
+    train_forward: Any = None,
 ) -> dict:
     """What a checkpoint must agree with to be resumed (RESUME_PINNED), as saved in its train_state.json.
     With --peft the checkpoint holds only the adapters, so the base's weights identity is pinned too; with
@@ -76,7 +81,16 @@ def resume_fingerprint(
         "seed": cfg.seed,
         "data_format": data.data_format,
         "chat_template": getattr(data.tokenizer, "chat_template", None),
+        # not pinned: what the start-up probes chose (a resumed full fine-tune probes shards initialised for them)
+        "start_up_choices": start_up_choices(train_forward),
     }
+
+
+def start_up_choices(train_forward: Any) -> dict | None:
+    """The loss chunk and document masking the start-up probes left the training forward with."""
+    if train_forward is None:
+        return None
+    return {"loss_chunk_tokens": train_forward.chunk, "document_masking": train_forward.document_masking}
 
 
 def export_fingerprint(cfg: TrainConfig, model_config: Any, tokenizer_hash: str, peft: Any = None) -> dict:
@@ -356,6 +370,13 @@ class Checkpointer:
 
         payload = self.read_state(path)
         self.check_compatible(payload, path, model.config)
+        then, now = payload["fingerprint"].get("start_up_choices"), self.fingerprint.get("start_up_choices")
+        if then and now and then != now:
+            log(
+                f"WARNING: the start-up checks chose {now} where the run that saved {path.name} chose {then} (another "
+                "attention kernel installed?): the same math by another route, so the resumed steps may differ from "
+                "an uninterrupted run's in the last bits"
+            )
         if not self.cfg.export_only and (changed := flags_changed_since(payload.get("config", {}), self.cfg)):
             log(f"resuming with settings changed since {path.name} (they apply from here): {name_sample(changed, 8)}")
         # the flags set the hyperparameters (--weight-decay, ...); the checkpoint restores the optimizer's state only
