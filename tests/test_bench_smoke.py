@@ -75,6 +75,18 @@ def test_loading_quick(repo_root, tmp_path):
 
 
 @pytest.mark.slow
+def test_chat_packing_quick(repo_root, tmp_path):
+    """The stream cuts most of the demo's conversations at 128 tokens; packed whole none is cut, some positions
+    are padding, and both runs trained (a finite held-out loss of their exports)."""
+    result = run_quick(repo_root, "bench_chat_packing.py", tmp_path)
+    stream, whole = result["runs"]["stream 128"], result["runs"]["whole 128"]
+    assert stream["straddling_pct"] > 30 and whole["straddling_pct"] == 0
+    assert stream["fill_pct"] == 100 and 50 < whole["fill_pct"] < 100
+    assert all(0 < r["held_out_assistant_loss"] < 20 for r in (stream, whole))
+    assert set(result["ratios"]["128"]) == {"held_out_assistant_loss", "tokens_per_s", "trained_tokens_per_s"}
+
+
+@pytest.mark.slow
 def test_chat_tokenize_quick(repo_root, tmp_path):
     result = run_quick(repo_root, "bench_chat_tokenize.py", tmp_path)
     check = result["check"]
