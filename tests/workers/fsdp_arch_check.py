@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -37,8 +38,8 @@ def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def build_and_compare(cfg: TrainConfig, precision: str, d: Dist) -> ModelBundle:
-    bundle = build_model(cfg, precision, d)
+def build_and_compare(cfg: TrainConfig, precision: str, d: Dist, **options: Any) -> ModelBundle:
+    bundle = build_model(cfg, precision, d, **options)  # (a fresh run: from_checkpoint False, the weights are read)
     reference = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.float32).state_dict()
     loaded = gathered_state(bundle.model)
     differ = sorted(n for n, t in loaded.items() if n not in reference or not torch.equal(t, reference[n]))
