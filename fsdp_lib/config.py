@@ -564,6 +564,11 @@ def parse_data_weights(text: str) -> list[float] | None:
         return None
 
 
+def packs_whole(cfg: TrainConfig, conversations: bool) -> bool:
+    """--packing as resolved for a dataset of conversations or of text (auto: whole for conversations)."""
+    return cfg.packing == "whole" or (cfg.packing == "auto" and conversations)
+
+
 def resolve_precision(cfg: TrainConfig) -> str:
     """--precision, with auto resolved: bf16 on a CUDA device that supports it, else fp32."""
     if cfg.precision != "auto":

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from fsdp_lib.config import TrainConfig
+from fsdp_lib.config import TrainConfig, packs_whole
 from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, folder_kind, step_dirs
 
@@ -174,7 +174,7 @@ def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: 
         changed.append(f"--objective: checkpoint {then} vs now {cfg.objective}")
     fmt = saved.get("data_format")
     if isinstance(fmt, str) and fmt.startswith(("chat:", "text")):  # one dataset of text or conversations
-        whole = cfg.packing == "whole" or (cfg.packing == "auto" and fmt.startswith("chat:"))
+        whole = packs_whole(cfg, conversations=fmt.startswith("chat:"))
         if (PACKED_WHOLE in fmt) != whole:
             changed.append(packing_refusal(fmt, PACKED_WHOLE if whole else "", config))
     if "peft" in saved:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from fsdp_lib.config import TrainConfig
+from fsdp_lib.config import TrainConfig, packs_whole
 from fsdp_lib.data.batch import Batch, stack_blocks
 from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.packing import WholeBlocks
@@ -247,11 +247,6 @@ def load_token_stream(
         return WholeBlocks(tokens, cfg.seq_length, trained, docs, pad_id, cfg.document_masking == "on")
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
-
-
-def packs_whole(cfg: TrainConfig, conversations: bool) -> bool:
-    """--packing as resolved for a text or a conversation dataset (auto: whole for conversations)."""
-    return cfg.packing == "whole" or (cfg.packing == "auto" and conversations)
 
 
 def discard_if_damaged(paths: dict[str, Path], split_name: str) -> None:

@@ -141,7 +141,7 @@ class ChatEncoder:
         turns = [i for i, turn in enumerate(messages) if turn.get("role") == "assistant"]
         if not turns:  # it trained as context carrying no loss, and a dataset of them was blamed on the template
             raise ChatFormatError("no assistant turn: nothing to train with --loss-on assistant")
-        if not any(str(messages[i].get("content") or "").strip() or messages[i].get("tool_calls") for i in turns):
+        if not any(says_something(messages[i]) for i in turns):
             raise ChatFormatError("every assistant turn is empty: it would teach empty answers")
         spans = [self.turn_span(messages, i, renders) for i in turns]
         if all(full.startswith(renders[(i + 1, False)]) for i in turns):
@@ -191,6 +191,11 @@ class ChatEncoder:
         for a, b in spans:
             mask[bisect.bisect_right(range(n), a, key=end_of) : bisect.bisect_right(range(n), b, key=end_of)] = 1
         return mask
+
+
+def says_something(turn: dict) -> bool:
+    """A turn with text that is not blank, or tool calls (an assistant reply that only calls a tool says something)."""
+    return bool(str(turn.get("content") or "").strip() or turn.get("tool_calls"))
 
 
 def _readable(

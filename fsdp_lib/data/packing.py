@@ -14,6 +14,11 @@ import numpy as np
 from fsdp_lib.data.batch import Batch, stack_blocks
 
 
+def document_starts(doc_ends: np.ndarray) -> np.ndarray:
+    """Each document's start offset in a token stream, from the end offsets (the token cache's docs file)."""
+    return np.concatenate([np.zeros(1, dtype=np.int64), np.asarray(doc_ends[:-1], dtype=np.int64)])
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Items (by length, each 1..capacity) into blocks of `capacity`: each item, longest first (ties in index
     order), goes into the fullest block it still fits (ties: the block opened first), else a new block. Returns
@@ -56,8 +61,7 @@ class WholeBlocks:
 
     def __post_init__(self) -> None:
         L = self.seq_length
-        ends = np.asarray(self.doc_ends, dtype=np.int64)
-        starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
+        ends, starts = np.asarray(self.doc_ends, dtype=np.int64), document_starts(self.doc_ends)
         keep = ends > starts
         starts, ends = starts[keep], ends[keep]
         pieces = -(-(ends - starts) // L)  # per document
@@ -123,6 +127,5 @@ class WholeBlocks:
 def straddling(doc_ends: np.ndarray, seq_length: int) -> int:
     """How many documents of a token stream cut into blocks of seq_length (--packing stream) start in one block and
     end in another: those train their end without their start."""
-    ends = np.asarray(doc_ends, dtype=np.int64)
-    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
+    ends, starts = np.asarray(doc_ends, dtype=np.int64), document_starts(doc_ends)
     return int(np.count_nonzero((starts // seq_length != (ends - 1) // seq_length) & (ends > starts)))

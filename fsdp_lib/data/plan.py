@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_lib.config import TrainConfig, parse_data_slice, parse_data_weights
+from fsdp_lib.config import TrainConfig, packs_whole, parse_data_slice, parse_data_weights
 from fsdp_lib.data.batch import Batch
-from fsdp_lib.data.cache import PackedBlocks, load_token_stream, packs_whole, tokenizer_hash
+from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
 from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, use_template_file, uses_tools
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.objective import check_mixture_kinds, objective_of
@@ -24,9 +24,7 @@ from fsdp_lib.data.prompts import PromptSet, load_prompts
 from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError
 from fsdp_lib.experiment_dir import PACKED_WHOLE
-from fsdp_lib.objective_flags import (
-    PREFERENCE_OBJECTIVES,
-)
+from fsdp_lib.objective_flags import PREFERENCE_OBJECTIVES
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.runtime import Dist, log

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from fsdp_lib.data.batch import Batch
-from fsdp_lib.data.chat import ChatEncoder, ChatFormatError
-from fsdp_lib.data.packing import best_fit_decreasing
+from fsdp_lib.data.chat import ChatEncoder, ChatFormatError, says_something
+from fsdp_lib.data.packing import best_fit_decreasing, document_starts
 from fsdp_lib.integrity import commit_files, staged, staged_writes
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 from fsdp_lib.runtime import raise_if_stopped
@@ -59,9 +59,9 @@ class PairEncoder:
         turns = [i for i in range(len(prompt), len(messages)) if messages[i].get("role") == "assistant"]
         if not turns:
             raise ChatFormatError("a response has no assistant turn")
-        if not any(str(messages[i].get("content") or "").strip() or messages[i].get("tool_calls") for i in turns):
+        if not any(says_something(messages[i]) for i in turns):
             raise ChatFormatError("a response's assistant turns are empty")
-        if not any(str(turn.get("content") or "").strip() for turn in messages[: turns[0]]):
+        if not any(str(turn.get("content") or "").strip() for turn in messages[: turns[0]]):  # words, not calls
             raise ChatFormatError("an empty prompt: nothing before the response to answer")
         if not all(full.startswith(renders[(i + 1, False)]) for i in turns):
             raise ChatFormatError("the chat template renders a multi-turn response's earlier turns differently")
@@ -238,7 +238,7 @@ class PairBlocks:
     kto: bool = False  # each "pair" is a KTO example and its KL sequence (unpaired.py); gather adds the labels
 
     def __post_init__(self) -> None:
-        starts = np.concatenate([[0], np.asarray(self.doc_ends[:-1], dtype=np.int64)])
+        starts = document_starts(self.doc_ends)
         lengths = np.asarray(self.doc_ends, dtype=np.int64) - starts
         self.starts, self.lengths = starts, lengths
         self.desirable = desirable_flags(self.trained, starts[: len(lengths)]) if self.kto else None

@@ -336,17 +336,14 @@ def build_model(
     materialize(model, d, cfg)
     files, fmt = weight_keys(model_dir)
     if from_checkpoint and peft is None:
-        start = time.perf_counter()
+        initialised = ""
         if probes:  # finite numbers for them, which the checkpoint replaces
+            start = time.perf_counter()
             init_weights_on_shards(model, model.config, cfg.seed, d, whole=False)
+            initialised = f" (the shards initialised for the start-up checks, {time.perf_counter() - start:.1f}s)"
         log(
             f"{'--export-only' if cfg.export_only else 'resuming'}: every weight comes from the checkpoint; "
-            f"{model_dir}'s weights are not read"
-            + (
-                f" (the shards initialised for the start-up checks, {time.perf_counter() - start:.1f}s)"
-                if probes
-                else ""
-            )
+            f"{model_dir}'s weights are not read{initialised}"
         )
     elif files:
         start = time.perf_counter()

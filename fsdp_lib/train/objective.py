@@ -8,6 +8,7 @@ from __future__ import annotations
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.model.build import ModelBundle
+from fsdp_lib.objective_flags import PREFERENCE_OBJECTIVES
 from fsdp_lib.runtime import Dist
 from fsdp_lib.train.dpo import DPOObjective, build_dpo, reference_mode
 from fsdp_lib.train.grpo import GRPOObjective, build_grpo
@@ -34,4 +35,4 @@ def needs_starting_weights(cfg: TrainConfig, objective: str) -> bool:
     """Whether a resumed run still reads the model folder's weights, which the checkpoint then replaces: with
     --peft (the checkpoint holds the adapters, the frozen base is the folder's) and for a DPO or KTO reference
     precomputed by the starting model (computed before the checkpoint loads where its cache is missing)."""
-    return cfg.peft != "none" or (objective in ("dpo", "kto") and reference_mode(cfg) == "precomputed")
+    return cfg.peft != "none" or (objective in PREFERENCE_OBJECTIVES and reference_mode(cfg) == "precomputed")
