@@ -68,7 +68,7 @@ from fsdp_lib.convert.reading import piece_bytes_for
 from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers, unpair_into
-from fsdp_lib.errors import file_above, unreadable
+from fsdp_lib.errors import broken_link, file_above, unreadable
 from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import enclosing_folder, folder_kind
 from fsdp_lib.records.dataset import load_text_dataset
@@ -187,7 +187,8 @@ def _data_folder_problems(args: argparse.Namespace) -> list[str]:
     if why := unreadable(folder):
         errors.append(f"--data_folder {folder} cannot be read ({why}); fix its permissions, or run as a user who can")
     elif not folder.exists():
-        errors.append(f"--data_folder {folder} does not exist; pass the folder that holds your files")
+        what = broken_link(folder) or "does not exist"
+        errors.append(f"--data_folder {folder} {what}; pass the folder that holds your files")
     elif not (folder.is_dir() or folder.is_file()):
         errors.append(f"--data_folder {folder} is neither a folder nor a regular file (a pipe or a device?); pass "
                       "the folder that holds your files")  # fmt: skip

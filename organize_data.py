@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fsdp_lib.arguments import JoinRepeats, OneValueParser
-from fsdp_lib.errors import file_above, name_sample, unreadable
+from fsdp_lib.errors import broken_link, file_above, name_sample, unreadable
 from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.organize.place import (
@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def path_problems(src_arg: Path, dst_arg: Path) -> list[str]:
     """What is wrong with --src-dir and --dst-root as paths, before anything is read or written."""
+    flags = (("--src-dir", src_arg), ("--dst-root", dst_arg))
+    if broken := [
+        f"{flag} {path} {why}; fix the link, or pass another path" for flag, path in flags if (why := broken_link(path))
+    ]:
+        return broken
     src_dir, dst_root = src_arg.resolve(), dst_arg.resolve()
     problems = []
     if why := unreadable(src_dir):
@@ -163,8 +168,10 @@ def validate_args(args: argparse.Namespace) -> Settings:
         problems.append(str(exc))
         extensions = []
     problems += path_problems(args.src_dir, args.dst_root)
+    if problems:
+        raise OrganizeError("\n  ".join(problems))
     src_dir, dst_root = args.src_dir.resolve(), args.dst_root.resolve()
-    if args.mode == "link" and not problems and src_dir.stat().st_dev != device_of_nearest_existing(dst_root):
+    if args.mode == "link" and src_dir.stat().st_dev != device_of_nearest_existing(dst_root):
         problems.append(
             "--mode link needs --src-dir and --dst-root on the same filesystem (hard links cannot cross "
             "filesystems); use --mode copy or --mode symlink"

@@ -33,6 +33,20 @@ class ExperimentLockedError(TrainError):
     """Another live run holds the experiment's lock."""
 
 
+def broken_link(path: Path) -> str | None:
+    """How a path that is a symbolic link fails to lead anywhere ("is a symbolic link to X, which does not exist"),
+    or None when it is no link or leads somewhere."""
+    if not path.is_symlink() or path.exists():
+        return None
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+    except (RuntimeError, OSError):  # a loop: RuntimeError up to Python 3.12, OSError (ELOOP) from 3.13
+        pass
+    return f"is a symbolic link that leads back to itself (a loop through {os.readlink(path)})"
+
+
 def unreadable(path: Path) -> str | None:
     """Why `path` cannot be read, as the OS says it with the path ("Permission denied: /data/raw"), or None when it
     can: a folder must list, a regular file must open. A path that does not exist (or is a pipe or a device) is None:

@@ -164,6 +164,8 @@ def make_odd_inputs(odd: Path) -> None:
     (odd / "broken_link").mkdir()
     os.symlink(odd / "nowhere.txt", odd / "broken_link" / "a.txt")
     (odd / "broken_link" / "b.txt").write_text("text beside a broken link\n")
+    os.symlink("loop", odd / "loop")  # a link to itself
+    os.symlink(odd / "nowhere", odd / "dangling")
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -294,6 +296,17 @@ OPTION_CASES = [
 
 FOLDER_CASES = [
     data_hf_case("--data_folder that does not exist", on("no_such_folder"), "does not exist", "pass the folder"),
+    data_hf_case(
+        "--data_folder a link that loops",
+        lambda r: ["--data_folder", r.parent / "odd" / "loop", "--save_dir", r / NEW],
+        "is a symbolic link that leads back to itself (a loop through loop)",
+    ),
+    data_hf_case(
+        "--data_folder a link to nowhere",
+        lambda r: ["--data_folder", r.parent / "odd" / "dangling", "--save_dir", r / NEW],
+        "is a symbolic link to",
+        "nowhere, which does not exist",
+    ),
     data_hf_case(
         "--data_folder a named pipe",
         lambda r: ["--data_folder", r.parent / "odd" / "pipe.txt", "--save_dir", r / NEW],

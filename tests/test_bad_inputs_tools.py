@@ -24,6 +24,11 @@ def odd_source(root: Path) -> Path:
     return root.with_name(root.name + "_odd")
 
 
+def links_of(root: Path) -> Path:
+    """A link that loops and one to nowhere: beside the odd source, which cases read whole."""
+    return root.with_name(root.name + "_links")
+
+
 def make_tool_folders(root: Path) -> Path:
     """The folders these two tools meet besides the shared ones: a finished split and damaged copies of it, an empty
     source, models model_download.py left (a download, an --init, a partial download) and a config that is not JSON."""
@@ -61,6 +66,10 @@ def make_tool_folders(root: Path) -> Path:
     (odd / "sub" / "loop").symlink_to("..")
     (odd / "broken.txt").symlink_to("nowhere.txt")
     os.mkfifo(odd / "pipe.txt")
+    links = links_of(root)
+    links.mkdir()
+    (links / "loop").symlink_to("loop")
+    (links / "dangling").symlink_to("nowhere")
     return root
 
 
@@ -74,6 +83,25 @@ ORGANIZE_CASES = [
         "--src-dir",
         "does not exist",
         "point --src-dir at the folder with your raw files",
+    ),
+    organize(
+        "--src-dir a link that loops",
+        lambda r: [R, links_of(r) / "loop", D, r / "new"],
+        "--src-dir",
+        "is a symbolic link that leads back to itself",
+        "fix the link, or pass another path",
+    ),
+    organize(
+        "--dst-root a link that loops",
+        lambda r: [R, r / "raw", D, links_of(r) / "loop"],
+        "--dst-root",
+        "is a symbolic link that leads back to itself",
+    ),
+    organize(
+        "--dst-root a link to nowhere",
+        lambda r: [R, r / "raw", D, links_of(r) / "dangling"],
+        "--dst-root",
+        "nowhere, which does not exist",
     ),
     organize(
         "--src-dir a file",

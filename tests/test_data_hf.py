@@ -153,6 +153,30 @@ def test_unsafe_yaml_tag_never_executes(tmp_path: Path) -> None:
     assert summary_of(tmp_path / "out")["counts_by_reason"] == {"yaml_unsupported_tag": 2}
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_yaml_dates_are_text_and_values_their_tag_cannot_hold_skip_the_file(
+    tmp_path: Path, monkeypatch, streamed: bool
+) -> None:
+    if streamed:
+        monkeypatch.setattr(reading, "MIN_PIECE_BYTES", 16)
+    data = write_files(
+        tmp_path / "data",
+        {
+            # 2023 is no leap year; the comments make the files longer than a streamed piece
+            "post.yaml": "title: post\ndate: 2023-02-29\nwhen: 2001-12-14t21:59:43.10-05:00\n# " + "x" * 200,
+            "int.yaml": "ok: first\n---\nn: !!int abc\n# " + "x" * 200,
+            "float.yaml": "x: !!float xyz\n",
+        },
+    )
+    limit = {"max_chars": 30} if streamed else {}
+    assert read_file(data / "post.yaml", **limit).rows == ["post", "2023-02-29", "2001-12-14t21:59:43.10-05:00"]
+    second = read_file(data / "int.yaml", **limit)
+    assert second.rows == ["first"] and reasons(second) == ["invalid_yaml"]
+    assert "int()" in second.problems[0].detail
+    assert convert(data, tmp_path / "out") == 0
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"invalid_yaml": 2}
+
+
 @pytest.mark.parametrize(
     ("name", "content", "reason"),
     [

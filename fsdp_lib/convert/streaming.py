@@ -17,8 +17,19 @@ from itertools import accumulate
 import yaml
 
 _JSON_DECODER = json.JSONDecoder()
+
+
+def _dates_as_written(loader: type) -> type:
+    """The safe loader with dates and timestamps kept as the text written: JSON has no date type, a date is text
+    worth training on, and an impossible one (2023-02-29) would otherwise fail the whole document."""
+    kept = type(f"Text{loader.__name__}", (loader,), {})
+    kept.add_constructor("tag:yaml.org,2002:timestamp", yaml.constructor.SafeConstructor.construct_yaml_str)
+    return kept
+
+
 # The C loader is about 10x faster; both construct with SafeConstructor, so no tag can run code.
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_YAML_LOADER = _dates_as_written(getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+_YAML_PY_LOADER = _dates_as_written(yaml.SafeLoader)
 # libyaml's composer, behind CSafeLoader, recurses in C once per nesting level and kills the process (a segfault,
 # not an exception) somewhere between 10,000 and 100,000 levels with an 8 MB stack. A text that might nest deeper
 # than YAML_C_MAX_DEPTH goes to the pure-Python loader instead, whose recursion ends in a RecursionError.
@@ -159,4 +170,4 @@ class YamlDepthBound:
 
 def yaml_loader(depth: YamlDepthBound) -> type:
     """The safe loader for YAML of that depth bound: the C one, unless it might recurse too deep for it."""
-    return yaml.SafeLoader if depth.may_exceed() else _YAML_LOADER
+    return _YAML_PY_LOADER if depth.may_exceed() else _YAML_LOADER
