@@ -70,7 +70,7 @@ from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers, unpair_into
 from fsdp_lib.errors import broken_link, file_above, unreadable
 from fsdp_lib.interrupts import exit_without_teardown, interrupt_exit_code, sigterm_as_interrupt
-from fsdp_lib.markers import enclosing_folder, folder_kind
+from fsdp_lib.markers import enclosing_folder, folder_kind, unfinished_splits
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import DATASET_COLUMNS
 
@@ -200,6 +200,12 @@ def _data_folder_problems(args: argparse.Namespace) -> list[str]:
         elif folder.suffix.lower() in NOT_TEXT_ENDINGS:
             fix = "data_hf.py reads text files only: convert it to .jsonl or text first"
         errors.append(f"--data_folder {folder} is a file {ending}, which --extensions does not list; {fix}")
+    elif manifest := unfinished_splits(folder):
+        errors.append(
+            f"--data_folder {folder}: organize_data.py has not finished these split folders ({manifest} says "
+            '"complete": false), so files are missing from them; rerun the same organize_data.py command to finish, '
+            "then convert"
+        )
     elif (kind := folder_kind(folder)) is not None and kind.kind != "split folders":
         instead = (
             f"train on it with fsdp_train.py -d {folder}"

@@ -57,6 +57,21 @@ class FolderKind:
         return f"inside {folder}, {self.what} ({self.evidence})"
 
 
+def unfinished_splits(folder: Path) -> Path | None:
+    """The manifest of split folders that organize_data.py began and has not finished (interrupted, or rerunning
+    with another plan), when `folder` is those split folders or one of them; else None. Some files are still
+    missing from them, or still in their earlier places."""
+    for candidate in (folder, folder.parent):
+        manifest = candidate / SPLITS_MANIFEST
+        try:
+            value: Any = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, dict) and value.get("complete") is False:
+            return manifest
+    return None
+
+
 def _json_keys(path: Path) -> set[str]:
     try:
         value: Any = json.loads(path.read_text(encoding="utf-8"))

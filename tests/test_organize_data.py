@@ -16,7 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from datasets import load_from_disk
 
+import data_hf
 import organize_data
 from fsdp_lib.organize.place import split_lock, temp_path_for
 from fsdp_lib.organize.plan import (
@@ -291,6 +293,17 @@ def test_rerun_finishes_an_interrupted_run(
     assert manifest_of(dst)["complete"] is False
     assert len(split_files(dst)) == 5  # four finished files and the partial temp file
     assert not calls[4].exists()
+    # data_hf.py does not convert the unfinished split as if it were whole, nor one of its folders
+    for folder in (dst, next(dst.glob("split_*"))):
+        assert data_hf.main(["--data_folder", str(folder), "--save_dir", str(tmp_path / "ds")]) == 1
+        assert "organize_data.py has not finished these split folders" in capsys.readouterr().err
+    assert not (tmp_path / "ds").exists()
+    (tmp_path / "above").mkdir()
+    (tmp_path / "above" / "notes.txt").write_text("text beside the split\n")
+    os.symlink(dst, tmp_path / "above" / "splits")
+    assert data_hf.main(["--data_folder", str(tmp_path / "above"), "--save_dir", str(tmp_path / "ds")]) == 0
+    assert "has not finished; not read: rerun organize_data.py" in capsys.readouterr().out
+    assert load_from_disk(str(tmp_path / "ds"))["text"] == ["text beside the split\n"]
 
     monkeypatch.undo()
     code, out, _ = run(capsys, *argv)
@@ -300,6 +313,7 @@ def test_rerun_finishes_an_interrupted_run(
     assert content_hashes(placed) == content_hashes([src / n for n in expected_sources(src)])
     assert not any(p.name.endswith(TMP_SUFFIX) for p in placed)
     assert manifest_of(dst)["complete"] is True
+    assert data_hf.main(["--data_folder", str(dst), "--save_dir", str(tmp_path / "ds2")]) == 0
 
 
 @pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

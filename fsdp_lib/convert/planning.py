@@ -13,7 +13,7 @@ from pathlib import Path
 from fsdp_lib.convert.extraction import RECORD_FORMATS, Extraction
 from fsdp_lib.convert.reading import file_kind, unicode_file
 from fsdp_lib.convert.results import Problem
-from fsdp_lib.markers import folder_kind
+from fsdp_lib.markers import SPLITS_MANIFEST, folder_kind, unfinished_splits
 
 # Small files are grouped into tasks of about this much input so that per-task overhead stays negligible.
 TASK_BYTES = 2 << 20
@@ -125,6 +125,9 @@ def _tool_output(folder: Path) -> Problem | None:
     """A folder a tool wrote (a dataset, an experiment, a model, the token cache), never read as raw data: its
     metadata, tokenizer and state files would become text rows. Split folders are raw files and are read."""
     kind = folder_kind(folder)
+    if kind is not None and kind.kind == "split folders" and unfinished_splits(folder) == folder / SPLITS_MANIFEST:
+        detail = f"{kind.describe(folder)} that it has not finished; not read: rerun organize_data.py to finish them"
+        return Problem(str(folder), "not_raw_data", detail)
     if kind is None or kind.kind == "split folders":
         return None
     return Problem(str(folder), "not_raw_data", f"{kind.describe(folder)}; not read as raw files")
