@@ -379,6 +379,36 @@ def test_large_json_and_yaml_are_streamed_with_the_same_rows(tmp_path: Path, mon
     assert streamed_files[2:] == ["legacy.json", "binary.json"]
 
 
+@pytest.mark.parametrize("flags", [("text", "strings"), ("text", "records"), ("auto", "strings"), ("chat", "strings")])
+def test_a_json_files_records_do_not_depend_on_its_size(tmp_path: Path, monkeypatch, flags: tuple[str, str]) -> None:
+    """A top-level object is one record whether the file is read whole or streamed (a large file): streamed, it was
+    read member by member, so one conversation with a large extra field became text rows, and an object of
+    conversations keyed by id, refused when small, gave one conversation per member when large."""
+    turns = [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer"}]
+    shapes = {
+        "one.json": {"messages": turns, "logprobs": [0.5] * 50},
+        "keyed.json": {f"id{i}": {"messages": turns} for i in range(3)},
+        "wrapped.json": {"data": [{"messages": turns}] * 3},
+        "listed.json": [{"messages": turns}] * 3,
+    }
+    for name, value in shapes.items():
+        (tmp_path / name).write_text(json.dumps(value))
+    data_format, json_mode = flags
+
+    def read_all() -> dict[str, tuple]:
+        found = {}
+        for name in shapes:
+            result = read_file(tmp_path / name, data_format=data_format, json_mode=json_mode)
+            found[name] = (result.rows, reasons(result))
+        return found
+
+    small = read_all()
+    monkeypatch.setattr(reading, "piece_bytes_for", lambda max_chars: 16)  # every file is "large": streamed
+    assert read_all() == small
+    if data_format == "chat":
+        assert [len(small[name][0]) for name in shapes] == [1, 0, 0, 3]
+
+
 # --- Finding files ------------------------------------------------------------------------------------------
 
 

@@ -239,7 +239,8 @@ def _parses(text: str) -> bool:
 
 def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[Row]:
     """Rows of a large JSON or YAML file, parsed from the open file one element or document at a time. A top-level
-    JSON object is read member by member here, whatever the mode, so that memory stays flat."""
+    JSON object is one record, read whole, where records are wanted (extraction.whole_records), as in a small file;
+    with --format text --json-mode strings it is read member by member (the same rows), so that memory stays flat."""
     unicode = unicode_file(path)
     has_nul, encoding, depth = (False, unicode, _UNSCANNED) if unicode else _scan_large_file(path)
     result.bytes_read = os.path.getsize(path)
@@ -250,7 +251,7 @@ def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extrac
         result.fallback_encoding = encoding
     with open(path, encoding=encoding, newline="") as fh:
         if kind == "json":
-            yield from _json_items(fh.read, result, extraction, whole_objects=False)
+            yield from _json_items(fh.read, result, extraction, whole_objects=extraction.whole_records)
         else:
             yield from _yaml_items(fh, yaml_loader(depth), result, extraction)
 
