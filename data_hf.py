@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -217,7 +218,9 @@ def _data_folder_problems(args: argparse.Namespace) -> list[str]:
         errors.append(f"--extensions is empty; e.g. --extensions {' '.join(DEFAULT_EXTENSIONS)}")
     for ending in args.extensions:
         if ending == "." or any(char in ending for char in "*?[]/\\"):
-            errors.append(f"--extensions {ending} is not a file ending; give endings such as txt or .md (no "
+            typed = ending[1:] or ending  # as given: normalize_extensions put the dot in front
+            example = f"--extensions {m[1]}" if (m := re.fullmatch(r"\*\.(\w+)", typed)) else "txt or .md"
+            errors.append(f"--extensions {typed} is not a file ending; give endings such as {example} (no "
                           "wildcards, no paths)")  # fmt: skip
     return errors
 

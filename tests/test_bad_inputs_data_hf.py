@@ -259,7 +259,12 @@ OPTION_CASES = [
     data_hf_case("--val-fraction -0.1", on("raw", "--val-fraction", "-0.1"), "--val-fraction -0.1 must be in [0, 1)"),
     data_hf_case("--val-fraction nan", on("raw", "--val-fraction", "nan"), "--val-fraction nan must be in [0, 1)"),
     data_hf_case("--extensions ''", on("raw", "--extensions", ""), "--extensions is empty; e.g. --extensions .txt"),
-    data_hf_case("--extensions as a glob", on("raw", "--extensions", "*.txt"), "is not a file ending", "no wildcards"),
+    data_hf_case(
+        "--extensions as a glob",
+        on("raw", "--extensions", "*.txt"),
+        "--extensions *.txt is not a file ending",
+        "--extensions txt",
+    ),
     data_hf_case("--extensions '.'", on("raw", "--extensions", "."), "--extensions . is not a file ending"),
     data_hf_case(
         "--min-chars above every row",

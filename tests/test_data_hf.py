@@ -209,6 +209,7 @@ def test_malformed_json_keeps_the_values_before_the_error(tmp_path: Path) -> Non
     result = read_file(path)
     assert result.rows == ["first", "second"]
     assert reasons(result) == ["invalid_json"] and "read 2 value(s)" in result.problems[0].detail
+    assert "Unterminated string starting at line 1 (char 40)" in result.problems[0].detail  # "at" said once
     deep = tmp_path / "deep_after_good.json"
     deep.write_text('["kept", ' + "[" * 100_000 + "]" * 100_000 + ', "lost"]')
     result = read_file(deep)
@@ -317,6 +318,13 @@ def test_split_long_text_keeps_content_and_limit_and_prefers_blank_lines() -> No
     one_line = "x" * 1000
     assert split_long_text(one_line, 300) == ["x" * 300] * 3 + ["x" * 100]
     assert split_long_text("short", 10) == ["short"]
+
+
+def test_extra_rows_from_splitting_counts_only_rows_kept(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x" * 30 + "\n" + " " * 15)  # 3 rows of text, then a whitespace tail
+    result = read_file(tmp_path / "a.txt", max_chars=10)
+    assert result.rows == ["x" * 10] * 3
+    assert result.extra_rows_from_splitting == 2 and result.dropped_empty >= 1  # the tail: dropped, not extra
 
 
 def test_large_text_file_is_read_in_pieces_that_tile_it_exactly(tmp_path: Path, monkeypatch) -> None:

@@ -205,11 +205,13 @@ def test_find_source_files_does_not_follow_a_symlink_loop(src: Path) -> None:
     (src / "a" / "loop").symlink_to(src, target_is_directory=True)  # a/loop -> raw: endless if followed
     (src / "linked_file.txt").symlink_to(src / "a" / "notes.txt")
     (src / "dangling.txt").symlink_to(src / "missing.txt")
+    (src / "zero.txt").symlink_to("/dev/zero")  # leads somewhere, to no regular file: never read
     scan = find_source_files(src, [".txt"])
     names = [f.rel_path for f in scan.files]
     assert not any(name.startswith("a/loop/") for name in names)
     assert "linked_file.txt" in names  # a symlinked file is data
-    assert any("a/loop" in s for s in scan.skipped) and any("dangling.txt" in s for s in scan.skipped)
+    assert any("a/loop" in s for s in scan.skipped)
+    assert "dangling.txt (broken symlink)" in scan.skipped and "zero.txt (not a regular file)" in scan.skipped
 
 
 # --------------------------------------------------------------------------------------------------------

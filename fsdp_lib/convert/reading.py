@@ -366,15 +366,17 @@ def iter_rows(
             result.strings_found += 1
             from_conversation = isinstance(item, ConversationText)
             rows = split_long_text(item, max_chars) if len(item) > max_chars else (item,)
-            result.extra_rows_from_splitting += len(rows) - 1
+            kept = 0
             for row in rows:
                 if not row or row.isspace():
                     result.dropped_empty += 1
                 elif min_chars and (len(row) < min_chars or len(row.strip()) < min_chars):
                     result.dropped_short += 1
                 else:
+                    kept += 1
                     result.rows_from_conversations += from_conversation
                     yield str(row)
+            result.extra_rows_from_splitting += max(kept - 1, 0)  # rows kept beyond the string's one
     except OSError as err:
         result.problems.append(Problem(str(path), "read_error", err.strerror or str(err)))
 

@@ -73,6 +73,7 @@ class _JsonReader:
 
     def error(self, reason: str, message: str, pos: int) -> JsonStreamError:
         line = self._lines_before + self.buf.count("\n", 0, pos) + 1
+        message = message.removesuffix(" at")  # json's "Unterminated string starting at" says where itself
         return JsonStreamError(reason, f"{message} at line {line} (char {self._chars_before + pos})")
 
     def peek(self) -> str:

@@ -267,7 +267,7 @@ def find_source_files(src_dir: Path, extensions: Sequence[str]) -> SourceScan:
                 continue
             elif entry.is_file():
                 files.append(SourceFile(rel_path, entry.stat().st_size))
-            elif entry.is_symlink():
+            elif entry.is_symlink() and not os.path.exists(entry.path):
                 skipped.append(f"{rel_path} (broken symlink)")
             else:  # a named pipe, socket or device: reading one could block forever
                 skipped.append(f"{rel_path} (not a regular file)")
