@@ -173,6 +173,11 @@ def validate_args(args: argparse.Namespace) -> list[str]:
                 "--dataset downloads a dataset into the HF_HOME cache: drop --model-name/--init/--verify-only/--local-dir"
             )
     problems += value_problems(args)
+    if args.verify_only and args.local_dir and args.revision:
+        problems.append(
+            "--revision applies to downloads and the cache: --verify-only --local-dir checks that folder as it is; "
+            "drop --revision"
+        )
     if args.verify_only and args.force_download:
         problems.append("--force-download fetches every file again, --verify-only fetches nothing: drop one of them")
     if args.init:
@@ -243,7 +248,7 @@ def run_dataset_download(args: argparse.Namespace) -> int:
 
 def run_verify_only(args: argparse.Namespace) -> int:
     if args.local_dir:
-        reverify_folder(Path(args.local_dir).resolve())
+        reverify_folder(Path(args.local_dir).resolve(), args.model_name)
         return 0
     folder = cached_model_folder(args.model_name, args.revision)
     source = {"model_name": args.model_name, "revision": args.revision, "commit": folder.name}

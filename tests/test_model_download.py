@@ -11,8 +11,10 @@ import fnmatch
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -287,6 +289,56 @@ def test_no_network_says_to_copy_hf_home(tmp_path: Path):
     assert "copy HF_HOME from one that has internet" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_hub_that_accepts_and_never_answers_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys):
+    """A dead proxy: the connection is accepted and nothing comes back. huggingface_hub waits for ever by default."""
+    from huggingface_hub import constants
+
+    import fsdp_lib.hub.download as download
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(download, "HUB_TIMEOUT_S", 0.5)
+        started = time.monotonic()
+        assert md.main(["--model-name", REPO_ID, "--local-dir", str(tmp_path / "m")]) == 1
+    assert time.monotonic() - started < 30
+    assert "cannot reach the hub" in capsys.readouterr().err
+
+
+def test_a_local_dir_knows_its_repository_and_keeps_files_edited_since(
+    hub: FakeHub, served_model: Path, tmp_path: Path, capsys
+):
+    """The folder's repository is noted before the first file is fetched, so a rerun knows it when verification
+    never finished, and a --verify-only in between keeps it; a file edited since the download is not fetched over."""
+    hub.add_folder("org/other", served_model)
+    folder, hf_home = tmp_path / "model", tmp_path / "hf_home"
+    download = ["--model-name", REPO_ID, "--local-dir", str(folder)]
+    assert run_cli(download, hf_home, hub.url).returncode == 0
+    (folder / VERIFICATION_RECORD).unlink()  # as a Ctrl-C during verification leaves it
+    assert md.main(["--verify-only", "--local-dir", str(folder)]) == 0
+    assert read_verification_record(folder)["source"]["model_name"] == REPO_ID  # was {"local_dir": ...}
+    rerun = run_cli(download, hf_home, hub.url)
+    assert rerun.returncode == 0, rerun.stderr  # was refused: "holds a model made with --init None"
+
+    (folder / VERIFICATION_RECORD).unlink()
+    other = run_cli(["--model-name", "org/other", "--local-dir", str(folder)], hf_home, hub.url)
+    assert other.returncode == 1  # was accepted: two models' files in one folder
+    assert f"holds {REPO_ID} (.cache/huggingface/model_download_source.json)" in other.stderr
+    assert md.main(["--verify-only", "--local-dir", str(folder), "--model-name", "org/other"]) == 1
+    assert f"holds {REPO_ID}, not --model-name org/other" in capsys.readouterr().err
+
+    config = folder / "tokenizer_config.json"
+    edited = config.read_text().replace("{", '{"chat_template": "MINE", ', 1)
+    config.write_text(edited)
+    os.utime(config, (time.time() + 5, time.time() + 5))  # past huggingface_hub's 1 s tolerance, however fast
+    kept = run_cli(download, hf_home, hub.url)
+    assert kept.returncode == 1
+    assert "tokenizer_config.json changed since downloaded" in kept.stderr and "--force-download" in kept.stderr
+    assert config.read_text() == edited
+
+
 def test_download_refused_when_offline_mode_is_set(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     from huggingface_hub import constants
 
@@ -361,6 +413,14 @@ def test_verification_catches_a_missing_shard_and_a_wrong_shape(model_copy: Path
     assert code == 1
     assert "shard model-00001-of-00003.safetensors listed in model.safetensors.index.json is missing" in output
     assert f"{name} in model-00002-of-00003.safetensors: shape [3, 3]" in output
+
+
+def test_a_single_weight_file_beside_an_index_is_two_models(model_copy: Path, capsys):
+    """transformers loads model.safetensors before an index, this toolkit the index's shards: refused, not guessed."""
+    shutil.copy(model_copy / "model-00001-of-00003.safetensors", model_copy / "model.safetensors")
+    code, output = verify(model_copy, capsys)
+    assert code == 1
+    assert "holds both model.safetensors and model.safetensors.index.json (3 other files)" in output
 
 
 def test_a_stale_record_is_removed_when_verification_fails(model_copy: Path, capsys):

@@ -17,12 +17,22 @@ from typing import Any
 from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
-from fsdp_lib.hub.verify import VERIFICATION_RECORD, remove_verification_record
+from fsdp_lib.hub.verify import (
+    DOWNLOAD_SOURCE,
+    VERIFICATION_RECORD,
+    folder_source,
+    remove_verification_record,
+    write_download_source,
+)
 from fsdp_lib.markers import WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind
 from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes
 
 OFFLINE_HINT = "on an offline machine copy HF_HOME from one that has internet"
+# Seconds a request for a repository's file list may wait to connect or between bytes: huggingface_hub's own default
+# is none, so a server that accepts and never answers (a dead proxy) hung the download for ever. Its file downloads
+# have their own timeouts (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT).
+HUB_TIMEOUT_S = 60.0
 
 # A hub id: NAME or ORG/NAME, each part letters, digits, '-', '_' and '.', at most 96 characters.
 HUB_ID_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?|[A-Za-z0-9]")
@@ -217,7 +227,7 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
 
     if constants.HF_HUB_OFFLINE:
         raise ToolError(offline_mode_message(repo_id))
-    info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True)
+    info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
     snapshot = HubSnapshot(repo_id, revision, local_dir, token, force, info.sha or revision, sizes)
     plan = plan_download(sizes)
@@ -226,7 +236,16 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
     needed = sum(sizes[name] for name in plan.metadata_files + weight_bound if force or not snapshot.is_present(name))
     target = local_dir or Path(constants.HF_HUB_CACHE)
     check_free_space(needed, free_disk_bytes(target), target)
+    if local_dir is not None and not force and (edited := edited_since_download(local_dir, [*sizes])):
+        raise ToolError(
+            f"--local-dir {local_dir}: {name_sample(edited)} changed since downloaded (modified after "
+            "huggingface_hub's note of the download): a rerun would replace them with the hub's copies. Keep your "
+            f"version elsewhere first, or check the folder as it is with --verify-only --local-dir {local_dir}; "
+            "--force-download replaces them"
+        )
 
+    if local_dir is not None:
+        write_download_source(local_dir, {"model_name": repo_id, "revision": revision})
     log(f"{repo_id} @ {revision} (commit {info.sha}): fetching {len(plan.metadata_files)} config/tokenizer files")
     folder = snapshot.fetch(plan.metadata_files)
     remove_verification_record(folder)  # from here until verification passes, the folder is not complete
@@ -245,6 +264,22 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
         raise ToolError(f"{repo_id} @ {revision} moved to a new commit during the download; rerun")
     note_partial_files(folder)
     return folder
+
+
+def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
+    """The files of an earlier download into local_dir modified after huggingface_hub noted their download (its
+    .cache/huggingface/download/NAME.metadata: commit, etag, time), which a rerun would fetch again over them."""
+    edited = []
+    for name in names:
+        note = local_dir / ".cache" / "huggingface" / "download" / f"{name}.metadata"
+        try:
+            downloaded_at = float(note.read_text().splitlines()[2])
+            modified_at = (local_dir / name).stat().st_mtime
+        except (OSError, ValueError, IndexError):
+            continue
+        if modified_at - 1 > downloaded_at:  # huggingface_hub's own tolerance for imprecise mtimes
+            edited.append(name)
+    return edited
 
 
 def note_partial_files(folder: Path) -> None:
@@ -295,11 +330,12 @@ def check_download_target(local_dir: Path, repo_id: str) -> None:
     kind = folder_kind(local_dir)
     if kind is not None and kind.kind != "model":
         raise ToolError(f"--local-dir {kind.describe(local_dir)}; a download writes into it: choose a new --local-dir")
-    earlier = _recorded_source(local_dir)
+    earlier = folder_source(local_dir)
     if earlier and earlier.get("model_name") != repo_id:
         what = earlier.get("model_name") or f"a model made with --init {earlier.get('init')}"
+        said = VERIFICATION_RECORD if (local_dir / VERIFICATION_RECORD).is_file() else DOWNLOAD_SOURCE
         raise ToolError(
-            f"--local-dir {local_dir} holds {what} ({VERIFICATION_RECORD}); downloading {repo_id} into it would mix"
+            f"--local-dir {local_dir} holds {what} ({said}); downloading {repo_id} into it would mix"
             " two models' files: choose a new --local-dir"
         )
     if not earlier and not (local_dir / ".cache" / "huggingface").is_dir():
@@ -307,13 +343,3 @@ def check_download_target(local_dir: Path, repo_id: str) -> None:
             f"--local-dir {local_dir} is not empty and holds no earlier download by model_download.py (no"
             " .cache/huggingface); choose a new or empty --local-dir"
         )
-
-
-def _recorded_source(folder: Path) -> dict[str, Any]:
-    """The `source` of the folder's verification record, even when a weight file changed since; {} when none."""
-    try:
-        record = json.loads((folder / VERIFICATION_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
-    source = record.get("source") if isinstance(record, dict) else None
-    return source if isinstance(source, dict) else {}

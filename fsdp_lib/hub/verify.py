@@ -26,6 +26,8 @@ from fsdp_lib.model.memory_plan import (
 )
 
 LORA_RANK = 16  # fsdp_train.py's --lora-rank default, for the memory table
+# In a --local-dir download, beside huggingface_hub's own notes: the repository and revision it fetches.
+DOWNLOAD_SOURCE = Path(".cache") / "huggingface" / "model_download_source.json"
 
 
 @dataclass
@@ -201,6 +203,31 @@ def remove_verification_record(folder: Path) -> None:
     (folder / VERIFICATION_RECORD).unlink(missing_ok=True)
 
 
+def write_download_source(folder: Path, source: dict[str, Any]) -> None:
+    """Note, before a --local-dir download fetches its first file, which repository the folder holds, so that a rerun
+    knows it even when verification never finished (interrupted, or its record removed)."""
+    path = folder / DOWNLOAD_SOURCE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(source) + "\n")
+    os.replace(tmp, path)
+
+
+def folder_source(folder: Path) -> dict[str, Any]:
+    """Where a model folder came from ({"model_name": ...} or {"init": ...}): its verification record's source (even
+    when a weight file changed since), else the note a --local-dir download wrote before fetching; {} when neither
+    says."""
+    for path in (folder / VERIFICATION_RECORD, folder / DOWNLOAD_SOURCE):
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        source = value.get("source", value) if isinstance(value, dict) else None
+        if isinstance(source, dict) and ("model_name" in source or "init" in source):
+            return source
+    return {}
+
+
 def verify_and_record(
     folder: Path, load_name: str, revision: str | None, source: dict[str, Any], require_weights: bool
 ) -> None:
@@ -218,8 +245,9 @@ def verify_and_record(
         log(f"offline use: export HF_HOME={hf_home} HF_HUB_OFFLINE=1, then load {load_name} by name")
 
 
-def reverify_folder(folder: Path) -> None:
-    """--verify-only --local-dir: verify a downloaded or --init folder again, keeping the source its record names."""
+def reverify_folder(folder: Path, model_name: str | None = None) -> None:
+    """--verify-only --local-dir: verify a downloaded or --init folder again, keeping the source its record (or its
+    download's note) names; with --model-name, the folder must hold that model."""
     if not folder.exists():
         raise ToolError(f"--local-dir {folder} does not exist; pass the folder of a downloaded or --init model")
     if not folder.is_dir():
@@ -230,7 +258,10 @@ def reverify_folder(folder: Path) -> None:
     if not (folder / "config.json").is_file():
         raise ToolError(f"--local-dir {folder} has no config.json; download or --init the model first")
     previous = read_verification_record(folder) or {}
-    source = previous.get("source") or {"local_dir": str(folder)}
+    source = folder_source(folder) or {"local_dir": str(folder)}
+    if model_name is not None and "local_dir" not in source and source.get("model_name") != model_name:
+        held = source.get("model_name") or f"a model made with --init {source.get('init')}"
+        raise ToolError(f"--local-dir {folder} holds {held}, not --model-name {model_name}: check both flags")
     # Only an --init folder made without --with-weights may lack weights; anything else without them is broken.
     weightless_init = "init" in source and not previous.get("weight_files")
     verify_and_record(folder, str(folder), None, source, require_weights=not weightless_init)

@@ -16,6 +16,7 @@ from fsdp_lib.markers import VERIFICATION_RECORD
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
+SAFETENSORS_SINGLE, BIN_SINGLE = "model.safetensors", "pytorch_model.bin"  # what transformers loads before an index
 # bytes per element of each safetensors dtype tag (https://github.com/huggingface/safetensors format spec)
 SAFETENSORS_DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -51,6 +52,13 @@ def hf_weight_files(folder: Path) -> tuple[list[str], list[str]]:
                 return [], [f"{folder}/{exc}"]
             missing = [name for name in shards if not (folder / name).is_file()]
             problems = [f"shard {name} listed in {index_name} is missing from {folder}" for name in missing]
+            single = SAFETENSORS_SINGLE if index_name == SAFETENSORS_INDEX else BIN_SINGLE
+            if single not in shards and (folder / single).is_file():
+                problems.append(
+                    f"{folder} holds both {single} and {index_name} ({len(shards)} other files): two sets of weights, "
+                    f"of which transformers loads {single} and this toolkit the index's; remove the set that is not "
+                    "this model's (or download it again into a new folder)"
+                )
             return [name for name in shards if name not in missing], problems
     names = sorted(path.name for path in folder.glob("*.safetensors") if path.is_file())
     names = [name for name in names if not name.startswith(("consolidated", "adapter_model"))]
