@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="re-fetch every file even if already present (repairs a corrupt file)",
     )
+    source.add_argument(
+        "--checksums",
+        action="store_true",
+        help="also compare every file's bytes with the hub's checksums (SHA-256 of the weights), after a download"
+        " or with --verify-only: finds a file corrupted at its own size, at the cost of reading the whole model",
+    )
     scratch = parser.add_argument_group("new model from scratch")
     scratch.add_argument(
         "--init",
@@ -178,6 +184,11 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             "--revision applies to downloads and the cache: --verify-only --local-dir checks that folder as it is; "
             "drop --revision"
         )
+    if args.checksums and (args.init or args.dataset):
+        problems.append(
+            f"--checksums compares a downloaded model's files with the hub's; {'--init' if args.init else '--dataset'}"
+            " has none to compare: drop --checksums"
+        )
     if args.verify_only and args.force_download:
         problems.append("--force-download fetches every file again, --verify-only fetches nothing: drop one of them")
     if args.init:
@@ -235,7 +246,7 @@ def run_download(args: argparse.Namespace) -> int:
     source = {"model_name": args.model_name, "revision": args.revision, "commit": None if local_dir else folder.name}
     # verify exactly as training will load it: by hub id from the cache, offline, or as a folder
     load_name, revision = (args.model_name, args.revision) if local_dir is None else (str(folder), None)
-    verify_and_record(folder, load_name, revision, source, require_weights=True)
+    verify_and_record(folder, load_name, revision, source, True, args.checksums)
     return 0
 
 
@@ -248,11 +259,11 @@ def run_dataset_download(args: argparse.Namespace) -> int:
 
 def run_verify_only(args: argparse.Namespace) -> int:
     if args.local_dir:
-        reverify_folder(Path(args.local_dir).resolve(), args.model_name)
+        reverify_folder(Path(args.local_dir).resolve(), args.model_name, args.checksums)
         return 0
     folder = cached_model_folder(args.model_name, args.revision)
     source = {"model_name": args.model_name, "revision": args.revision, "commit": folder.name}
-    verify_and_record(folder, args.model_name, args.revision, source, require_weights=True)
+    verify_and_record(folder, args.model_name, args.revision, source, True, args.checksums)
     return 0
 
 

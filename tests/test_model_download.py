@@ -141,7 +141,9 @@ def assert_same_files(folder: Path, served: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_download_fetches_training_files_only_then_verifies_offline(hub: FakeHub, served_model: Path, tmp_path: Path):
+def test_download_fetches_training_files_only_then_verifies_offline(
+    hub: FakeHub, served_model: Path, tmp_path: Path, capsys
+):
     hf_home = tmp_path / "hf_home"
     hub.repos[REPO_ID].gated_token = "hf_from_env"  # also shows HF_TOKEN reaches the hub
     result = run_cli(["--model-name", REPO_ID], hf_home, hub.url, env_extra={"HF_TOKEN": "hf_from_env"})
@@ -163,11 +165,25 @@ def test_download_fetches_training_files_only_then_verifies_offline(hub: FakeHub
     # The training machine: no hub at all, HF_HUB_OFFLINE=1, load by name from the copied HF_HOME.
     requests_before = len(hub.requests)
     offline = run_cli(
-        ["--model-name", REPO_ID, "--verify-only"], hf_home, f"http://127.0.0.1:{closed_port()}", offline=True
+        ["--model-name", REPO_ID, "--verify-only", "--checksums"],
+        hf_home,
+        f"http://127.0.0.1:{closed_port()}",
+        offline=True,
     )
     assert offline.returncode == 0, offline.stderr
     assert "verified org/tiny @ main" in offline.stdout
+    assert f"checksums: {len(list(served_model.iterdir()))} file(s) match the hub's" in offline.stdout
     assert len(hub.requests) == requests_before
+
+    # A byte changed at the file's own size: the headers and sizes still pass; only the checksums see it.
+    shard = snapshot / "model-00002-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))  # through the symlink, into the blob
+    assert md.main(["--verify-only", "--local-dir", str(snapshot)]) == 0
+    assert md.main(["--verify-only", "--local-dir", str(snapshot), "--checksums"]) == 1
+    said = capsys.readouterr().err
+    assert "model-00002-of-00003.safetensors differs from the hub's copy" in said and "--force-download" in said
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +333,8 @@ def test_a_local_dir_knows_its_repository_and_keeps_files_edited_since(
     download = ["--model-name", REPO_ID, "--local-dir", str(folder)]
     assert run_cli(download, hf_home, hub.url).returncode == 0
     (folder / VERIFICATION_RECORD).unlink()  # as a Ctrl-C during verification leaves it
-    assert md.main(["--verify-only", "--local-dir", str(folder)]) == 0
+    assert md.main(["--verify-only", "--local-dir", str(folder), "--checksums"]) == 0  # from huggingface_hub's notes
+    assert f"checksums: {len(list(served_model.iterdir()))} file(s) match" in capsys.readouterr().out
     assert read_verification_record(folder)["source"]["model_name"] == REPO_ID  # was {"local_dir": ...}
     rerun = run_cli(download, hf_home, hub.url)
     assert rerun.returncode == 0, rerun.stderr  # was refused: "holds a model made with --init None"
@@ -566,6 +583,8 @@ def test_free_space_is_checked_before_downloading(tmp_path: Path):
             "--num-heads 12 is not divisible by --num-kv-heads 5: grouped-query",
         ),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--num-heads", "64"], "head size 1, which is odd"),
+        (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--checksums"], "--init has none to compare"),
+        (["--verify-only", "--local-dir", "x", "--revision", "v1"], "checks that folder as it is; drop --revision"),
         ([], "pass --model-name"),
     ],
 )

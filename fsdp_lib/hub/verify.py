@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_lib.hub.checksums import check_against_hub
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.weights import TensorInfo, compare_with_model, read_weights, weights_dtype_summary
 from fsdp_lib.markers import VERIFICATION_RECORD, folder_kind
@@ -45,8 +46,11 @@ class VerifiedModel:
     notes: list[str]
 
 
-def verify_model(folder: Path, load_name: str, revision: str | None, require_weights: bool) -> VerifiedModel:
-    """Load config and tokenizer offline, build the model on the meta device, check every weight is on disk.
+def verify_model(
+    folder: Path, load_name: str, revision: str | None, require_weights: bool, checksums: bool = False
+) -> VerifiedModel:
+    """Load config and tokenizer offline, build the model on the meta device, check every weight is on disk (and
+    with `checksums` every file's bytes against the hub's checksums).
 
     `load_name` is what training will pass to from_pretrained (a hub id resolved in the cache, or the folder).
     Raises ToolError listing every problem found.
@@ -79,6 +83,10 @@ def verify_model(folder: Path, load_name: str, revision: str | None, require_wei
         if not read_problems:
             compare_problems, notes = compare_with_model(model, found)
             problems += compare_problems
+    if checksums:
+        report = check_against_hub(folder)
+        problems += report.problems
+        notes.append(report.summary())
     if problems:  # a tied weight is checked under both names: say each problem once
         raise ToolError("verification failed:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
     return VerifiedModel(
@@ -229,13 +237,18 @@ def folder_source(folder: Path) -> dict[str, Any]:
 
 
 def verify_and_record(
-    folder: Path, load_name: str, revision: str | None, source: dict[str, Any], require_weights: bool
+    folder: Path,
+    load_name: str,
+    revision: str | None,
+    source: dict[str, Any],
+    require_weights: bool,
+    checksums: bool = False,
 ) -> None:
     """Verify the folder as training will load it (`load_name`: the hub id, or the folder), report it and write
     the record; a failure leaves no record behind, an old one included."""
     remove_verification_record(folder)  # a rerun re-verifies; a failure must not leave an old record behind
     try:
-        verified = verify_model(folder, load_name, revision, require_weights)
+        verified = verify_model(folder, load_name, revision, require_weights, checksums)
     except ToolError as exc:
         raise ToolError(f"{exc}\n  fix: rerun the download (add --force-download if a file is corrupt)") from exc
     report_verified(verified, load_name + (f" @ {revision}" if revision else ""))
@@ -245,7 +258,7 @@ def verify_and_record(
         log(f"offline use: export HF_HOME={hf_home} HF_HUB_OFFLINE=1, then load {load_name} by name")
 
 
-def reverify_folder(folder: Path, model_name: str | None = None) -> None:
+def reverify_folder(folder: Path, model_name: str | None = None, checksums: bool = False) -> None:
     """--verify-only --local-dir: verify a downloaded or --init folder again, keeping the source its record (or its
     download's note) names; with --model-name, the folder must hold that model."""
     if not folder.exists():
@@ -264,4 +277,4 @@ def reverify_folder(folder: Path, model_name: str | None = None) -> None:
         raise ToolError(f"--local-dir {folder} holds {held}, not --model-name {model_name}: check both flags")
     # Only an --init folder made without --with-weights may lack weights; anything else without them is broken.
     weightless_init = "init" in source and not previous.get("weight_files")
-    verify_and_record(folder, str(folder), None, source, require_weights=not weightless_init)
+    verify_and_record(folder, str(folder), None, source, not weightless_init, checksums)

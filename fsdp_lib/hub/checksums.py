@@ -1,0 +1,78 @@
+"""A downloaded model's files against the hub's checksums (model_download.py --checksums): huggingface_hub keeps each
+file's ETag, the SHA-256 of a large (LFS) file or the git blob SHA-1 of a small one, as the blob's name in the
+HF_HOME cache and in a --local-dir's .cache/huggingface/download/NAME.metadata. Verification otherwise reads headers
+and sizes only; this reads every byte, so it finds a file corrupted at its own size (a bad disk, a partial copy of
+HF_HOME to an offline machine). No torch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_lib.errors import name_sample
+from fsdp_lib.markers import VERIFICATION_RECORD
+
+_ETAG = re.compile(r"[0-9a-f]{64}|[0-9a-f]{40}")  # SHA-256 (LFS) or git blob SHA-1
+_CHUNK = 16 << 20
+
+
+@dataclass
+class ChecksumReport:
+    checked: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)  # files the hub's checksum is not known for
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        unknown = f"; no hub checksum for {name_sample(self.unknown)}" if self.unknown else ""
+        return f"checksums: {len(self.checked)} file(s) match the hub's{unknown}"
+
+
+def hub_etag(folder: Path, name: str) -> str | None:
+    """The hub's checksum of folder/name as huggingface_hub recorded it, or None when it did not download it."""
+    path = folder / name
+    if path.is_symlink():  # a cache snapshot: snapshots/COMMIT/NAME -> ../../blobs/ETAG
+        etag = Path(os.readlink(path)).name
+    else:
+        note = folder / ".cache" / "huggingface" / "download" / f"{name}.metadata"
+        try:
+            etag = note.read_text().splitlines()[1].strip()
+        except (OSError, IndexError):
+            return None
+    return etag if _ETAG.fullmatch(etag) else None
+
+
+def file_checksum(path: Path, kind_of: str) -> str:
+    """SHA-256 of the bytes (kind_of a 64-digit ETag), else the git blob SHA-1 the hub gives a small file."""
+    digest = hashlib.sha256() if len(kind_of) == 64 else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_against_hub(folder: Path) -> ChecksumReport:
+    """Every file of the model folder (not huggingface_hub's .cache/ nor our verification record) against its ETag."""
+    report = ChecksumReport()
+    names = sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and ".cache" not in path.relative_to(folder).parts and path.name != VERIFICATION_RECORD
+    )
+    for name in names:
+        etag = hub_etag(folder, name)
+        if etag is None:
+            report.unknown.append(name)
+        elif file_checksum(folder / name, etag) != etag:
+            report.problems.append(
+                f"{name} differs from the hub's copy (checksum {etag[:12]}...): changed or corrupt on disk"
+            )
+        else:
+            report.checked.append(name)
+    if not report.checked and not report.problems:
+        report.problems.append(
+            f"no file of {folder} has a hub checksum (not downloaded by huggingface_hub): --checksums cannot check it"
+        )
+    return report
