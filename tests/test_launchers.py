@@ -518,3 +518,33 @@ def test_tools_end_without_teardown_but_after_atexit_threads_and_output(tmp_path
     assert proc.returncode == 3 and proc.stdout == "last line", (proc.stdout, proc.stderr)
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").is_file() == (case == "thread")
+
+
+def test_setup_env_installs_once_for_test_and_demo_and_again_when_requirements_change(tmp_path: Path) -> None:
+    """make test (requirements + dev) then make demo (requirements only) installs nothing the second time: the
+    stamps once disagreed, so each switch reinstalled everything, and offline the pip upgrade failed the target."""
+    for name in ("requirements.txt", "requirements-dev.txt"):
+        (tmp_path / name).write_text((REPO_ROOT / name).read_text())
+    calls = tmp_path / "pip_calls"
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    # A venv's python whose pip records each call and, for "--upgrade pip", fails as it does offline.
+    python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *"--upgrade pip"*) exit 1;; esac\nexit 0\n')
+    python.chmod(0o755)
+
+    def setup(*files: str) -> subprocess.CompletedProcess:
+        argv = ["bash", str(REPO_ROOT / "scripts" / "setup_env.sh"), "torch==2.13.0", *files]
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    def installs() -> int:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        calls.unlink(missing_ok=True)
+        return sum("install --quiet" in line and "--upgrade pip" not in line for line in lines)
+
+    first = setup("requirements-dev.txt")
+    assert first.returncode == 0, first.stderr
+    assert "could not upgrade pip (offline?)" in first.stdout and installs() == 2  # torch, then the requirements
+    assert setup().returncode == 0 and installs() == 0  # make demo after make test
+    assert setup("requirements-dev.txt").returncode == 0 and installs() == 0
+    (tmp_path / "requirements.txt").write_text((REPO_ROOT / "requirements.txt").read_text() + "rich\n")
+    assert setup().returncode == 0 and installs() == 2
