@@ -65,14 +65,25 @@ print_command() {
 }
 
 require_positive_int() {
-  [[ $2 =~ ^[1-9][0-9]*$ ]] || die "$1=$2 must be a positive integer"
+  [[ $2 =~ ^[0-9]+$ ]] && ((10#$2 > 0)) || die "$1=$2 must be a positive integer"
+}
+
+# The GPUs CUDA_VISIBLE_DEVICES leaves visible: as CUDA reads it, up to the first entry that is no device index or
+# UUID ("-1" or "NoDevFiles" hide them all).
+count_visible_devices() {
+  local ids id count=0
+  IFS=, read -ra ids <<<"$1"
+  for id in "${ids[@]}"; do
+    id=${id//[[:space:]]/}
+    [[ $id =~ ^[0-9]+$ || $id =~ ^(GPU|MIG)- ]] || break
+    count=$((count + 1))
+  done
+  echo "$count"
 }
 
 detect_gpus_per_node() {
-  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-    local ids
-    IFS=, read -ra ids <<<"$CUDA_VISIBLE_DEVICES"
-    echo "${#ids[@]}"
+  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+    count_visible_devices "$CUDA_VISIBLE_DEVICES"
   elif command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
   else
@@ -139,28 +150,34 @@ prepare_launch() {
 
   local nnodes=${NNODES:-1} nproc=${NPROC_PER_NODE:-} port=${MASTER_PORT:-29500}
   require_positive_int NNODES "$nnodes"
+  nnodes=$((10#$nnodes))
   if [[ -z $nproc ]]; then
     nproc=$(detect_gpus_per_node)
-    [[ $nproc != 0 ]] || die "no GPUs found (CUDA_VISIBLE_DEVICES unset, nvidia-smi lists none);" \
-      "set NPROC_PER_NODE, e.g. NPROC_PER_NODE=2 for a CPU run"
+    [[ $nproc != 0 ]] || die "no GPUs found (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>} hides them, or" \
+      "nvidia-smi lists none); set NPROC_PER_NODE, e.g. NPROC_PER_NODE=2 for a CPU run"
   fi
   require_positive_int NPROC_PER_NODE "$nproc"
+  nproc=$((10#$nproc))
   require_positive_int MASTER_PORT "$port"
+  port=$((10#$port))
+  ((port <= 65535)) || die "MASTER_PORT=$port must be a TCP port, 1 to 65535"
   nproc_per_node=$nproc
   world_size=$((nnodes * nproc))
 
   torchrun_cmd=("$PYTHON" -m torch.distributed.run)
-  if [[ -n ${NODE_RANK:-} ]]; then
+  if ((nnodes == 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
+    torchrun_cmd+=(--standalone) # NODE_RANK, if set, can only be 0: one node needs no rendezvous address
+    [[ ${NODE_RANK:-0} =~ ^0+$ ]] || die "NODE_RANK=$NODE_RANK must be between 0 and NNODES-1 (0)"
+  elif [[ -n ${NODE_RANK:-} ]]; then
     [[ -n ${MASTER_ADDR:-} ]] || die "NODE_RANK=$NODE_RANK (static rendezvous) needs MASTER_ADDR, the address of node 0"
-    if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || ((NODE_RANK >= nnodes)); then
+    if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || ((10#$NODE_RANK >= nnodes)); then
       die "NODE_RANK=$NODE_RANK must be between 0 and NNODES-1 ($((nnodes - 1)))"
     fi
-    torchrun_cmd+=(--nnodes "$nnodes" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$port")
+    torchrun_cmd+=(--nnodes "$nnodes" --node-rank "$((10#$NODE_RANK))" --master-addr "$MASTER_ADDR"
+      --master-port "$port")
   elif [[ -n ${MASTER_ADDR:-} ]]; then
     torchrun_cmd+=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$port"
       --rdzv-id "${RDZV_ID:-fsdp_train}")
-  elif ((nnodes == 1)); then
-    torchrun_cmd+=(--standalone)
   else
     die "NNODES=$nnodes needs MASTER_ADDR: the address of one of the nodes, reachable from all of them" \
       "(it hosts the rendezvous on port $port)"
@@ -199,9 +216,11 @@ add_batch_args() {
       "(CONFIG $CONFIG has no batch-size)"
   fi
   require_positive_int MICRO_BATCH_SIZE "$micro"
+  micro=$((10#$micro))
   torchrun_cmd+=(--batch-size "$micro")
   [[ -n $total ]] || return 0
   require_positive_int TOTAL_BATCH_SIZE "$total"
+  total=$((10#$total))
   derive_grad_accum_steps "$total" "$micro" "$((nnodes * nproc))" "$((nnodes * nproc)) processes ($nnodes nodes x $nproc)"
   torchrun_cmd+=(--grad-accum-steps "$grad_accum_steps")
 }

@@ -362,6 +362,8 @@ def test_multinode_rendezvous_modes(
         ({"NNODES": "2", "MASTER_ADDR": "h", "NODE_RANK": "2"}, "NODE_RANK=2 must be between 0 and NNODES-1 (1)"),
         ({"NNODES": "1", "CONFIG": "missing.yaml"}, "CONFIG=missing.yaml not found"),
         ({"NNODES": "1", "MAX_RESTARTS": "two"}, "MAX_RESTARTS=two must be a whole number >= 0"),
+        ({"NNODES": "1", "MASTER_PORT": "99999"}, "MASTER_PORT=99999 must be a TCP port, 1 to 65535"),
+        ({"NNODES": "1", "NODE_RANK": "1"}, "NODE_RANK=1 must be between 0 and NNODES-1 (0)"),
     ],
 )
 def test_multinode_rejects_incomplete_settings(fake_repo: Path, extra_env: dict[str, str], message: str) -> None:
@@ -369,6 +371,31 @@ def test_multinode_rejects_incomplete_settings(fake_repo: Path, extra_env: dict[
     result = run_script(fake_repo / "scripts" / "multinode_launch.sh", env)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra_env", "expected"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, "3"),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-6b7d2a1c-1d2e-3f4a-5b6c-7d8e9f0a1b2c, 1"}, "2"),
+        ({"CUDA_VISIBLE_DEVICES": "0,-1,2"}, "1"),  # CUDA stops at the first entry that is no device
+        ({"CUDA_VISIBLE_DEVICES": "NPROC", "NPROC_PER_NODE": "02"}, "2"),  # leading zeros are decimal, not octal
+        ({"NNODES": "01", "NODE_RANK": "0", "NPROC_PER_NODE": "08"}, "8"),  # one node: standalone, NODE_RANK 0 ok
+    ],
+)
+def test_multinode_counts_the_visible_gpus_as_cuda_does(fake_repo: Path, extra_env: dict, expected: str) -> None:
+    result = run_script(fake_repo / "scripts" / "multinode_launch.sh", clean_env(DRY_RUN="1", **extra_env))
+    assert result.returncode == 0, result.stderr
+    words = torchrun_line(result.stdout)
+    assert flag_value(words, "--nproc-per-node") == expected and "--standalone" in words
+
+
+@pytest.mark.parametrize("hidden", ["-1", "NoDevFiles", ""])
+def test_multinode_with_every_gpu_hidden_asks_for_nproc_per_node(fake_repo: Path, hidden: str) -> None:
+    result = run_script(
+        fake_repo / "scripts" / "multinode_launch.sh", clean_env(DRY_RUN="1", CUDA_VISIBLE_DEVICES=hidden)
+    )
+    assert result.returncode == 2 and "set NPROC_PER_NODE" in result.stderr
 
 
 def test_multinode_requires_a_trainer_next_to_it(tmp_path: Path) -> None:
