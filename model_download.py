@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     scratch = parser.add_argument_group("new model from scratch")
     scratch.add_argument(
         "--init",
+        type=lambda name: next((preset for preset in SIZE_PRESETS if preset.lower() == name.lower()), name),
         choices=list(SIZE_PRESETS),
         help="create a new Llama model folder of this size in --local-dir; exact parameter counts with a 32000 vocab"
         f" (1024 for tiny): {init_size_help()}",

@@ -837,6 +837,10 @@ def test_tokenizer_dataset_problems_are_named(tmp_path: Path, capsys):
     assert "--tokenizer-from" in (err := capsys.readouterr().err) and "no 'train' split" in err
     assert md.main([*argv[:3], str(tmp_path / "missing"), *argv[4:]]) == 1
     assert "--tokenizer-from" in (err := capsys.readouterr().err) and "does not exist" in err
+    datasets.Dataset.from_dict({"text": ["", "", ""]}).save_to_disk(str(tmp_path / "blank"))
+    assert md.main([*argv[:3], str(tmp_path / "blank"), *argv[4:]]) == 1  # was a bytes-only tokenizer and a note
+    assert "its 3 rows hold no text (every one is empty)" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_verification_checks_moe_experts_after_transformers_conversion(tmp_path: Path, capsys):
@@ -871,3 +875,8 @@ def test_tokenizer_from_an_empty_or_columnless_dataset_is_one_message(tmp_path: 
     with pytest.raises(ToolError, match=r"columns \['foo'\] but no 'text'") as refused:
         load_tokenizer_corpus(tmp_path / "foo")
     assert "--text-column" not in str(refused.value) and "python data_hf.py" in str(refused.value)
+
+
+def test_init_preset_names_are_read_in_any_case() -> None:
+    assert md.build_parser().parse_args(["--init", "7b"]).init == "7B"
+    assert md.build_parser().parse_args(["--init", "TINY"]).init == "tiny"

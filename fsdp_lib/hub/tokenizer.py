@@ -135,9 +135,20 @@ def build_tokenizer(
     dataset = load_tokenizer_corpus(Path(tokenizer_from))
     vocab_size = vocab_size or preset.default_vocab_size
     log(f"training a byte-level BPE tokenizer, vocab {vocab_size}, on {len(dataset):,} texts of {tokenizer_from}")
-    tokenizer = train_bpe_tokenizer(
-        iter_text_batches(dataset), vocab_size, preset.max_position_embeddings, len(dataset)
-    )
+    texts = [0]
+
+    def counted() -> Iterator[list[str]]:
+        for batch in iter_text_batches(dataset):
+            texts[0] += len(batch)
+            yield batch
+
+    tokenizer = train_bpe_tokenizer(counted(), vocab_size, preset.max_position_embeddings, len(dataset))
+    if not texts[0]:
+        raise ToolError(
+            f"--tokenizer-from {tokenizer_from}: its {len(dataset):,} rows hold no text (every one is empty), so no "
+            "tokenizer can be learnt from it; convert a corpus with text (data_hf.py), or reuse a tokenizer with "
+            "--tokenizer NAME_OR_DIR"
+        )
     if len(tokenizer) < vocab_size:
         log(
             f"note: the corpus supports only {len(tokenizer)} tokens (asked for {vocab_size});"
