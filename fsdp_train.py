@@ -59,7 +59,7 @@ from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
 from fsdp_lib.model.float8 import precompute_float8_scales
 from fsdp_lib.model.hf_files import model_folder_problems
-from fsdp_lib.model.hf_weights import export_hf_model
+from fsdp_lib.model.hf_weights import export_hf_model, warn_stale_export
 from fsdp_lib.noise import quiet_optional_imports
 from fsdp_lib.offline import resolve_model_dir
 from fsdp_lib.runtime import (
@@ -313,7 +313,7 @@ def run(cfg: TrainConfig) -> int:
         if d.is_main:
             plot_metrics(metrics.path, cfg.experiment_dir / "loss.png", cfg.experiment_name)
     if finished:
-        export(bundle, data.tokenizer, cfg, d)
+        export(bundle, data.tokenizer, cfg, d, state.step)
     return 0
 
 
@@ -330,29 +330,24 @@ def export_checkpoint(cfg: TrainConfig, precision: str, d: Dist) -> int:
     tokenizer = export_tokenizer(cfg, model_dir, checkpointer.read_state(latest)["fingerprint"])
     state = checkpointer.load(latest, bundle.model, None)
     log(f"--export-only: exporting {latest} (step {state.step})")
-    export(bundle, tokenizer, cfg, d)
+    export(bundle, tokenizer, cfg, d, state.step)
     return 0
 
 
-def export(bundle: ModelBundle, tokenizer: Any, cfg: TrainConfig, d: Dist) -> None:
+def export(bundle: ModelBundle, tokenizer: Any, cfg: TrainConfig, d: Dist, step: int) -> None:
     """outputs/EXP/final: a standard Hugging Face folder of the trained model, its tokenizer and chat template;
     with --peft a PEFT adapter folder instead (and with --export-merged on, outputs/EXP/final-merged)."""
     final = cfg.experiment_dir / "final"
     if bundle.peft is None:
-        export_hf_model(bundle.model, tokenizer, final, d, bundle.export_dtype, bundle.model_dir)
+        export_hf_model(bundle.model, tokenizer, final, d, bundle.export_dtype, bundle.model_dir, step)
         return
-    export_adapter(bundle.model, bundle.peft.config, tokenizer, final, d, bundle.peft.base_identity)
+    export_adapter(bundle.model, bundle.peft.config, tokenizer, final, d, bundle.peft.base_identity, step)
+    merged_dir = final.with_name("final-merged")
     if cfg.export_merged == "on":
         merged = merged_state_dict(bundle.model, bundle.export_dtype)
-        export_hf_model(
-            bundle.model,
-            tokenizer,
-            final.with_name("final-merged"),
-            d,
-            bundle.export_dtype,
-            bundle.model_dir,
-            merged,
-        )
+        export_hf_model(bundle.model, tokenizer, merged_dir, d, bundle.export_dtype, bundle.model_dir, step, merged)
+    elif merged_dir.is_dir():
+        warn_stale_export(merged_dir, step)
 
 
 def evaluation_point(

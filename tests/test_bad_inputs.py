@@ -1022,13 +1022,13 @@ def test_ctrl_c_while_the_trainer_loads_its_libraries_is_one_line(
     assert not (tmp_path / "outputs").exists()
 
 
-def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refused(tmp_path: Path) -> None:
+def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refused(tmp_path: Path, capsys) -> None:
     """A rerun with nothing to train exports again, replacing final/: a model card or notes the user put there were
     deleted with it; an earlier export's own files (other shards, an adapter's config, a tokenizer file) still go. A file named final (or a link)
     was renamed aside and every later export failed with 'Not a directory': refused before the run now."""
     from fsdp_lib.config import TrainConfig
     from fsdp_lib.experiment_dir import experiment_dir_problems
-    from fsdp_lib.model.hf_weights import replace_folder
+    from fsdp_lib.model.hf_weights import export_step, replace_folder, warn_stale_export
 
     final, new = tmp_path / "exp" / "final", tmp_path / "exp" / ".final.tmp"
     for name, text in [("README.md", "my card"), ("notes/run.txt", "mine"), ("config.json", "old"),
@@ -1039,11 +1039,37 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     new.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (new / name).write_text("new")
-    replace_folder(new, final)
-    assert sorted(p.name for p in final.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes",
-                                                      "tokenizer.json"]  # fmt: skip
+    replace_folder(new, final, 4)  # the earlier export has no record (written before there was one): by names
+    assert sorted(p.name for p in final.iterdir()) == [".export.json", "README.md", "config.json",
+                                                      "model.safetensors", "notes", "tokenizer.json"]  # fmt: skip
     assert (final / "README.md").read_text() == "my card" and (final / "config.json").read_text() == "new"
     assert not new.exists() and not (tmp_path / "exp" / ".final.old").exists()
+    assert export_step(final) == 4
+
+    # With the record, a file of an export's kind the user added (a quantised copy, training args) is theirs too:
+    # the names alone deleted them. What the earlier export wrote and this one does not is said.
+    for name in ("model-q4_k_m.safetensors", "training_args.bin"):
+        (final / name).write_text("mine")
+    new.mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (new / name).write_text("newer")
+    replace_folder(new, final, 6)
+    said = capsys.readouterr().out
+    assert sorted(p.name for p in final.iterdir()) == [".export.json", "README.md", "config.json",
+                                                      "model-00001-of-00002.safetensors", "model-q4_k_m.safetensors",
+                                                      "model.safetensors.index.json", "notes", "training_args.bin"]  # fmt: skip
+    assert "kept in" in said and "model-q4_k_m.safetensors, notes, training_args.bin" in said
+    assert "removed with the earlier export" in said and "model.safetensors, tokenizer.json (this export" in said
+
+    # A kill between the swap's two renames left the earlier export (and the user's files) only in .final.old.
+    os.rename(final, final.with_name(".final.old"))
+    new.mkdir()
+    (new / "config.json").write_text("newest")
+    replace_folder(new, final, 8)
+    assert (final / "README.md").read_text() == "my card" and (final / "model-q4_k_m.safetensors").exists()
+    assert export_step(final) == 8 and not final.with_name(".final.old").exists()
+    warn_stale_export(final, 10)
+    assert f"WARNING: {final} holds step 8, not step 10 as final/ beside it now does" in capsys.readouterr().out
 
     cfg = TrainConfig(experiment_name="exp", save_dir=str(tmp_path))
     (tmp_path / "exp" / "checkpoint" / "step_00000004").mkdir(parents=True)

@@ -184,6 +184,11 @@ def test_qlora_base_is_4bit_in_memory_trains_and_exports(peft_inputs, tmp_path):
     assert loaded(input_ids=torch.tensor([[3, 4, 5]])).logits.isfinite().all()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "q" / "final-merged")
     assert merged(input_ids=torch.tensor([[3, 4, 5]])).logits.isfinite().all()
+    # Two more steps without --export-merged: final/ holds step 10, and the merged export left from step 8 is named
+    more = run_trainer([*args[:-1], "10"])
+    assert more.returncode == 0, output_of(more)
+    assert f"WARNING: {tmp_path / 'q' / 'final-merged'} holds step 8, not step 10" in output_of(more)
+    assert json.loads((tmp_path / "q" / "final" / ".export.json").read_text())["step"] == 10
 
 
 @pytest.fixture(scope="module")

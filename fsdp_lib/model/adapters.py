@@ -235,7 +235,9 @@ def full_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_adapter(model: nn.Module, config: Any, tokenizer: Any, out_dir: Path, d: Dist, base_identity: str) -> None:
+def export_adapter(
+    model: nn.Module, config: Any, tokenizer: Any, out_dir: Path, d: Dist, base_identity: str, step: int
+) -> None:
     """outputs/EXP/final as a PEFT adapter folder: adapter_config.json (with the base's name or path),
     adapter_model.safetensors in fp32 (the adapters' training dtype; they are small), the tokenizer with its chat
     template, and training_base.json (the base's weights identity, checked by --adapter)."""
@@ -256,7 +258,7 @@ def export_adapter(model: nn.Module, config: Any, tokenizer: Any, out_dir: Path,
             json.dumps({"base_model_name_or_path": config.base_model_name_or_path, "base_identity": base_identity})
         )
         tokenizer.save_pretrained(tmp)
-        replace_folder(tmp, out_dir)
+        replace_folder(tmp, out_dir, step)
         trainable = sum(v.numel() for v in tensors.values())
         log(f"exported PEFT adapter ({trainable:,} parameters, fp32) to {out_dir}")
     dist.barrier()

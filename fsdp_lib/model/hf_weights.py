@@ -341,6 +341,7 @@ def export_hf_model(
     d: Dist,
     dtype: torch.dtype,
     source_dir: Path,
+    step: int,
     state: dict[str, Any] | None = None,
 ) -> None:
     """Write a standard HF folder (config, safetensors shards + index, tokenizer) from the sharded model,
@@ -382,7 +383,7 @@ def export_hf_model(
         if (source_dir / "generation_config.json").is_file():
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
         tokenizer.save_pretrained(tmp)
-        replace_folder(tmp, out_dir)
+        replace_folder(tmp, out_dir, step)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
     dist.barrier(group=d.cpu_group)
 
@@ -400,32 +401,78 @@ class _ExportWriter(dcp.HuggingFaceStorageWriter):
 
 
 # What an export writes (export_hf_model, export_adapter): weights and their index, configs, a tokenizer's files, an
-# adapter's base record. An earlier export's files of these kinds go with it (the new export writes its own: a shard
-# count, a tokenizer file or adapter against full weights may differ); anything else in the folder, a model card or
-# notes the user put there, is kept.
+# adapter's base record. Each export lists its files in EXPORT_RECORD; an earlier export's listed files go with it
+# (the new export writes its own: a shard count, a tokenizer file or adapter against full weights may differ) and
+# anything else in the folder, a model card, notes or a quantised copy the user put there, is kept. An export from
+# before the record is judged by these names.
+EXPORT_RECORD = ".export.json"
 _EXPORT_FILES = re.compile(
     r".+\.(safetensors|bin|pt)(\.index\.json)?|.*config\.json|.*tokens?(_map)?\.json|tokenizer\.\w+|vocab\.\w+"
     r"|merges\.txt|spiece\.model|chat_template\.\w+|training_base\.json|.+\.tiktoken"
 )
 
 
-def replace_folder(tmp: Path, out_dir: Path) -> None:
+def export_step(folder: Path) -> int | None:
+    """The training step an export folder holds (its EXPORT_RECORD), or None for one without a record."""
+    try:
+        step = json.loads((folder / EXPORT_RECORD).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def warn_stale_export(folder: Path, step: int) -> None:
+    """An export folder this export did not replace (final-merged without --export-merged on) is named when it holds
+    another step than the one just written beside it."""
+    then = export_step(folder)
+    if then != step:
+        what = f"step {then}" if then is not None else "an earlier export"
+        log(
+            f"WARNING: {folder} holds {what}, not step {step} as final/ beside it now does: refresh it with "
+            "--export-only --export-merged on, or delete it"
+        )
+
+
+def replace_folder(tmp: Path, out_dir: Path, step: int) -> None:
     """Put the finished folder `tmp` at out_dir, replacing an earlier export only once the new one is complete;
-    what the earlier folder holds that no export writes (a model card, notes) is moved into the new one."""
+    what the earlier folder holds that no export wrote (a model card, notes) is moved into the new one. A swap a
+    kill cut short is finished first, so the user's files it was carrying are not lost."""
     old = out_dir.with_name(f".{out_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_dir():  # an earlier swap was cut short
+        if not out_dir.exists():  # before its new folder was in place: the earlier export is whole in `old`
+            os.rename(old, out_dir)
+        else:
+            _carry_over(old, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+    files = sorted(path.relative_to(tmp).as_posix() for path in tmp.rglob("*") if path.is_file())
+    (tmp / EXPORT_RECORD).write_text(json.dumps({"written_by": "fsdp_train.py", "step": step, "files": files}) + "\n")
     if out_dir.is_dir() and not out_dir.is_symlink():
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
     if old.is_dir():
-        kept = [
-            e for e in sorted(old.iterdir()) if not (out_dir / e.name).exists() and not _EXPORT_FILES.fullmatch(e.name)
-        ]
-        for entry in kept:
-            os.rename(entry, out_dir / entry.name)
-        if kept:
-            log(f"kept in {out_dir} what no export writes: {', '.join(e.name for e in kept)}")
+        _carry_over(old, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Move into `new` what the earlier export folder `old` holds that its export did not write, and say what of
+    its export's files the new one does not write again (they go with it)."""
+    try:
+        written = set(json.loads((old / EXPORT_RECORD).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    kept, dropped = [], []
+    for entry in sorted(old.iterdir()):
+        if entry.name == EXPORT_RECORD or (new / entry.name).exists():
+            continue
+        ours = entry.name in written if written is not None else bool(_EXPORT_FILES.fullmatch(entry.name))
+        (dropped if ours else kept).append(entry)
+    for entry in kept:
+        os.rename(entry, new / entry.name)
+    if kept:
+        log(f"kept in {new} what no export wrote: {', '.join(e.name for e in kept)}")
+    if dropped:
+        log(f"removed with the earlier export in {new}: {', '.join(e.name for e in dropped)} (this export has none)")
 
 
 def split_export_layout(model: nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
