@@ -83,9 +83,10 @@ def checkpoints(save: Path, exp: str = "run") -> list[str]:
 
 
 def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_path):
-    killed_at_step(flags(inputs, tmp_path), tmp_path / "run", 6, delay_s="0.25")
+    tensorboard = ["--tensorboard", "on"]  # not pinned by the checkpoint; on here for its steps after the resume
+    killed_at_step([*flags(inputs, tmp_path), *tensorboard], tmp_path / "run", 6, delay_s="0.25")
     assert checkpoints(tmp_path) == ["step_00000004"]
-    rerun = run_trainer(flags(inputs, tmp_path))
+    rerun = run_trainer([*flags(inputs, tmp_path), *tensorboard])
     assert rerun.returncode == 0, output_of(rerun)
     assert "resumed from" in output_of(rerun) and "at step 4" in output_of(rerun)
     # the checkpoint replaces every weight: the model folder's are not read (the losses below show none is missed)
@@ -98,6 +99,12 @@ def test_kill9_every_process_then_rerun_is_bit_identical(inputs, reference, tmp_
     assert sorted(resumed) == list(range(1, STEPS + 1)), "metrics.jsonl keeps one line per step"
     for step in range(5, STEPS + 1):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])  # bit for bit
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("loss")]
+    assert steps == list(range(1, STEPS + 1)), "the killed run's steps 5 and 6 are purged, not shown twice"
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,10 @@ class Metrics:
         if d.is_main and cfg.tensorboard == "on":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(cfg.experiment_dir / "tensorboard"))
+            # A resumed run's first step: what a killed run logged from there on is dropped, as metrics.jsonl's
+            # lines are (trim_metrics_file), so TensorBoard does not show those steps twice.
+            purge = steps.start if steps.start > 1 else None
+            self.writer = SummaryWriter(str(cfg.experiment_dir / "tensorboard"), purge_step=purge)
         self.wandb_run = start_wandb(cfg) if d.is_main and cfg.wandb == "on" else None
         self.bar = None
         if d.is_main and sys.stderr.isatty():
