@@ -510,6 +510,17 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
     assert "activations per GPU" in out and "longest --seq-length that fits one GPU" in out
     assert f"a run would start at step 0 (no checkpoint in {tmp_path / 'dry' / 'checkpoint'})" in out
     assert not (tmp_path / "dry").exists()
+    # the plan is in the bytes of --precision (fp32: no mixed precision) and no longer than the model's positions
+    assert "--precision auto planned as bf16" in out and "(bf16 weights + bf16 grads)" in out
+    assert "(the model's max_position_embeddings; memory allows" in out
+    peft = ["--peft", "lora", "--seq-length", "64", "--dry-run"]
+    plans = {}
+    for precision in ("bf16", "fp32"):
+        assert ft.main([*io_args("dry", dataset_dir, scratch_model, tmp_path), *peft, "--precision", precision]) == 0
+        plans[precision] = capsys.readouterr().out
+    assert "lora: base 4 B/param (fp32)" in plans["fp32"] and "(fp32 weights + fp32 grads)" in plans["fp32"]
+    per_token = {p: re.search(r"activations per GPU: ([\d.]+) KB/token", out)[1] for p, out in plans.items()}
+    assert float(per_token["fp32"]) > 1.9 * float(per_token["bf16"]), per_token
     # what the run refuses about the data before tokenising it, the dry run refuses too (it said "nothing trained")
     import datasets
 

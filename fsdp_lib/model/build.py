@@ -57,6 +57,7 @@ from fsdp_lib.model.loss import (
     router_forward_kwargs,
 )
 from fsdp_lib.model.memory_plan import (
+    COMPUTE_BYTES,
     activation_bytes_per_token,
     format_long_context_plan,
     format_memory_plan,
@@ -425,9 +426,9 @@ def peft_problems(cfg: TrainConfig) -> list[str]:
     return adapter_problems(cfg, model, weights_identity(model_dir))
 
 
-def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float) -> str:
+def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float, compute: str) -> str:
     """--dry-run's activation estimate for this run's --seq-length, -b and --context-parallel, and the longest
-    sequence per GPU size (memory_plan.activation_bytes_per_token's rule)."""
+    sequence per GPU size (memory_plan.activation_bytes_per_token's rule), in the `compute` dtype's bytes."""
     config = model.config.get_text_config()
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
@@ -436,20 +437,17 @@ def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float) ->
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
     checkpointing, offload = cfg.activation_checkpointing == "on", cfg.activation_offload == "on"
     shapes = (hidden, intermediate, layers, kv_heads * head_dim)
+    values = COMPUTE_BYTES[compute]
     per_token = activation_bytes_per_token(
-        *shapes, checkpointing, cfg.context_parallel, offload=offload, mlp_tiles=cfg.tiled_mlp, kv_copies=kv_copies
+        *shapes, checkpointing, cfg.context_parallel, values, offload, cfg.tiled_mlp, kv_copies
     )
-    host = (
-        offloaded_bytes_per_token(*shapes, checkpointing, mlp_tiles=cfg.tiled_mlp, kv_copies=kv_copies)
-        if offload
-        else 0
-    )
+    host = offloaded_bytes_per_token(*shapes, checkpointing, values, cfg.tiled_mlp, kv_copies) if offload else 0
     vocab = model.get_input_embeddings().num_embeddings
     chunk = loss_chunk_tokens(cfg.loss_chunk_tokens, vocab) or cfg.seq_length * cfg.batch_size
     fixed = min(chunk, cfg.seq_length * cfg.batch_size) * vocab * 4
     return format_long_context_plan(
         per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel, host, cfg.tiled_mlp,
-        kv_copies,
+        kv_copies, getattr(config, "max_position_embeddings", None),
     )  # fmt: skip
 
 
@@ -474,16 +472,23 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         f"checkpointing {cfg.activation_checkpointing} (every {cfg.ac_every_n_layers} layer(s))"
     )
     sizes = sorted({1, 2, 4, 8, world_size})
-    rows = training_memory_plan(num_params, world_sizes=sizes, largest_unit_params=largest)
-    log(f"per-rank memory estimate (this run: {world_size} processes):\n" + format_memory_plan(rows))
+    # --precision auto is bf16 on the GPU a run trains on: planned as such, also on a login node without one
+    compute = "bf16" if cfg.precision == "auto" else cfg.precision
+    values = COMPUTE_BYTES[compute]
+    rows = training_memory_plan(num_params, world_sizes=sizes, largest_unit_params=largest, compute_bytes=values)
+    log(
+        f"per-rank memory estimate (this run: {world_size} processes, --precision {cfg.precision}"
+        f"{' planned as bf16, its choice on a GPU' if cfg.precision == 'auto' else ''}):\n"
+        + format_memory_plan(rows, compute)
+    )
     linear, adapters = peft_sizes(model, layers, cfg.lora_rank)
-    peft_rows = peft_memory_plan(num_params, linear, adapters, sizes, largest_unit_params=largest)
-    log(f"this run: --peft {cfg.peft}\n" + format_peft_memory_plan(rows, peft_rows, cfg.lora_rank))
+    peft_rows = peft_memory_plan(num_params, linear, adapters, sizes, largest, values)
+    log(f"this run: --peft {cfg.peft}\n" + format_peft_memory_plan(rows, peft_rows, cfg.lora_rank, compute))
     if cfg.peft == "none":
         state = next(r for r in rows if r["world_size"] == world_size and r["cpu_offload"] == (cfg.cpu_offload == "on"))
     else:
         state = next(r for r in peft_rows if r["world_size"] == world_size and r["mode"] == cfg.peft)
-    log(long_context_plan(model, cfg, float(state["gpu_total_bytes"])))
+    log(long_context_plan(model, cfg, float(state["gpu_total_bytes"]), compute))
     log(resume_outlook(cfg.experiment_dir))
     log("dry run: nothing was trained")
     return 0

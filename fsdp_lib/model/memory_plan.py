@@ -67,12 +67,17 @@ def format_count(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_memory_plan(rows: list[dict[str, int | bool]]) -> str:
-    """A table of training_memory_plan() rows, with the rule it uses."""
+# Bytes per value of the compute dtype, by --precision (fp32: no mixed precision, the unit is gathered in fp32).
+COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def format_memory_plan(rows: list[dict[str, int | bool]], compute: str = "bf16") -> str:
+    """A table of training_memory_plan() rows, with the rule it uses (`compute`: the --precision they assume)."""
+    unit = 2 * COMPUTE_BYTES[compute]
     lines = [
         "full fine-tuning memory per GPU (FSDP + AdamW; activations NOT included):",
         "  rule: 16 B/param sharded over the GPUs (fp32 weights 4 + fp32 grads 4 + Adam moments 8)",
-        "        + 4 B/param of the largest FSDP unit unsharded (bf16 weights + bf16 grads)",
+        f"        + {unit} B/param of the largest FSDP unit unsharded ({compute} weights + {compute} grads)",
         f"  {'GPUs':>4}  {'GPU memory':>12}  {'with --cpu-offload: GPU':>24}  {'+ host RAM per GPU':>18}",
     ]
     by_world: dict[int, dict[bool, dict[str, int | bool]]] = {}
@@ -123,13 +128,14 @@ def peft_memory_plan(
 
 
 def format_peft_memory_plan(
-    full_rows: list[dict[str, int | bool]], peft_rows: list[dict[str, float]], rank: int
+    full_rows: list[dict[str, int | bool]], peft_rows: list[dict[str, float]], rank: int, compute: str = "bf16"
 ) -> str:
-    """Full fine-tuning next to LoRA and QLoRA, per GPU, with the rule."""
+    """Full fine-tuning next to LoRA and QLoRA, per GPU, with the rule (`compute`: the --precision they assume)."""
     lines = [
         f"memory per GPU by --peft (rank-{rank} adapters on the decoder layers' Linear layers; activations NOT "
         "included):",
-        "  rule: full 16 B/param sharded; lora: base 2 B/param + adapters 16 B/param sharded; qlora: the decoder "
+        f"  rule: full 16 B/param sharded; lora: base {COMPUTE_BYTES[compute]} B/param ({compute}) + adapters 16 "
+        "B/param sharded; qlora: the decoder "
         f"Linear weights at {NF4_BYTES:.3f} B/param (NF4), the rest as lora; + the largest unit unsharded",
         f"  {'GPUs':>4}  {'full':>12}  {'lora':>12}  {'qlora':>12}",
     ]
@@ -244,8 +250,10 @@ def format_long_context_plan(
     offloaded_per_token: int = 0,
     mlp_tiles: int = 1,
     kv_copies: int = 1,
+    position_limit: int | None = None,
 ) -> str:
-    """The activation line of --dry-run and the longest sequence per GPU size, with the rule."""
+    """The activation line of --dry-run and the longest sequence per GPU size, with the rule; a length beyond the
+    model's positions (`position_limit`, its max_position_embeddings) is shown capped there."""
     tokens = micro_batch * seq_length // context_parallel
     extras = [f"--tiled-mlp {mlp_tiles}"] if mlp_tiles > 1 else []
     extras += ["--activation-offload on"] if offloaded_per_token else []
@@ -272,8 +280,18 @@ def format_long_context_plan(
         + "".join(f", {extra}" for extra in extras)
         + ": "
         + ", ".join(
-            f"{gb} GB: {longest_sequence(gb * 1e9, state_bytes, per_token, fixed_bytes, micro_batch, context_parallel):,}"
+            f"{gb} GB: "
+            + _capped(
+                longest_sequence(gb * 1e9, state_bytes, per_token, fixed_bytes, micro_batch, context_parallel),
+                position_limit,
+            )
             for gb in GPU_SIZES_GB
         )
     )
     return "\n".join(lines)
+
+
+def _capped(longest: int, position_limit: int | None) -> str:
+    if position_limit is None or longest <= position_limit:
+        return f"{longest:,}"
+    return f"{position_limit:,} (the model's max_position_embeddings; memory allows {longest:,})"
