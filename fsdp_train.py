@@ -88,7 +88,13 @@ from fsdp_lib.train.optim import BadStepGuard, LocalShardAdamW, build_optimizer,
 from fsdp_lib.train.profiling import StepProfiler
 from fsdp_lib.train.rewards import reward_problems
 from fsdp_lib.train.rollout import keep_layers_gathered
-from fsdp_lib.train.samples import SAMPLES_FILE, SamplePrompt, generate_samples, load_sample_prompts
+from fsdp_lib.train.samples import (
+    SAMPLES_FILE,
+    SamplePrompt,
+    generate_samples,
+    load_sample_prompts,
+    sample_prompt_problems,
+)
 
 # -- the step -------------------------------------------------------------------------------------
 
@@ -488,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.export_only:  # the reward files are imported here; an export needs none
             problems = problems or reward_problems(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
         problems = problems or model_folder_problems(resolve_model_dir(cfg.model_name))  # files whole, vocab fits
+        problems = problems or sample_prompt_problems(cfg, resolve_model_dir(cfg.model_name))  # rendered, they fit
         if problems:
             raise ConfigError(problems)
     except ConfigError as exc:

@@ -51,9 +51,9 @@ def _flag_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += grpo_problems(cfg)
     problems += context_problems(cfg, world_size)
     problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
-    # what the checkpoint's flags alone show, before data or model; the process count only under torchrun (a --dry-run
-    # without it would compare one process's global batch with the run's)
-    problems += resume_refusal(cfg, world_size if "WORLD_SIZE" in os.environ else None)
+    # what the checkpoint's flags alone show, before data or model; the process count under torchrun, or of a run
+    # without it (one process); a --dry-run without torchrun would compare one process's global batch with the run's
+    problems += resume_refusal(cfg, world_size if "WORLD_SIZE" in os.environ or not cfg.dry_run else None)
     if cfg.data_slice and parse_data_slice(cfg.data_slice) is None:
         problems.append(
             f"--data-slice {cfg.data_slice!r}: expected START:END with whole numbers, e.g. 0:50000 or 1000:"

@@ -933,7 +933,7 @@ def test_an_added_token_the_embedding_lacks_is_refused_when_the_data_holds_it(
     assert not (tmp_path / "outputs" / "run").exists(), "a refused run leaves no empty experiment folder"
 
 
-def test_a_sample_prompt_too_long_for_the_model_is_refused_before_training(inputs, tmp_path: Path) -> None:
+def test_a_sample_prompt_too_long_for_the_model_is_refused_before_training(inputs, tmp_path: Path, capsys) -> None:
     """A prompt whose tokens and --sample-max-new-tokens pass the model's positions would fail at the first samples,
     mid-run, with learned position embeddings: refused with the prompt's number, its length and both fixes."""
     from transformers import AutoTokenizer
@@ -951,6 +951,31 @@ def test_a_sample_prompt_too_long_for_the_model_is_refused_before_training(input
     said = str(refused.value)
     assert f"--sample-prompts {tmp_path / 'prompts.txt'}, prompt 2:" in said and "+ --sample-max-new-tokens 64" in said
     assert "exceed the model's max_position_embeddings 128; shorten the prompt or lower --sample-max-new-tokens" in said
+    # and before any process group, as a flag problem (exit 2), by the run and its --dry-run alike
+    import fsdp_train
+
+    (tmp_path / "chat.jsonl").write_text(json.dumps([{"role": "user", "content": "hi"}]) + "\n")
+    base = [
+        "-e",
+        "x",
+        "-d",
+        str(inputs[0]),
+        "-m",
+        str(inputs[1]),
+        "--save-dir",
+        str(tmp_path / "out"),
+        "--seq-length",
+        "32",
+    ]
+    for prompts, said in [
+        ("prompts.txt", "tokens + --sample-max-new-tokens 100 exceed the model's max_position_embeddings 128"),
+        ("chat.jsonl", "conversations need a chat template; the tokenizer has none (--chat-template FILE)"),
+    ]:
+        for dry in ([], ["--dry-run"]):
+            argv = [*base, "--sample-prompts", str(tmp_path / prompts), "--sample-max-new-tokens", "100", *dry]
+            assert fsdp_train.main(argv) == 2
+            assert said in capsys.readouterr().out, (prompts, dry)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_config_that_does_not_match_its_weights_is_refused_by_tensor(
@@ -1103,7 +1128,7 @@ def test_config_yaml_holds_absolute_paths_for_an_export_from_any_folder(tmp_path
     assert settings["save_dir"] == "outputs" and settings["chat_template"] == ""  # (not there yet; not given)
 
 
-def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_path: Path) -> None:
+def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_path: Path, monkeypatch) -> None:
     """The full resume check runs once the data and the model are built (minutes into a large run); what the
     flags alone decide is read from the newest checkpoint's train_state.json first: --seq-length, --seed, the
     global batch (processes x -b x accumulation, or --global-batch-size), an --objective given by name, --peft and
@@ -1138,6 +1163,12 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
     assert "--global-batch-size 8 keeps it on any process count)" in problem
     assert resume_refusal(TrainConfig(**same, global_batch_size=8, grad_accum_steps=2), 2) == []
     assert resume_refusal(TrainConfig(**same), None) == []  # a --dry-run without torchrun: the count is not known
+    from fsdp_lib.checks import validate_config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # plain `python fsdp_train.py`: one process, known
+    assert any("the global batch: checkpoint 8 vs now 2" in p for p in validate_config(TrainConfig(**same), 1))
+    dry = validate_config(TrainConfig(**same, dry_run=True), 1)  # a --dry-run without torchrun: not known
+    assert not any("the global batch" in p for p in dry)
     assert "checkpoint 8 vs now 6" in resume_refusal(TrainConfig(**same, global_batch_size=6), None)[0]
     (problem,) = resume_refusal(TrainConfig(**same, context_parallel=2), 4)
     assert "vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; --context-parallel 1 then, 2 now;" in problem

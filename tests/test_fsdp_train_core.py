@@ -519,6 +519,12 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
         assert ft.main([*io_args("dry", dataset_dir, scratch_model, tmp_path), *peft, "--precision", precision]) == 0
         plans[precision] = capsys.readouterr().out
     assert "lora: base 4 B/param (fp32)" in plans["fp32"] and "(fp32 weights + fp32 grads)" in plans["fp32"]
+    template = tmp_path / "t.jinja"  # plain text renders nothing with a chat template: said, not dropped in silence
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert (
+        ft.main([*io_args("dry", dataset_dir, scratch_model, tmp_path), *peft, "--chat-template", str(template)]) == 0
+    )
+    assert f"WARNING: --chat-template {template} is not used: the data is plain text" in capsys.readouterr().out
     per_token = {p: re.search(r"activations per GPU: ([\d.]+) KB/token", out)[1] for p, out in plans.items()}
     assert float(per_token["fp32"]) > 1.9 * float(per_token["bf16"]), per_token
     # what the run refuses about the data before tokenising it, the dry run refuses too (it said "nothing trained")
@@ -580,7 +586,9 @@ def test_the_dry_runs_long_context_plan_counts_copied_key_value_heads():
                          num_key_value_heads=1, vocab_size=256)  # fmt: skip
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    plans = {n: long_context_plan(model, TrainConfig(seq_length=4096, context_parallel=n), 1e9) for n in (1, 2, 4)}
+    plans = {
+        n: long_context_plan(model, TrainConfig(seq_length=4096, context_parallel=n), 1e9, "bf16") for n in (1, 2, 4)
+    }
     per_token = {
         n: float(re.search(r"activations per GPU: ([\d.]+) KB/token", plan).group(1)) for n, plan in plans.items()
     }

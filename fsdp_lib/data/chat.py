@@ -298,6 +298,17 @@ def use_template_file(cfg: TrainConfig, tokenizer: Any) -> None:
         tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
 
 
+def warn_unused_template(cfg: TrainConfig, templated: bool) -> None:
+    """--chat-template with data the template renders nothing of (`templated`: conversations, pairs or prompts) and
+    no conversations in --sample-prompts: said, since the export then keeps the model folder's own template."""
+    if cfg.chat_template and not templated and Path(cfg.sample_prompts).suffix != ".jsonl":
+        log(
+            f"WARNING: --chat-template {cfg.chat_template} is not used: the data is plain text (no conversations, "
+            "pairs or prompts) and --sample-prompts holds no conversations, so nothing is rendered with it and the "
+            "export keeps the model folder's own template; leave it out, or train on conversations"
+        )
+
+
 def chat_encoder(
     cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False, dataset: str = ""
 ) -> ChatEncoder | None:

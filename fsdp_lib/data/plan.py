@@ -15,7 +15,14 @@ import torch
 from fsdp_lib.config import TrainConfig, packs_whole, parse_data_slice, parse_data_weights
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
-from fsdp_lib.data.chat import ChatEncoder, chat_encoder, chat_template_hash, use_template_file, uses_tools
+from fsdp_lib.data.chat import (
+    ChatEncoder,
+    chat_encoder,
+    chat_template_hash,
+    use_template_file,
+    uses_tools,
+    warn_unused_template,
+)
 from fsdp_lib.data.mixture import MixedBlocks, Mixture, short_names
 from fsdp_lib.data.objective import check_mixture_kinds, objective_of
 from fsdp_lib.data.packing import straddling
@@ -193,6 +200,7 @@ def build_data(cfg: TrainConfig, model_dir: Path, d: Dist) -> TrainData:
     check_mixture_kinds(cfg)
     sources = [load_source(cfg, name, tokenizer, tok_hash, d) for name in cfg.dataset_name]
     check_ids_fit(sources, tokenizer, model_dir)
+    warn_unused_template(cfg, any(source.data_format != "text" for source in sources))
     global_batch = d.data_world * cfg.batch_size * cfg.grad_accum_steps  # the ranks of a context group share theirs
     if len(sources) == 1:
         source = sources[0]
@@ -428,6 +436,7 @@ def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
     check_mixture_kinds(cfg)
     lines = []
     templated = None  # a dataset whose rows the chat template renders
+    prompted = False  # GRPO's prompts: rendered with the template when they are conversations (plan.prompt_source)
     for i, name in enumerate(cfg.dataset_name):
         try:
             train_split, val_split = load_text_dataset(name, cfg.text_column or None)
@@ -442,11 +451,13 @@ def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
             "messages": "conversations",
             "prompts": "prompts",
         }.get(dataset_kind(train_split.column_names), "text")
+        prompted = prompted or kind == "prompts"
         held_out = f", {len(val_split):,} validation rows" if val_split is not None else ""
         share = f", weight {weights[i] / sum(weights):.3f}" if weights else ""
         lines.append(f"  {name}: {kind}, {len(train_split):,} train rows{held_out}{share}")
     mixture = " (a mixture: shares by --data-weights, else by size in blocks)" if len(lines) > 1 else ""
     log(f"data{mixture}:\n" + "\n".join(lines))
+    warn_unused_template(cfg, templated is not None or prompted)
     if templated:
         from transformers import AutoTokenizer
 

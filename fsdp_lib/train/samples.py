@@ -29,6 +29,23 @@ class SamplePrompt:
     ids: list[int]
 
 
+def sample_prompt_problems(cfg: TrainConfig, model_dir: Path) -> list[str]:
+    """--sample-prompts read, rendered and measured as the run will, before any process group: a conversation with no
+    chat template to render it, or a prompt too long for the model's positions, failed the run after its data was
+    tokenised and its model loaded (and a --dry-run passed them)."""
+    if not cfg.sample_prompts or cfg.export_only:
+        return []
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
+    try:
+        load_sample_prompts(cfg, tokenizer, getattr(config, "max_position_embeddings", None))
+    except TrainError as exc:
+        return [str(exc)]
+    return []
+
+
 def load_sample_prompts(cfg: TrainConfig, tokenizer: Any, max_positions: int | None = None) -> list[SamplePrompt]:
     """The prompts of --sample-prompts (see read_sample_prompts), each short enough that its completion stays within
     the model's positions (a model with learned position embeddings would fail mid-run, at its first samples)."""
