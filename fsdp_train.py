@@ -76,6 +76,7 @@ from fsdp_lib.runtime import (
     report_error,
     seed_everything,
     setup_distributed,
+    stopped_at_once,
 )
 from fsdp_lib.state import TrainState
 from fsdp_lib.train.checkpoint import WRITE_FAILURES, Checkpointer, export_fingerprint, resume_fingerprint
@@ -517,12 +518,21 @@ def main(argv: list[str] | None = None) -> int:
         by = "SIGTERM" if interrupt.args == ("SIGTERM",) else "Ctrl-C"
         log(f"stopped at once by {by}, without saving; rerun the same command to resume from the newest checkpoint")
         return interrupt_exit_code(interrupt)
-    except (TrainError, FileNotFoundError) as exc:
-        return report_error(str(exc), 1)
-    except WRITE_FAILURES as exc:  # e.g. a read-only or full --save-dir: the OS error in words, with the path
-        return report_error(
-            f"{explain_write_error(exc, cfg.experiment_dir.parent)}; fix it and rerun the same command", 1
-        )
+    except (Exception, *WRITE_FAILURES) as exc:  # DCP's CheckpointException is a BaseException
+        if stopped_at_once():  # a second Ctrl-C cut a save or a collective short, here or on a peer: not a fault
+            at_once = True
+            log(
+                "stopped at once by a second Ctrl-C, without saving (a save or exchange it cut short was abandoned); "
+                "rerun the same command to resume from the newest checkpoint"
+            )
+            return 130
+        if isinstance(exc, (TrainError, FileNotFoundError)):
+            return report_error(str(exc), 1)
+        if isinstance(exc, WRITE_FAILURES):  # e.g. a read-only or full --save-dir: the OS error in words, with the path
+            return report_error(
+                f"{explain_write_error(exc, cfg.experiment_dir.parent)}; fix it and rerun the same command", 1
+            )
+        raise
     finally:
         lock.release()
         clear_stop_request()

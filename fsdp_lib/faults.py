@@ -7,6 +7,7 @@ set; production code only names the points where a fault may be injected.
 - FSDP_TRAIN_NAN_AT_STEPS=3,4: the training loss of those (1-based) optimizer steps is NaN on rank 0.
 - FSDP_TRAIN_STEP_DELAY_S=0.25: every optimizer step sleeps this long, so a test can interrupt a run mid-way.
 - FSDP_TRAIN_EVAL_DELAY_S=1: every evaluation micro-batch sleeps this long, so a test can interrupt an evaluation.
+- FSDP_TRAIN_SAVE_DELAY_S=3: every checkpoint write sleeps this long first, so a test can interrupt a save.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def fault_point(name: str, d: Dist | None = None, step: int | None = None) -> No
         if name.startswith("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise OSError(28, f"injected fault at {name} (No space left on device)")
+
+
+def save_delay() -> None:
+    """FSDP_TRAIN_SAVE_DELAY_S: sleep inside a checkpoint's write phase."""
+    if delay := float(os.environ.get("FSDP_TRAIN_SAVE_DELAY_S", "0") or 0):
+        time.sleep(delay)
 
 
 def install_step_hooks(train_forward: nn.Module, optimizer: Any, state: TrainState, d: Dist) -> None:

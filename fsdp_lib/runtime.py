@@ -315,6 +315,7 @@ class StopRequest:
         # a second Ctrl-C means now; torchrun passes a second Ctrl-C on to its workers as SIGTERM, so after a Ctrl-C
         # any signal does (a scheduler's repeated SIGTERM still only asks for the checkpoint)
         if self.requested and signal.SIGINT in (signum, self.first):
+            self.at_once = signum
             raise KeyboardInterrupt("SIGINT")
         self.requested, self.first = True, signum
         log(f"received {signal.Signals(signum).name}: will checkpoint at the end of this step and exit", all_ranks=True)
@@ -338,6 +339,12 @@ def clear_stop_request() -> None:
     _STOP = None
     if sys.unraisablehook is _quiet_dropped_interrupts and _HOOKS:
         sys.unraisablehook = _HOOKS.pop()
+
+
+def stopped_at_once() -> bool:
+    """Whether a signal stopped this process at once (before training, or a second Ctrl-C in it): an error raised
+    since, by a save or a collective it cut short or by a peer it stopped too, is that stop, not a fault."""
+    return _STOP is not None and _STOP.at_once is not None
 
 
 def raise_if_stopped() -> None:

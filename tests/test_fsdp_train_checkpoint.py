@@ -21,6 +21,7 @@ from tests.fsdp_helpers import (
     run_trainer,
     trainer_args,
     wait_for_step,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -207,6 +208,18 @@ def test_a_stop_during_evaluation_cuts_it_short_and_a_second_ctrl_c_stops_at_onc
     said += proc.communicate(timeout=60)[0]
     assert proc.returncode == 130 and "Traceback" not in said, said
     assert "stopped at once by Ctrl-C, without saving; rerun the same command to resume" in said
+
+    # a second Ctrl-C while the stop's checkpoint is being written: the save is abandoned, one line, exit 130 (it was
+    # "writing checkpoint ... failed ... fix the cause (a full disk, ...)" and exit 1)
+    env = {"FSDP_TRAIN_STEP_DELAY_S": "1", "FSDP_TRAIN_EVAL_DELAY_S": "0", "FSDP_TRAIN_SAVE_DELAY_S": "20"}
+    proc = launch(env, "--eval-at-start", "off")
+    said = read_until(proc, "training steps 1..")
+    proc.send_signal(signal.SIGINT)
+    wait_until(lambda: any((tmp_path / "run" / "checkpoint").glob(".tmp_step_*")), timeout=60)
+    proc.send_signal(signal.SIGINT)
+    said += proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "Traceback" not in said and "failed" not in said, said
+    assert "stopped at once by a second Ctrl-C, without saving (a save or exchange it cut short" in said
 
 
 def _constant_lr_run(inputs, nproc: int, steps: int, save: Path):

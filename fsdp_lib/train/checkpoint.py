@@ -33,7 +33,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
 from fsdp_lib.experiment_dir import PACKED_WHOLE, RESUME_REFUSED_FIX, objective_name, packing_refusal, run_settings
-from fsdp_lib.faults import fault_point
+from fsdp_lib.faults import fault_point, save_delay
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs
 from fsdp_lib.model.adapters import target_names
@@ -221,6 +221,7 @@ class _CheckpointWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fault_point("ckpt_write", self._dist, self._step)
+        save_delay()
         with _writer_thread_failures() as failed:
             future = super().write_data(plan, planner)  # FileSystemWriter returns it completed
         if failed:
