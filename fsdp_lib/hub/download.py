@@ -230,7 +230,10 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
     info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
     snapshot = HubSnapshot(repo_id, revision, local_dir, token, force, info.sha or revision, sizes)
-    plan = plan_download(sizes)
+    try:
+        plan = plan_download(sizes)
+    except ToolError as exc:
+        raise ToolError(f"--model-name {repo_id} @ {revision}: {exc}") from exc
     # Before the index is read, every weight file of the chosen format bounds what the shards need.
     weight_bound = plan.weight_files or [name for name in sizes if is_weight_file(name, plan.weight_format)]
     needed = sum(sizes[name] for name in plan.metadata_files + weight_bound if force or not snapshot.is_present(name))
