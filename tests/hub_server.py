@@ -58,6 +58,7 @@ class FakeHub:
     requests: list[RequestRecord] = field(default_factory=list)
     drop_after: dict[str, int] = field(default_factory=dict)
     hang_after: dict[str, int] = field(default_factory=dict)
+    stall_api: str = ""  # an API path holding this (e.g. "/tree/") is accepted and never answered, until release
     hanging: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -166,6 +167,9 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         return repo
 
     def _api(self, rest: str, prefix: str = "") -> None:
+        if self.hub.stall_api and self.hub.stall_api in rest:
+            self.hub.release.wait()
+            return
         if "/tree/" in rest:
             repo_id, _, revision = rest.partition("/tree/")
         elif "/revision/" in rest:
@@ -196,9 +200,11 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         if data is None:
             self._error(404, "EntryNotFound", f"{filename} does not exist", {"X-Repo-Commit": repo.commit})
             return
+        # as the hub: a weight file (stored with LFS) is named by its SHA-256, a small file by its git blob SHA-1
+        lfs = filename.endswith((".safetensors", ".bin", ".pt"))
         headers = {
             "X-Repo-Commit": repo.commit,
-            "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+            "ETag": f'"{hashlib.sha256(data).hexdigest() if lfs else _git_oid(data)}"',
             "Accept-Ranges": "bytes",
         }
         start = _range_start(self.headers.get("Range"))

@@ -305,22 +305,32 @@ def test_no_network_says_to_copy_hf_home(tmp_path: Path):
     assert "copy HF_HOME from one that has internet" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_hub_that_accepts_and_never_answers_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys):
-    """A dead proxy: the connection is accepted and nothing comes back. huggingface_hub waits for ever by default."""
+def test_a_hub_that_accepts_and_never_answers_times_out(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+):
+    """A dead proxy: the connection is accepted and nothing comes back, at the first request or at the tree listing
+    huggingface_hub makes inside the download. It waits for ever by default."""
     from huggingface_hub import constants
 
     import fsdp_lib.hub.download as download
 
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(download, "HUB_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # huggingface_hub's backoff between its 5 retries
+    hub.stall_api = "/tree/"
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
-        monkeypatch.setattr(download, "HUB_TIMEOUT_S", 0.5)
-        started = time.monotonic()
-        assert md.main(["--model-name", REPO_ID, "--local-dir", str(tmp_path / "m")]) == 1
-    assert time.monotonic() - started < 30
-    assert "cannot reach the hub" in capsys.readouterr().err
+        for endpoint, message in (
+            (f"http://127.0.0.1:{silent.getsockname()[1]}", "cannot reach the hub"),
+            (hub.url, "the hub stopped answering while org/tiny was downloaded: "),  # was: "No such file ... index"
+        ):
+            monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+            started = time.monotonic()
+            assert md.main(["--model-name", REPO_ID, "--local-dir", str(tmp_path / "m")]) == 1
+            assert time.monotonic() - started < 60, endpoint
+            assert message in capsys.readouterr().err
+    assert any("/tree/" in record.path for record in hub.requests)  # the listing was asked for, and stalled
 
 
 def test_a_local_dir_knows_its_repository_and_keeps_files_edited_since(
@@ -347,13 +357,25 @@ def test_a_local_dir_knows_its_repository_and_keeps_files_edited_since(
     assert f"holds {REPO_ID}, not --model-name org/other" in capsys.readouterr().err
 
     config = folder / "tokenizer_config.json"
-    edited = config.read_text().replace("{", '{"chat_template": "MINE", ', 1)
+    original = config.read_text()
+    edited = original.replace("{", '{"chat_template": "MINE", ', 1)
     config.write_text(edited)
     os.utime(config, (time.time() + 5, time.time() + 5))  # past huggingface_hub's 1 s tolerance, however fast
     kept = run_cli(download, hf_home, hub.url)
     assert kept.returncode == 1
     assert "tokenizer_config.json changed since downloaded" in kept.stderr and "--force-download" in kept.stderr
     assert config.read_text() == edited
+    config.write_text(original)  # as a copied folder has it: newer times, the hub's bytes
+    os.utime(config, (time.time() + 5, time.time() + 5))
+    assert run_cli(download, hf_home, hub.url).returncode == 0
+
+    # a first download that fetched nothing (refused, interrupted at once) does not claim its folder
+    from fsdp_lib.hub.download import check_download_target
+
+    empty = tmp_path / "empty"
+    (empty / ".cache" / "huggingface").mkdir(parents=True)
+    (empty / ".cache" / "huggingface" / "model_download_source.json").write_text('{"model_name": "org/gated"}')
+    check_download_target(empty, "org/other")
 
 
 def test_download_refused_when_offline_mode_is_set(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):

@@ -44,7 +44,7 @@ def hub_etag(folder: Path, name: str) -> str | None:
     return etag if _ETAG.fullmatch(etag) else None
 
 
-def file_checksum(path: Path, kind_of: str) -> str:
+def hub_checksum_of(path: Path, kind_of: str) -> str:
     """SHA-256 of the bytes (kind_of a 64-digit ETag), else the git blob SHA-1 the hub gives a small file."""
     digest = hashlib.sha256() if len(kind_of) == 64 else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     with open(path, "rb") as fh:
@@ -54,25 +54,37 @@ def file_checksum(path: Path, kind_of: str) -> str:
 
 
 def check_against_hub(folder: Path) -> ChecksumReport:
-    """Every file of the model folder (not huggingface_hub's .cache/ nor our verification record) against its ETag."""
+    """Every file of the model folder (not huggingface_hub's .cache/ nor our verification record) against its ETag;
+    a cache snapshot's link whose blob is gone is a problem too."""
     report = ChecksumReport()
-    names = sorted(
-        path.relative_to(folder).as_posix()
+    entries = [
+        path
         for path in folder.rglob("*")
-        if path.is_file() and ".cache" not in path.relative_to(folder).parts and path.name != VERIFICATION_RECORD
-    )
+        if (path.is_file() or path.is_symlink())
+        and ".cache" not in path.relative_to(folder).parts
+        and path.name != VERIFICATION_RECORD
+    ]
+    names = sorted(path.relative_to(folder).as_posix() for path in entries)
     for name in names:
+        if not (folder / name).exists():
+            report.problems.append(f"{name} is a link to a blob that is gone ({os.readlink(folder / name)})")
+            continue
         etag = hub_etag(folder, name)
         if etag is None:
             report.unknown.append(name)
-        elif file_checksum(folder / name, etag) != etag:
+        elif hub_checksum_of(folder / name, etag) != etag:
             report.problems.append(
                 f"{name} differs from the hub's copy (checksum {etag[:12]}...): changed or corrupt on disk"
             )
         else:
             report.checked.append(name)
     if not report.checked and not report.problems:
-        report.problems.append(
-            f"no file of {folder} has a hub checksum (not downloaded by huggingface_hub): --checksums cannot check it"
+        in_cache = folder.parent.name == "snapshots"
+        why = (
+            "a copy of HF_HOME that replaced the cache's links by files (cp -L, scp -r, rsync without -l): the blob "
+            "names that hold the hub's checksums are gone; copy it with cp -a or rsync -a"
+            if in_cache
+            else "not downloaded by huggingface_hub"
         )
+        report.problems.append(f"no file of {folder} has a hub checksum ({why}): --checksums cannot check it")
     return report

@@ -13,8 +13,8 @@ from typing import Any
 
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.download import (
-    HUB_TIMEOUT_S,
     HubSnapshot,
+    bound_hub_requests,
     check_free_space,
     free_disk_bytes,
     note_partial_files,
@@ -47,7 +47,8 @@ def download_dataset(repo_id: str, revision: str, token: str | None, force: bool
 
     if constants.HF_HUB_OFFLINE:
         raise ToolError(offline_mode_message(repo_id))
-    info = HfApi(token=token).dataset_info(repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
+    bound_hub_requests()
+    info = HfApi(token=token).dataset_info(repo_id, revision=revision, files_metadata=True)
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
     if not sizes:
         raise ToolError(f"dataset repository {repo_id} @ {revision} has no files; check --dataset and --revision")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
+from fsdp_lib.hub.checksums import hub_checksum_of, hub_etag
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import (
@@ -29,10 +30,31 @@ from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes
 
 OFFLINE_HINT = "on an offline machine copy HF_HOME from one that has internet"
-# Seconds a request for a repository's file list may wait to connect or between bytes: huggingface_hub's own default
-# is none, so a server that accepts and never answers (a dead proxy) hung the download for ever. Its file downloads
-# have their own timeouts (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT).
+# Seconds any request to the hub may wait to connect or between bytes where huggingface_hub sets no timeout of its
+# own (its default is none: a hub or proxy that accepts and never answers hung a download for ever, in the file
+# list, the tree listing or a revision's lookup). Its file downloads keep their own (HF_HUB_DOWNLOAD_TIMEOUT).
 HUB_TIMEOUT_S = 60.0
+
+
+def bound_hub_requests() -> None:
+    """Every request huggingface_hub sends waits at most HUB_TIMEOUT_S (read when it is sent) where it would wait for
+    ever: its client is the default one plus a request hook filling the timeouts left unset."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http
+
+    def bounded(request: Any) -> None:
+        limits = {"connect": None, "read": None, "write": None, "pool": None, **request.extensions.get("timeout", {})}
+        request.extensions["timeout"] = {
+            key: HUB_TIMEOUT_S if value is None else value for key, value in limits.items()
+        }
+
+    def client() -> Any:
+        made = _http.default_client_factory()
+        made.event_hooks = {**made.event_hooks, "request": [*made.event_hooks["request"], bounded]}
+        return made
+
+    set_client_factory(client)
+
 
 # A hub id: NAME or ORG/NAME, each part letters, digits, '-', '_' and '.', at most 96 characters.
 HUB_ID_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?|[A-Za-z0-9]")
@@ -205,6 +227,14 @@ class HubSnapshot:
             allow_patterns=[glob_escape(name) for name in files],
             force_download=self.force,
         )
+        # huggingface_hub returns the folder as it is when the hub stops answering after the file list (its tree
+        # listing timed out): the files it did not fetch are named here, not met later as a missing file.
+        if missing := [name for name in files if not self.is_present(name)]:
+            raise ToolError(
+                f"the hub stopped answering while {self.repo_id} was downloaded: {name_sample(missing)} not fetched; "
+                f"rerun to resume (files already complete are kept); {OFFLINE_HINT}. With internet, check HF_ENDPOINT "
+                "and proxies"
+            )
         return Path(folder)
 
     def is_present(self, name: str) -> bool:
@@ -227,7 +257,8 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
 
     if constants.HF_HUB_OFFLINE:
         raise ToolError(offline_mode_message(repo_id))
-    info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
+    bound_hub_requests()
+    info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True)
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
     snapshot = HubSnapshot(repo_id, revision, local_dir, token, force, info.sha or revision, sizes)
     try:
@@ -239,12 +270,12 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
     needed = sum(sizes[name] for name in plan.metadata_files + weight_bound if force or not snapshot.is_present(name))
     target = local_dir or Path(constants.HF_HUB_CACHE)
     check_free_space(needed, free_disk_bytes(target), target)
-    if local_dir is not None and not force and (edited := edited_since_download(local_dir, [*sizes])):
+    wanted = plan.metadata_files + weight_bound
+    if local_dir is not None and not force and (edited := edited_since_download(local_dir, wanted)):
         raise ToolError(
-            f"--local-dir {local_dir}: {name_sample(edited)} changed since downloaded (modified after "
-            "huggingface_hub's note of the download): a rerun would replace them with the hub's copies. Keep your "
-            f"version elsewhere first, or check the folder as it is with --verify-only --local-dir {local_dir}; "
-            "--force-download replaces them"
+            f"--local-dir {local_dir}: {name_sample(edited)} changed since downloaded (their bytes differ from the "
+            "hub's): a rerun would replace them with the hub's copies. Keep your version elsewhere first, or check "
+            f"the folder as it is with --verify-only --local-dir {local_dir}; --force-download replaces them"
         )
 
     if local_dir is not None:
@@ -270,17 +301,20 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
 
 
 def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
-    """The files of an earlier download into local_dir modified after huggingface_hub noted their download (its
-    .cache/huggingface/download/NAME.metadata: commit, etag, time), which a rerun would fetch again over them."""
+    """The files of an earlier download into local_dir that changed since, which a rerun would fetch again over
+    them: modified after huggingface_hub noted their download (.cache/huggingface/download/NAME.metadata) and with
+    bytes that differ from the hub's checksum it noted (a copied folder has new times and the same bytes)."""
     edited = []
     for name in names:
         note = local_dir / ".cache" / "huggingface" / "download" / f"{name}.metadata"
+        etag = hub_etag(local_dir, name)
         try:
             downloaded_at = float(note.read_text().splitlines()[2])
             modified_at = (local_dir / name).stat().st_mtime
         except (OSError, ValueError, IndexError):
             continue
-        if modified_at - 1 > downloaded_at:  # huggingface_hub's own tolerance for imprecise mtimes
+        # huggingface_hub's own tolerance for imprecise mtimes
+        if modified_at - 1 > downloaded_at and etag is not None and hub_checksum_of(local_dir / name, etag) != etag:
             edited.append(name)
     return edited
 
@@ -328,7 +362,7 @@ def check_download_target(local_dir: Path, repo_id: str) -> None:
         return
     if not local_dir.is_dir():
         raise ToolError(f"--local-dir {local_dir} is a file; choose a folder path for --local-dir")
-    if not any(local_dir.iterdir()):
+    if all(entry.name == ".cache" for entry in local_dir.iterdir()):  # empty, or a first download that fetched nothing
         return
     kind = folder_kind(local_dir)
     if kind is not None and kind.kind != "model":
