@@ -166,6 +166,7 @@ def test_yaml_dates_are_text_and_values_their_tag_cannot_hold_skip_the_file(
             "post.yaml": "title: post\ndate: 2023-02-29\nwhen: 2001-12-14t21:59:43.10-05:00\n# " + "x" * 200,
             "int.yaml": "ok: first\n---\nn: !!int abc\n# " + "x" * 200,
             "float.yaml": "x: !!float xyz\n",
+            "bool.yaml": "flag: !!bool maybe\n",  # a KeyError inside PyYAML
         },
     )
     limit = {"max_chars": 30} if streamed else {}
@@ -174,7 +175,7 @@ def test_yaml_dates_are_text_and_values_their_tag_cannot_hold_skip_the_file(
     assert second.rows == ["first"] and reasons(second) == ["invalid_yaml"]
     assert "int()" in second.problems[0].detail
     assert convert(data, tmp_path / "out") == 0
-    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"invalid_yaml": 2}
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"invalid_yaml": 3}
 
 
 @pytest.mark.parametrize(

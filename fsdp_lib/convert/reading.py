@@ -169,7 +169,7 @@ def _yaml_items(stream: str | io.TextIOBase, loader: type, result: FileResult, e
             unsupported = isinstance(err, yaml.constructor.ConstructorError) and "for the tag" in str(err)
             reason = "yaml_unsupported_tag" if unsupported else "invalid_yaml"
             detail = " ".join(str(err).split())
-        except (ValueError, TypeError, OverflowError) as err:  # a value its tag cannot hold: !!int abc, !!float x
+        except Exception as err:  # noqa: BLE001 - a value its tag cannot hold: !!int abc, !!float x, !!bool maybe
             reason, detail = "invalid_yaml", f"a value its tag cannot hold ({type(err).__name__}: {err})"
         else:
             count += 1
