@@ -37,6 +37,7 @@ if __name__ == "__main__":  # Ctrl-C in the seconds torch and transformers take 
 import contextlib
 import math
 import os
+import signal
 from typing import Any
 
 import torch
@@ -519,13 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"stopped at once by {by}, without saving; rerun the same command to resume from the newest checkpoint")
         return interrupt_exit_code(interrupt)
     except (Exception, *WRITE_FAILURES) as exc:  # DCP's CheckpointException is a BaseException
-        if stopped_at_once():  # a second Ctrl-C cut a save or a collective short, here or on a peer: not a fault
+        if signum := stopped_at_once():  # it cut a save or a collective short, here or on a peer: not a fault
             at_once = True
+            by = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
             log(
-                "stopped at once by a second Ctrl-C, without saving (a save or exchange it cut short was abandoned); "
-                "rerun the same command to resume from the newest checkpoint"
+                f"stopped at once by {by}, without saving (what it cut short ended in {type(exc).__name__}); rerun "
+                "the same command to resume from the newest checkpoint"
             )
-            return 130
+            return 128 + signum
         if isinstance(exc, (TrainError, FileNotFoundError)):
             return report_error(str(exc), 1)
         if isinstance(exc, WRITE_FAILURES):  # e.g. a read-only or full --save-dir: the OS error in words, with the path

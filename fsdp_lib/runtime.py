@@ -341,10 +341,10 @@ def clear_stop_request() -> None:
         sys.unraisablehook = _HOOKS.pop()
 
 
-def stopped_at_once() -> bool:
-    """Whether a signal stopped this process at once (before training, or a second Ctrl-C in it): an error raised
-    since, by a save or a collective it cut short or by a peer it stopped too, is that stop, not a fault."""
-    return _STOP is not None and _STOP.at_once is not None
+def stopped_at_once() -> int | None:
+    """The signal that stopped this process at once (before training, or a second Ctrl-C in it), or None: an error
+    raised since, by a save or a collective it cut short or by a peer it stopped too, is that stop, not a fault."""
+    return _STOP.at_once if _STOP is not None else None
 
 
 def raise_if_stopped() -> None:
