@@ -246,6 +246,8 @@ def _number_problems(args: argparse.Namespace) -> list[str]:
 
 def _save_dir_problems(args: argparse.Namespace) -> list[str]:
     save_dir = args.save_dir
+    if why := broken_link(save_dir):
+        return [f"--save_dir {save_dir} {why}; fix the link, or choose another --save_dir"]
     if occupied(save_dir):
         if not save_dir.is_dir():
             return [f"--save_dir {save_dir} exists and is not a folder; choose another --save_dir"]

@@ -34,17 +34,21 @@ class ExperimentLockedError(TrainError):
 
 
 def broken_link(path: Path) -> str | None:
-    """How a path that is a symbolic link fails to lead anywhere ("is a symbolic link to X, which does not exist"),
-    or None when it is no link or leads somewhere."""
-    if not path.is_symlink() or path.exists():
-        return None
-    try:
-        path.resolve(strict=True)
-    except FileNotFoundError:
-        return f"is a symbolic link to {os.readlink(path)}, which does not exist"
-    except (RuntimeError, OSError):  # a loop: RuntimeError up to Python 3.12, OSError (ELOOP) from 3.13
-        pass
-    return f"is a symbolic link that leads back to itself (a loop through {os.readlink(path)})"
+    """How a path leads nowhere through a symbolic link, itself or one of the folders above it ("is a symbolic link
+    to X, which does not exist", "is under L, a symbolic link that leads back to itself"), or None when no link on
+    its way is broken (a path that simply does not exist yet is None)."""
+    for link in (path, *path.parents):
+        if not link.is_symlink() or link.exists():
+            continue
+        where = "is" if link == path else f"is under {link},"
+        try:
+            link.resolve(strict=True)
+        except FileNotFoundError:
+            return f"{where} a symbolic link to {os.readlink(link)}, which does not exist"
+        except (RuntimeError, OSError):  # a loop: RuntimeError up to Python 3.12, OSError (ELOOP) from 3.13
+            pass
+        return f"{where} a symbolic link that leads back to itself (a loop through {os.readlink(link)})"
+    return None
 
 
 def unreadable(path: Path) -> str | None:

@@ -153,8 +153,9 @@ prepare_launch() {
   nnodes=$((10#$nnodes))
   if [[ -z $nproc ]]; then
     nproc=$(detect_gpus_per_node)
-    [[ $nproc != 0 ]] || die "no GPUs found (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>} hides them, or" \
-      "nvidia-smi lists none); set NPROC_PER_NODE, e.g. NPROC_PER_NODE=2 for a CPU run"
+    local why="nvidia-smi lists none"
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then why="CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' hides them"; fi
+    [[ $nproc != 0 ]] || die "no GPUs found ($why); set NPROC_PER_NODE, e.g. NPROC_PER_NODE=2 for a CPU run"
   fi
   require_positive_int NPROC_PER_NODE "$nproc"
   nproc=$((10#$nproc))

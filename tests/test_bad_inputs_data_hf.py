@@ -307,6 +307,18 @@ FOLDER_CASES = [
         "is a symbolic link that leads back to itself (a loop through loop)",
     ),
     data_hf_case(
+        "--data_folder under a link that loops",
+        lambda r: ["--data_folder", r.parent / "odd" / "loop" / "raw", "--save_dir", r / NEW],
+        "is under",
+        "a symbolic link that leads back to itself",
+    ),
+    data_hf_case(
+        "--save_dir under a link to nowhere",
+        lambda r: ["--data_folder", r / "raw", "--save_dir", r.parent / "odd" / "dangling" / "ds"],
+        "--save_dir",
+        "nowhere, which does not exist; fix the link, or choose another --save_dir",
+    ),
+    data_hf_case(
         "--data_folder a link to nowhere",
         lambda r: ["--data_folder", r.parent / "odd" / "dangling", "--save_dir", r / NEW],
         "is a symbolic link to",

@@ -98,6 +98,13 @@ ORGANIZE_CASES = [
         "is a symbolic link that leads back to itself",
     ),
     organize(
+        "--dst-root under a link that loops",
+        lambda r: [R, r / "raw", D, links_of(r) / "loop" / "new"],
+        "--dst-root",
+        "is under",
+        "a symbolic link that leads back to itself",
+    ),
+    organize(
         "--dst-root a link to nowhere",
         lambda r: [R, r / "raw", D, links_of(r) / "dangling"],
         "--dst-root",

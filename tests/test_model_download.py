@@ -786,6 +786,9 @@ def test_init_without_weights_holds_config_and_tokenizer_only(corpus: Path, tmp_
     capsys.readouterr()
     assert md.main(["--verify-only", "--local-dir", str(target)]) == 0  # weightless --init folders stay valid
     assert "no weights (the trainer initialises them)" in capsys.readouterr().out
+    assert md.main(["--verify-only", "--local-dir", str(target), "--checksums"]) == 1
+    assert "was made by --init, not downloaded; it has no hub checksums" in capsys.readouterr().err
+    assert (target / VERIFICATION_RECORD).is_file()  # refused before verification: the record stays
 
 
 def test_with_weights_refused_when_memory_is_short(corpus: Path, tmp_path: Path, monkeypatch, capsys):

@@ -275,6 +275,8 @@ def reverify_folder(folder: Path, model_name: str | None = None, checksums: bool
     if model_name is not None and "local_dir" not in source and source.get("model_name") != model_name:
         held = source.get("model_name") or f"a model made with --init {source.get('init')}"
         raise ToolError(f"--local-dir {folder} holds {held}, not --model-name {model_name}: check both flags")
+    if checksums and "init" in source:
+        raise ToolError(f"--checksums: {folder} was made by --init, not downloaded; it has no hub checksums to compare")
     # Only an --init folder made without --with-weights may lack weights; anything else without them is broken.
     weightless_init = "init" in source and not previous.get("weight_files")
     verify_and_record(folder, str(folder), None, source, not weightless_init, checksums)

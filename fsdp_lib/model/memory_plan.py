@@ -18,8 +18,8 @@ def training_memory_plan(
     """Per-GPU memory for full fine-tuning with FSDP and AdamW, without activations.
 
     Rule: fp32 master weights (4 B) + fp32 gradients (4 B) + AdamW's two fp32 moments (8 B) = 16 bytes per
-    parameter, sharded evenly over the GPUs; plus, unsharded on every GPU, the bf16 copy of the largest FSDP
-    unit (2 B/param, all-gathered for compute) and its bf16 gradient before the reduce-scatter (2 B/param).
+    parameter, sharded evenly over the GPUs; plus, unsharded on every GPU, the compute copy of the largest FSDP
+    unit (all-gathered) and its gradient before the reduce-scatter, compute_bytes each (bf16: 2; fp32: 4).
     With CPU offload (FSDP2 CPUOffloadPolicy) the sharded state lives in host RAM and the optimizer steps
     there, so the GPU holds only the unsharded unit. Activations, prefetch of the next unit, the CUDA context
     and allocator fragmentation are not included: leave headroom.

@@ -145,9 +145,9 @@ class Metrics:
         if d.is_main and cfg.tensorboard == "on":
             from torch.utils.tensorboard import SummaryWriter
 
-            # A resumed run's first step: what a killed run logged from there on is dropped, as metrics.jsonl's
-            # lines are (trim_metrics_file), so TensorBoard does not show those steps twice.
-            purge = steps.start if steps.start > 1 else None
+            # What a killed launch logged from this run's first step on (from step 0 when it starts from scratch) is
+            # dropped, as metrics.jsonl's lines are (trim_metrics_file), so TensorBoard does not show it twice.
+            purge = steps.start if steps.start > 1 else 0
             self.writer = SummaryWriter(str(cfg.experiment_dir / "tensorboard"), purge_step=purge)
         self.wandb_run = start_wandb(cfg) if d.is_main and cfg.wandb == "on" else None
         self.bar = None
