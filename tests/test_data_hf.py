@@ -416,6 +416,10 @@ def test_a_json_files_records_do_not_depend_on_its_size(tmp_path: Path, monkeypa
     assert read_all() == small
     if data_format == "chat":
         assert [len(small[name][0]) for name in shapes] == [1, 0, 0, 3]
+    # a file over WHOLE_OBJECT_MAX_BYTES is a dump of records, not one: read member by member, memory flat
+    monkeypatch.setattr(reading, "WHOLE_OBJECT_MAX_BYTES", 16)
+    if flags == ("text", "records"):
+        assert len(read_file(tmp_path / "keyed.json", json_mode="records").rows) == 3  # one record per member
 
 
 # --- Finding files ------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ KIND_BY_EXTENSION = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".y
 # holds a whole large file; it grows with --max-chars so that a file of at most --max-chars characters
 # (at most 4 bytes each) is never cut by a piece boundary.
 MIN_PIECE_BYTES = 4 << 20
+# A streamed JSON file's top-level object is held whole as one record up to this size (parsed, a few times more);
+# above it, it is a dump of records, not one, and is read member by member.
+WHOLE_OBJECT_MAX_BYTES = 256 << 20
 # A boundary search looks this far for a blank line or newline before cutting a text piece hard.
 ALIGN_WINDOW = 1 << 20
 _BLANK_LINE_BYTES = re.compile(rb"\n[ \t\r]*\n")
@@ -240,7 +243,8 @@ def _parses(text: str) -> bool:
 def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extraction) -> Iterator[Row]:
     """Rows of a large JSON or YAML file, parsed from the open file one element or document at a time. A top-level
     JSON object is one record, read whole, where records are wanted (extraction.whole_records), as in a small file;
-    with --format text --json-mode strings it is read member by member (the same rows), so that memory stays flat."""
+    with --format text --json-mode strings, or in a file over WHOLE_OBJECT_MAX_BYTES (a dump such as {"data": [...]}
+    rather than one record), it is read member by member, so that memory stays flat."""
     unicode = unicode_file(path)
     has_nul, encoding, depth = (False, unicode, _UNSCANNED) if unicode else _scan_large_file(path)
     result.bytes_read = os.path.getsize(path)
@@ -251,7 +255,8 @@ def _items_streamed(kind: str, path: str, result: FileResult, extraction: Extrac
         result.fallback_encoding = encoding
     with open(path, encoding=encoding, newline="") as fh:
         if kind == "json":
-            yield from _json_items(fh.read, result, extraction, whole_objects=extraction.whole_records)
+            whole = extraction.whole_records and result.bytes_read <= WHOLE_OBJECT_MAX_BYTES
+            yield from _json_items(fh.read, result, extraction, whole_objects=whole)
         else:
             yield from _yaml_items(fh, yaml_loader(depth), result, extraction)
 
