@@ -274,10 +274,14 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     started = time.monotonic()
     files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
     files, text_files_skipped = record_inputs(files, args.data_format)
-    skipped = walk_problems + text_files_skipped
+    # a folder skipped (unreadable, another tool's, unfinished splits) is a problem, not a file found and skipped
+    folders = [problem for problem in walk_problems if os.path.isdir(problem.path)]
+    skipped = [problem for problem in walk_problems if problem not in folders] + text_files_skipped
     tally = Tally(files_found=len(files) + len(skipped), files_read=len(files), files_skipped=len(skipped))
     for problem in skipped:
         tally.add_problem(problem, skipped_file=True)
+    for problem in folders:
+        tally.add_problem(problem)
     if not files:
         raise DataHfError(_no_files_message(args, len(text_files_skipped)))
     options = Options(args.max_chars, args.min_chars, args.val_fraction, args.data_format, args.json_mode)

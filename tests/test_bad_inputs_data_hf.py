@@ -459,7 +459,13 @@ HANDLED_CASES = [
     written("file names with a space and a newline", "names", "2 files", "-> 2 rows"),
     written("a file name that is not UTF-8", "non_utf8_name", "1 files", "-> 1 rows"),
     written("--data_folder a single .txt file", "single.txt", "1 files", "-> 1 rows"),
-    written("a dataset inside --data_folder", "with_dataset", "not_raw_data", "is a dataset", "1 files skipped"),
+    written(  # a folder skipped is a problem, not a file
+        "a dataset inside --data_folder",
+        "with_dataset",
+        "not_raw_data",
+        "is a dataset",
+        "0 files skipped, 1 problems (not_raw_data 1)",
+    ),  # fmt: skip
     written("a model folder inside --data_folder", "with_model", "not_raw_data", "is a model folder"),
     written("one bad conversation among good ones", "chat_one_bad", "unknown_role 1", "-> 1 conversations"),
     written("one identical pair among good ones", "pair_one_same", "identical_responses 1", "-> 1 preference pairs"),
