@@ -24,12 +24,26 @@ def download_dataset_command(repo_id: str) -> str:
     return f"python model_download.py --dataset {repo_id}"
 
 
-def hub_dataset_snapshot(repo_id: str, revision: str | None = None) -> Path:
-    """The cached snapshot folder of a hub dataset repository; never touches the network."""
+def cached_snapshot(repo_id: str, repo_type: str = "model", revision: str | None = None, needs: str = "") -> Path:
+    """The cached snapshot folder of a hub repository; never touches the network. A snapshot that lacks files the
+    repository lists (huggingface_hub keeps the listing since 2.x and then calls it incomplete) is the one
+    model_download.py made, which skips what training never reads (a README, original/, other formats): it is used
+    when it holds `needs` (a model's config.json; what else a run needs is checked when it is read)."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True))
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
+        partial = getattr(exc, "snapshot_path", None)  # IncompleteSnapshotError's
+        if partial and Path(partial, needs).exists():
+            return Path(partial)
+        raise
+
+
+def hub_dataset_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The cached snapshot folder of a hub dataset repository; never touches the network."""
+    try:
+        return cached_snapshot(repo_id, "dataset", revision)
     except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
         hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
         raise ValueError(
@@ -75,10 +89,8 @@ def resolve_model_dir(model_name: str) -> Path:
             f"--model-name {model_name!r}: neither a folder here nor a hub id (org/name: letters, digits, '-', '_', "
             "'.'); check the path"
         )
-    from huggingface_hub import snapshot_download
-
     try:
-        return Path(snapshot_download(model_name, local_files_only=True))
+        return cached_snapshot(model_name, needs="config.json")
     except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
         if path.parent.is_dir():  # e.g. models/typo while models/ exists: a mistyped folder, not a hub id
             raise FileNotFoundError(no_such_folder) from exc

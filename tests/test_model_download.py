@@ -142,7 +142,7 @@ def assert_same_files(folder: Path, served: Path) -> None:
 
 
 def test_download_fetches_training_files_only_then_verifies_offline(
-    hub: FakeHub, served_model: Path, tmp_path: Path, capsys
+    hub: FakeHub, served_model: Path, tmp_path: Path, capsys, monkeypatch
 ):
     hf_home = tmp_path / "hf_home"
     hub.repos[REPO_ID].gated_token = "hf_from_env"  # also shows HF_TOKEN reaches the hub
@@ -172,6 +172,14 @@ def test_download_fetches_training_files_only_then_verifies_offline(
     )
     assert offline.returncode == 0, offline.stderr
     assert "verified org/tiny @ main" in offline.stdout
+    # fsdp_train.py -m org/tiny finds it offline, although the snapshot lacks what the download skipped (a README):
+    # huggingface_hub's tree listing calls such a snapshot incomplete
+    from huggingface_hub import constants
+
+    from fsdp_lib.offline import resolve_model_dir
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    assert resolve_model_dir(REPO_ID) == snapshot
     assert f"checksums: {len(list(served_model.iterdir()))} file(s) match the hub's" in offline.stdout
     assert len(hub.requests) == requests_before
 
