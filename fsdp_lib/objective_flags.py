@@ -145,6 +145,12 @@ def grpo_range_problems(cfg: TrainConfig) -> list[str]:
             f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in --seq-length {cfg.seq_length} "
             "(prompt + completion); raise --seq-length or lower --max-new-tokens"
         )
+    if cfg.grpo_beta and cfg.peft != "none" and cfg.adapter:
+        problems.append(
+            f"--grpo-beta {cfg.grpo_beta} with --peft {cfg.peft} takes the KL to the model with its adapters off, which "
+            f"is the base without --adapter {cfg.adapter}, not the starting model; start from a model folder with the "
+            "adapter merged in (its run's final-merged/, --export-merged on), or set --grpo-beta 0"
+        )
     if not cfg.temperature > 0 or not math.isfinite(cfg.temperature):
         problems.append(f"--temperature must be a positive number (got {cfg.temperature}); GRPO samples, 1.0 is usual")
     if not 0.0 < cfg.top_p <= 1.0:

@@ -351,6 +351,12 @@ TRAINER_FLAG_CASES = [
         "--dpo-loss that does not exist", ("--dpo-loss", "kto"), "--dpo-loss", "invalid choice: 'kto'", "'simpo'"
     ),
     flag_case(
+        "--grpo-beta with --peft and --adapter",
+        ("--objective", "grpo", "--reward", "accuracy", "--peft", "lora", "--adapter", "@raw", "--grpo-beta", "0.1"),
+        "takes the KL to the model with its adapters off, which is the base without --adapter",
+        "or set --grpo-beta 0",
+    ),
+    flag_case(
         "--objective grpo without --reward", ("--objective", "grpo"), "--objective grpo needs at least one --reward"
     ),
     flag_case(
