@@ -163,6 +163,13 @@ def test_builtin_rewards_read_boxed_answers_last_numbers_and_the_format():
     got = accuracy_reward([""] * 5, completions, solution=["#### 7", "7", "7", "\\boxed{7}", None])
     assert got == [1.0, 1.0, 0.0, 1.0, None]
     assert accuracy_reward(["a"], ["7"]) == [None]  # no reference column: not applicable
+    # references that are answers, not traces: fractions (a last number read 3/2 as 2), words and letters
+    completions = ["2", "2", "\\boxed{3/2}", "Paris", "The answer is (B).", "\\boxed{B}", "so 1/2", "x = 0.5"]
+    references = ["3/2", "\\frac{1}{2}", "3/2", "paris", "B", "B", "\\frac{1}{2}", "1/2"]
+    assert accuracy_reward([""] * 8, completions, answer=references) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # each row's own reference column (records of one set name it differently; None where a row has none)
+    got = accuracy_reward([""] * 3, ["4", "4", "4"], answer=[None, "4", None], solution=["#### 4", None, None])
+    assert got == [1.0, 1.0, None]
     fmt = format_reward(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*")
     assert fmt([], ["<think>a\nb</think> <answer>7</answer>", "<answer>7</answer>"]) == [1.0, 0.0]
 

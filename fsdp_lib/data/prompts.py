@@ -51,6 +51,10 @@ class PromptSet:
             fields = [json.loads(text or "{}") for text in records.pop(COLUMNS_JSON)]
             for name in dict.fromkeys(name for row in fields for name in row):
                 records.setdefault(name, [row.get(name) for row in fields])
+        # every column of the set in every batch, None where a row has none (as TRL passes them): a field only some
+        # records hold was missing from the batches without it, and a reward that names it failed mid-run
+        for name in self.columns:
+            records.setdefault(name, [None] * len(indices))
         return PromptBatch(list(indices), [self.ids[i] for i in indices], prompts, records)
 
     def trained_tokens(self, indices: list[int]) -> int:

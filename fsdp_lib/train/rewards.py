@@ -23,6 +23,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,25 +71,70 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_FRACTION = re.compile(r"\\[dt]?frac\{\s*(-?[\d.]+)\s*\}\{\s*(-?[\d.]+)\s*\}")  # \frac{1}{2} -> 1/2
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|-?\.\d+")  # 1,234.5 and 3/2 whole
+_ANSWER_LEAD = re.compile(r"^(?:(?:so|thus|therefore)\W+)?(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", re.I)
+_SHORT_ANSWER = 64  # characters: a reference this short, on one line, is the answer itself (3/2, Paris, B)
 
 
 def final_answer(text: str) -> str | None:
-    """A completion's or a reference's answer: its last \\boxed{} content, else its last number (commas dropped),
-    else None."""
+    """A completion's answer: its last \\boxed{} content, else its last number or fraction (commas dropped; LaTeX
+    fractions read as a/b), else None."""
     boxed = _boxed(text)
     if boxed is not None:
         return boxed.strip()
-    numbers = _NUMBER.findall(text)
-    return numbers[-1].replace(",", "") if numbers else None
+    numbers = _NUMBER.findall(_FRACTION.sub(r"\1/\2", text))
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def reference_answer(text: str) -> str | None:
+    """A reference's answer: its \\boxed{} content, else what follows GSM8K's '####', else the whole reference when
+    it is short and on one line (3/2, Paris, B: a reference is an answer, where its last number would misread a
+    fraction or miss a word), else its last number."""
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip() or None
+    short = text.strip()
+    if short and len(short) <= _SHORT_ANSWER and "\n" not in short:
+        return short
+    return final_answer(text)
+
+
+def _value(answer: str) -> float | None:
+    """The number an answer states (42, 42.0, 1,234, 3/2, \\frac{3}{2}, $5), or None when it states none."""
+    text = _FRACTION.sub(r"\1/\2", answer).replace(",", "").replace(" ", "").strip("$.")
+    try:
+        if "/" in text:
+            numerator, denominator = text.split("/", 1)
+            return float(Fraction(numerator) / Fraction(denominator))
+        return float(Fraction(text))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _text_answer(completion: str) -> str:
+    """A completion's answer to a reference that is no number: its \\boxed{} content, else its last non-empty line
+    without a lead such as 'The answer is'."""
+    boxed = _boxed(completion)
+    if boxed is not None:
+        return boxed
+    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+    return _ANSWER_LEAD.sub("", lines[-1]) if lines else ""
 
 
 def answers_equal(a: str, b: str) -> bool:
-    """Numerically equal when both are numbers (42 = 42.0), else equal as stripped text without spaces."""
-    try:
-        return math.isclose(float(a.replace(",", "")), float(b.replace(",", "")), rel_tol=1e-9, abs_tol=1e-9)
-    except ValueError:
-        return re.sub(r"\s+", "", a) == re.sub(r"\s+", "", b)
+    """Numerically equal when both state numbers (42 = 42.0, 3/2 = 1.5 = \\frac{3}{2}), else equal as text without
+    case, spaces, surrounding $ and brackets, or trailing punctuation."""
+    va, vb = _value(a), _value(b)
+    if va is not None and vb is not None:
+        return math.isclose(va, vb, rel_tol=1e-9, abs_tol=1e-9)
+
+    def plain(text: str) -> str:
+        return re.sub(r"\s+", "", text).strip("$()[]{}.,;:!?*\"'`").lower()
+
+    return plain(a) == plain(b) != ""
 
 
 def completion_text(completion: Any) -> str:
@@ -99,16 +145,20 @@ def completion_text(completion: Any) -> str:
 
 
 def accuracy_reward(prompts: list, completions: list, **columns: Any) -> list[float | None]:
-    """1.0 when the completion's final answer equals the reference's, else 0.0; None where there is no reference."""
-    name = next((c for c in REFERENCE_COLUMNS if c in columns), None)
-    references = columns[name] if name else [None] * len(completions)
+    """1.0 when the completion's answer equals the reference's, else 0.0; None where a row has no reference. Each
+    row's reference is the first of REFERENCE_COLUMNS it holds (records of one set may name it differently). A
+    numeric reference is compared with the completion's boxed answer or last number; any other with its boxed
+    answer or last line."""
+    present = [columns[name] for name in REFERENCE_COLUMNS if name in columns]
     out: list[float | None] = []
-    for completion, reference in zip(completions, references):
-        expected = final_answer(str(reference)) if reference is not None else None
+    for row, completion in enumerate(completions):
+        reference = next((column[row] for column in present if column[row] is not None), None)
+        expected = reference_answer(str(reference)) if reference is not None else None
         if expected is None:
             out.append(None)
             continue
-        got = final_answer(completion_text(completion))
+        text = completion_text(completion)
+        got = final_answer(text) if _value(expected) is not None else _text_answer(text)
         out.append(1.0 if got is not None and answers_equal(got, expected) else 0.0)
     return out
 
