@@ -103,6 +103,10 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
     batch = prompts.gather([0, 2, 4])
     assert batch.columns["answer"] == ["5", None, None] and batch.columns["tests"] == [None, [[1, 2]], None]
     assert batch.columns["output"] == [None, None, "2"] and "columns_json" not in batch.columns
+    # every column of the set in every batch, None where no row of it has the field (a reward naming one
+    # raised "missing 1 required positional argument" in the batches without it)
+    assert set(prompts.gather([0]).columns) == set(prompts.columns) == set(batch.columns)
+    assert prompts.gather([0]).columns["output"] == [None]
     # without a chat template: system + user as plain text; a string as it is; a turn list with a template
     assert prompt_text([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], tokenizer) == (
         "S\n\nU",

@@ -134,7 +134,7 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
         try:
             text, templated = prompt_text(prompt, tokenizer)
         except Exception as exc:  # noqa: BLE001 - a bad prompt is a counted skip, as in data_hf.py
-            skipped.setdefault(str(exc)[:120], []).append(row)
+            skipped.setdefault(str(exc)[:300], []).append(row)
             continue
         rendered[templated].append((row, text))
     tokenised: list[tuple[int, list[int], bool]] = []
