@@ -178,6 +178,22 @@ def _rows(pairs: list[dict]) -> dict[str, list]:
     return {k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}
 
 
+def test_pairs_of_strings_are_one_user_turn_and_one_assistant_turn(chat_tokenizer):
+    """TRL's standard shape (prompt, chosen, rejected as strings), as KTO already read it: list() split each string
+    into characters and the chat template raised AttributeError, a traceback."""
+    encoder = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 1000)
+    as_turns = {"prompt": [{"role": "user", "content": "What is 1 plus 2?"}]}
+    as_turns |= {
+        "chosen": [{"role": "assistant", "content": " 3."}],
+        "rejected": [{"role": "assistant", "content": " 4."}],
+    }
+    as_strings = {"prompt": "What is 1 plus 2?", "chosen": " 3.", "rejected": " 4."}
+    skipped: dict[str, int] = {}
+    [strings] = encoder.encode(_rows([as_strings]), skipped, {}, 0)
+    [turns] = encoder.encode(_rows([as_turns]), skipped, {}, 0)
+    assert not skipped and all(np.array_equal(a, b) for a, b in zip(strings, turns))
+
+
 def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(chat_tokenizer):
     pair = {
         "prompt": [

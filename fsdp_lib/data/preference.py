@@ -29,6 +29,13 @@ from fsdp_lib.runtime import raise_if_stopped
 DESIRABLE, UNDESIRABLE = 1, 2
 
 
+def as_turns(value: object, role: str) -> list[dict]:
+    """A prompt or response as turns: a string (TRL's standard shape) is one turn of `role`."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return list(value or [])
+
+
 @dataclass
 class PairEncoder:
     """Renders prompt + response with the chat template; the trained tokens are the response's assistant turns
@@ -98,6 +105,8 @@ class PairEncoder:
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """(chosen ids, chosen mask, rejected ids, rejected mask) per kept pair of a row batch; `cut` adds up the
         pairs whose prompt lost tokens and the tokens each of their sequences lost."""
+        roles = {"prompt": "user", "chosen": "assistant", "rejected": "assistant"}
+        rows = {column: [as_turns(value, roles[column]) for value in rows[column]] for column in PREFERENCE_COLUMNS}
         conversations, owners = [], []
         for row, (prompt, chosen, rejected) in enumerate(zip(*(rows[c] for c in PREFERENCE_COLUMNS))):
             for response in (chosen, rejected):

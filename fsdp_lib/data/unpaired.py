@@ -19,19 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_lib.data.chat import ChatFormatError
-from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, count_cut
+from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, as_turns, count_cut
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
 LABEL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 
 Example = tuple[list[dict], list[dict], bool]  # prompt turns, completion turns, desirable
-
-
-def as_turns(value: object, role: str) -> list[dict]:
-    """A prompt or completion as turns: a string (TRL's standard shape) is one turn of `role`."""
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    return list(value or [])
 
 
 def as_label(value: object) -> bool | None:
