@@ -226,6 +226,8 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
         "scalar": ("def f(prompts, completions, **kw):\n    return 1.0\n", "returned float, not a list"),
         "nan": ("def f(prompts, completions, **kw):\n    return [float('nan'), 1]\n", "rewards must be finite"),
         "quits": ("import sys\ndef f(prompts, completions, **kw):\n    sys.exit('no')\n", "raised SystemExit: no"),
+        "huge": ("def f(prompts, completions, **kw):\n    return [1e300, 1]\n", "at most 1e+12 in size"),  # overflowed
+        "keyed": ("def f(prompts, completions, **kw):\n    return {0: 1.0, 1: 0.0}\n", "returned dict, not a list"),
     }  # fmt: skip
     for name, (body, message) in cases.items():
         with pytest.raises(RewardError, match="--reward .*" + name) as err:

@@ -33,6 +33,7 @@ import numpy as np
 from fsdp_lib.records.prompts import REFERENCE_COLUMNS
 
 BUILT_IN = ("accuracy", "format")
+MAX_REWARD = 1e12  # larger rewards overflow the group statistics (a 1e300 reward crashed the std with a traceback)
 
 
 @dataclass(frozen=True)
@@ -337,12 +338,11 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, col
             values = reward.function(prompts=prompts, completions=completions, **columns)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function: stop naming it, whatever it raised
             raise RewardError(f"--reward {reward.name} raised {type(exc).__name__}: {exc}") from exc
-        try:
-            values = list(values)
-        except TypeError:
+        if isinstance(values, dict | str | bytes) or not hasattr(values, "__len__"):  # a dict's keys are no rewards
             raise RewardError(
                 f"--reward {reward.name} returned {type(values).__name__}, not a list of one float per completion"
-            ) from None
+            )
+        values = list(values)
         if len(values) != len(completions):
             raise RewardError(
                 f"--reward {reward.name} returned {len(values)} value(s) for {len(completions)} completions; "
@@ -359,9 +359,10 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, col
                 raise RewardError(
                     f"--reward {reward.name} returned {value!r} for completion {i}; return a float or None"
                 ) from None
-            if not math.isfinite(out[k, i]):
+            if not math.isfinite(out[k, i]) or abs(out[k, i]) > MAX_REWARD:
                 raise RewardError(
-                    f"--reward {reward.name} returned {value!r} for completion {i}; rewards must be finite"
+                    f"--reward {reward.name} returned {value!r} for completion {i}; rewards must be finite numbers of "
+                    f"at most {MAX_REWARD:g} in size (their squares and sums must stay finite)"
                 )
     return out
 
