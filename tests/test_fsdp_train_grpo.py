@@ -167,6 +167,9 @@ def test_builtin_rewards_read_boxed_answers_last_numbers_and_the_format():
     completions = ["2", "2", "\\boxed{3/2}", "Paris", "The answer is (B).", "\\boxed{B}", "so 1/2", "x = 0.5"]
     references = ["3/2", "\\frac{1}{2}", "3/2", "paris", "B", "B", "\\frac{1}{2}", "1/2"]
     assert accuracy_reward([""] * 8, completions, answer=references) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # a short reference that is a sentence with numbers is read by its last number, as before
+    got = accuracy_reward([""] * 3, ["42", "5", "so 3/2"], answer=["The answer is 42.", "5 apples", "x = \\frac{3}{2}"])
+    assert got == [1.0, 1.0, 1.0]
     # each row's own reference column (records of one set name it differently; None where a row has none)
     got = accuracy_reward([""] * 3, ["4", "4", "4"], answer=[None, "4", None], solution=["#### 4", None, None])
     assert got == [1.0, 1.0, None]

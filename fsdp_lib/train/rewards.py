@@ -90,8 +90,8 @@ def final_answer(text: str) -> str | None:
 
 def reference_answer(text: str) -> str | None:
     """A reference's answer: its \\boxed{} content, else what follows GSM8K's '####', else the whole reference when
-    it is short and on one line (3/2, Paris, B: a reference is an answer, where its last number would misread a
-    fraction or miss a word), else its last number."""
+    it is short, on one line and a number, a fraction or words without digits (3/2, Paris, B: a reference is an
+    answer, where its last number would misread a fraction or miss a word), else its last number."""
     boxed = _boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -99,7 +99,10 @@ def reference_answer(text: str) -> str | None:
         return text.rsplit("####", 1)[1].strip() or None
     short = text.strip()
     if short and len(short) <= _SHORT_ANSWER and "\n" not in short:
-        return short
+        # a number or fraction as a whole (3/2, \\frac{1}{2}), or a word answer (Paris, B); a short sentence with
+        # numbers in it ("The answer is 42.") is read by its last number, as a longer reference is
+        if _value(short) is not None or not re.search(r"\d", short):
+            return short
     return final_answer(text)
 
 
