@@ -275,8 +275,10 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
     files, text_files_skipped = record_inputs(files, args.data_format)
     # a folder skipped (unreadable, another tool's, unfinished splits) is a problem, not a file found and skipped
-    folders = [problem for problem in walk_problems if os.path.isdir(problem.path)]
-    skipped = [problem for problem in walk_problems if problem not in folders] + text_files_skipped
+    folders, skipped = [], []
+    for problem in walk_problems:
+        (folders if os.path.isdir(problem.path) else skipped).append(problem)
+    skipped += text_files_skipped
     tally = Tally(files_found=len(files) + len(skipped), files_read=len(files), files_skipped=len(skipped))
     for problem in skipped:
         tally.add_problem(problem, skipped_file=True)

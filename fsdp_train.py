@@ -481,6 +481,13 @@ def train_loop(
     return True
 
 
+def stopped_now(interrupt: KeyboardInterrupt, cut: str = "") -> int:
+    """The one line of a stop at once, by the signal `interrupt` names, and its exit code (128 + the signal)."""
+    by = "SIGTERM" if interrupt.args == ("SIGTERM",) else "Ctrl-C"
+    log(f"stopped at once by {by}, without saving{cut}; rerun the same command to resume from the newest checkpoint")
+    return interrupt_exit_code(interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     loading_done()
     die_with_launcher()
@@ -495,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         problems = problems or peft_problems(cfg)  # the adapter flags against the model, built on meta
         if not cfg.export_only:  # the reward files are imported here; an export needs none
             problems = problems or reward_problems(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
-        problems = problems or model_folder_problems(resolve_model_dir(cfg.model_name))  # files whole, vocab fits
-        problems = problems or sample_prompt_problems(cfg, resolve_model_dir(cfg.model_name))  # rendered, they fit
+        if not problems:
+            model_dir = resolve_model_dir(cfg.model_name)
+            # the files whole and the vocabulary fitting, then the sample prompts rendered and fitting
+            problems = model_folder_problems(model_dir) or sample_prompt_problems(cfg, model_dir)
         if problems:
             raise ConfigError(problems)
     except ConfigError as exc:
@@ -516,18 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg)
     except KeyboardInterrupt as interrupt:  # a signal before training, or a second Ctrl-C (StopRequest): stop now
         at_once = True
-        by = "SIGTERM" if interrupt.args == ("SIGTERM",) else "Ctrl-C"
-        log(f"stopped at once by {by}, without saving; rerun the same command to resume from the newest checkpoint")
-        return interrupt_exit_code(interrupt)
+        return stopped_now(interrupt)
     except (Exception, *WRITE_FAILURES) as exc:  # DCP's CheckpointException is a BaseException
         if signum := stopped_at_once():  # it cut a save or a collective short, here or on a peer: not a fault
             at_once = True
-            by = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-            log(
-                f"stopped at once by {by}, without saving (what it cut short ended in {type(exc).__name__}); rerun "
-                "the same command to resume from the newest checkpoint"
-            )
-            return 128 + signum
+            cut = f" (what it cut short ended in {type(exc).__name__})"
+            return stopped_now(KeyboardInterrupt(signal.Signals(signum).name), cut)
         if isinstance(exc, (TrainError, FileNotFoundError)):
             return report_error(str(exc), 1)
         if isinstance(exc, WRITE_FAILURES):  # e.g. a read-only or full --save-dir: the OS error in words, with the path

@@ -30,18 +30,31 @@ class ChecksumReport:
         return f"checksums: {len(self.checked)} file(s) match the hub's{unknown}"
 
 
+def download_note(local_dir: Path, name: str) -> tuple[str, float | None] | None:
+    """(ETag, time of download or None) of local_dir/name from huggingface_hub's note in a --local-dir
+    (.cache/huggingface/download/NAME.metadata: commit, ETag, time, a line each), or None without a readable one
+    holding a checksum."""
+    note = local_dir / ".cache" / "huggingface" / "download" / f"{name}.metadata"
+    try:
+        lines = note.read_text().splitlines()
+        etag = lines[1].strip()
+    except (OSError, IndexError):
+        return None
+    try:
+        downloaded_at: float | None = float(lines[2])
+    except (IndexError, ValueError):
+        downloaded_at = None
+    return (etag, downloaded_at) if _ETAG.fullmatch(etag) else None
+
+
 def hub_etag(folder: Path, name: str) -> str | None:
     """The hub's checksum of folder/name as huggingface_hub recorded it, or None when it did not download it."""
     path = folder / name
     if path.is_symlink():  # a cache snapshot: snapshots/COMMIT/NAME -> ../../blobs/ETAG
         etag = Path(os.readlink(path)).name
-    else:
-        note = folder / ".cache" / "huggingface" / "download" / f"{name}.metadata"
-        try:
-            etag = note.read_text().splitlines()[1].strip()
-        except (OSError, IndexError):
-            return None
-    return etag if _ETAG.fullmatch(etag) else None
+        return etag if _ETAG.fullmatch(etag) else None
+    note = download_note(folder, name)
+    return note[0] if note is not None else None
 
 
 def hub_checksum_of(path: Path, kind_of: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
-from fsdp_lib.hub.checksums import hub_checksum_of, hub_etag
+from fsdp_lib.hub.checksums import download_note, hub_checksum_of
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import (
@@ -302,19 +302,20 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
 
 def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
     """The files of an earlier download into local_dir that changed since, which a rerun would fetch again over
-    them: modified after huggingface_hub noted their download (.cache/huggingface/download/NAME.metadata) and with
-    bytes that differ from the hub's checksum it noted (a copied folder has new times and the same bytes)."""
+    them: modified after huggingface_hub noted their download (checksums.download_note) and with bytes that differ
+    from the hub's checksum it noted (a copied folder has new times and the same bytes)."""
     edited = []
     for name in names:
-        note = local_dir / ".cache" / "huggingface" / "download" / f"{name}.metadata"
-        etag = hub_etag(local_dir, name)
+        note = download_note(local_dir, name)
         try:
-            downloaded_at = float(note.read_text().splitlines()[2])
             modified_at = (local_dir / name).stat().st_mtime
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
+        if note is None or note[1] is None:
+            continue
+        etag, downloaded_at = note
         # huggingface_hub's own tolerance for imprecise mtimes
-        if modified_at - 1 > downloaded_at and etag is not None and hub_checksum_of(local_dir / name, etag) != etag:
+        if modified_at - 1 > downloaded_at and hub_checksum_of(local_dir / name, etag) != etag:
             edited.append(name)
     return edited
 
