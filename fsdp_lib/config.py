@@ -243,6 +243,12 @@ class TrainConfig:
         },
     )
     reward_weights: str = _opt("", "--objective grpo: one weight per --reward, comma-separated (default: 1 each)")
+    reward_timeout_s: float = _opt(
+        600.0,
+        "--objective grpo: the longest one call of a reward function (one process's completions of a micro-batch) "
+        "may take, in seconds; past it the run stops naming the function (below --collective-timeout-s; 0 = no "
+        "limit, and a function that hangs then holds every process until --collective-timeout-s)",
+    )
     reward_pattern: str = _opt(
         r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*",
         "--reward format: the regular expression a whole completion must match (dot matches newlines)",

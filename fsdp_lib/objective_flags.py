@@ -15,7 +15,7 @@ PREFERENCE_OBJECTIVES = ("dpo", "kto")  # trained on PairBlocks: DPO's pairs, KT
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # --dpo-loss values that use no reference model
 GRPO_FLAGS = (
     "num_generations", "max_new_tokens", "temperature", "top_p", "reward", "reward_weights", "reward_pattern",
-    "grpo_loss", "epsilon", "epsilon_high", "grpo_beta", "rollout_unshard", "num_iterations",
+    "reward_timeout_s", "grpo_loss", "epsilon", "epsilon_high", "grpo_beta", "rollout_unshard", "num_iterations",
 )  # fmt: skip
 
 
@@ -150,6 +150,14 @@ def grpo_range_problems(cfg: TrainConfig) -> list[str]:
             f"--grpo-beta {cfg.grpo_beta} with --peft {cfg.peft} takes the KL to the model with its adapters off, which "
             f"is the base without --adapter {cfg.adapter}, not the starting model; start from a model folder with the "
             "adapter merged in (its run's final-merged/, --export-merged on), or set --grpo-beta 0"
+        )
+    if not cfg.reward_timeout_s >= 0 or not math.isfinite(cfg.reward_timeout_s):
+        problems.append(f"--reward-timeout-s must be a number of seconds, 0 or more (got {cfg.reward_timeout_s})")
+    elif cfg.reward_timeout_s >= cfg.collective_timeout_s:
+        problems.append(
+            f"--reward-timeout-s {cfg.reward_timeout_s:g} is not below --collective-timeout-s "
+            f"{cfg.collective_timeout_s}: the other processes, waiting for this one's rewards, would time out first "
+            "with no word of the function; lower --reward-timeout-s or raise --collective-timeout-s"
         )
     if not cfg.temperature > 0 or not math.isfinite(cfg.temperature):
         problems.append(f"--temperature must be a positive number (got {cfg.temperature}); GRPO samples, 1.0 is usual")

@@ -370,6 +370,17 @@ TRAINER_FLAG_CASES = [
         "--temperature must be",
     ),
     flag_case(
+        "--reward-timeout-s past --collective-timeout-s",
+        ("--objective", "grpo", "--reward", "accuracy", "--reward-timeout-s", "900", "--collective-timeout-s", "600"),
+        "--reward-timeout-s 900 is not below --collective-timeout-s 600",
+        "lower --reward-timeout-s or raise --collective-timeout-s",
+    ),
+    flag_case(
+        "--reward-timeout-s negative",
+        ("--objective", "grpo", "--reward", "accuracy", "--reward-timeout-s", "-1"),
+        "--reward-timeout-s must be a number of seconds, 0 or more (got -1.0)",
+    ),
+    flag_case(
         "--max-new-tokens as long as --seq-length",
         ("--objective", "grpo", "--reward", "accuracy", "--max-new-tokens", "512", "--seq-length", "512"),
         "--max-new-tokens 512 leaves no room for a prompt in --seq-length 512",

@@ -19,6 +19,7 @@ import data_hf
 from fsdp_lib.train.grpo import STD_EPS, Share, context_rows, group_advantages, token_losses
 from fsdp_lib.train.rewards import (
     RewardError,
+    RewardFunction,
     accuracy_reward,
     column_problems,
     final_answer,
@@ -63,6 +64,12 @@ def tally(prompts, completions, **columns):  # which rank scored how many comple
 def fails_on_rank_1(prompts, completions, **columns):
     if os.environ.get("RANK") == "1":
         raise KeyError("solution")
+    return [0.0 for c in completions]
+
+def hangs_on_rank_1(prompts, completions, **columns):
+    if os.environ.get("RANK") == "1":
+        import time
+        time.sleep(3600)
     return [0.0 for c in completions]
 """
 
@@ -238,6 +245,48 @@ def test_reward_files_and_functions_that_are_wrong_are_named(tmp_path):
         assert message in str(err.value), name
     nones = reward("nones", "def f(prompts, completions, **kw):\n    return [None, 2]\n")
     assert np.isnan(score([nones], ["p", "p"], ["a", "b"], {})[0, 0])
+
+
+def test_a_reward_function_past_its_time_is_stopped_naming_it():
+    """A function that hangs (a grader waiting on a test that never ends) held every rank until
+    --collective-timeout-s (30 minutes), then died with no word of it; now it stops at --reward-timeout-s, also
+    through the function's own `except Exception`, and a function within its time leaves the SIGALRM handler and
+    the timer as they were."""
+    import signal
+    import time
+
+    def hangs(prompts, completions, **kw):
+        time.sleep(60)
+
+    def swallows(prompts, completions, **kw):
+        try:
+            time.sleep(60)
+        except Exception:  # noqa: BLE001 - a reward's usual guard: it must not hide the timeout
+            return [0.0] * len(completions)
+
+    def spins(prompts, completions, **kw):
+        while True:
+            pass
+
+    def quick(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    mine = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    try:
+        for function in (hangs, swallows, spins):
+            started = time.monotonic()
+            with pytest.raises(RewardError) as err:
+                score([RewardFunction(function.__name__, function, 1.0, "")], ["p"] * 3, ["a", "b", "c"], {}, 0.3)
+            assert time.monotonic() - started < 10, function.__name__
+            assert str(err.value).startswith(
+                f"--reward {function.__name__} did not return within --reward-timeout-s 0.3 (scoring 3 completions)"
+            ), err.value
+            assert "or raise --reward-timeout-s" in str(err.value)
+        assert score([RewardFunction("quick", quick, 1.0, "")], ["p"], ["a"], {}, 5.0).tolist() == [[1.0]]
+        assert signal.getsignal(signal.SIGALRM) is signal.SIG_IGN
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, mine)
 
 
 def test_rewards_are_checked_against_the_prompts_columns_before_the_model_loads(tmp_path):
@@ -595,14 +644,24 @@ def test_a_resume_refused_for_an_edited_reward_file_names_that_function(tmp_path
 
 
 @pytest.mark.slow
-def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_inputs, tmp_path):
-    spec = f"{grpo_inputs['rewards']}:fails_on_rank_1"
+@pytest.mark.parametrize(
+    "function, said",
+    [
+        ("fails_on_rank_1", "raised KeyError: 'solution'"),
+        # it held both ranks for --collective-timeout-s (30 minutes by default), then died without naming it
+        ("hangs_on_rank_1", "did not return within --reward-timeout-s 3 (scoring 2 completions)"),
+    ],
+)
+def test_a_reward_function_failing_on_one_rank_stops_every_rank_naming_it(grpo_inputs, tmp_path, function, said):
+    spec = f"{grpo_inputs['rewards']}:{function}"
     args = [*io_args("fails", grpo_inputs["sums"], grpo_inputs["diverse"], tmp_path), *BASE_FLAGS, "--reward", spec,
-            "--num-generations", "2", "--max-new-tokens", "2", "-b", "1", "--max-steps", "2"]  # fmt: skip
+            "--num-generations", "2", "--max-new-tokens", "2", "-b", "1", "--max-steps", "2",
+            "--reward-timeout-s", "3", "--collective-timeout-s", "60"]  # fmt: skip
     proc = run_trainer(args, timeout=120)
     log = output_of(proc)
     assert proc.returncode != 0
-    assert f"--reward {spec} raised KeyError: 'solution' (rank 1); fix the reward function" in log
+    assert f"--reward {spec} {said}" in log
+    assert "(rank 1); fix the reward function" in log
     assert "with --force-resume if you edit its file" in log
 
 

@@ -283,8 +283,9 @@ class GRPOObjective:
         if completions:  # a reward function never sees an empty batch
             try:
                 scores = score(
-                    self.rewards, repeated[start:stop], completions, {k: v[start:stop] for k, v in columns.items()}
-                )
+                    self.rewards, repeated[start:stop], completions, {k: v[start:stop] for k, v in columns.items()},
+                    cfg.reward_timeout_s,
+                )  # fmt: skip
             except RewardError as exc:
                 error, scores = str(exc), np.zeros((len(self.rewards), len(completions)))
         return Share(done, completions, scores, error)

@@ -10,7 +10,8 @@ column of the prompt dataset (the reference answer, test cases), one value per c
             way, so "#### 42" and "\\boxed{42}" both give 42), else 0.0; None for a row without a reference.
   format:   1.0 when the whole completion matches --reward-pattern (default: <think>...</think> then
             <answer>...</answer>), else 0.0.
-A function that raises or returns the wrong number of values stops the run with an error naming it."""
+A function that raises, returns the wrong number of values or runs past --reward-timeout-s stops the run with an
+error naming it."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ import importlib.util
 import inspect
 import math
 import re
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -332,13 +336,49 @@ class RewardError(Exception):
     """A reward function failed or returned the wrong values; the message names it."""
 
 
-def score(functions: list[RewardFunction], prompts: list, completions: list, columns: dict[str, list]) -> np.ndarray:
+class _TimedOut(BaseException):
+    """Raised by SIGALRM in a reward function past its time; a BaseException, so a function's own `except Exception`
+    (common around a grader) does not swallow it."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise _TimedOut in the main thread once `seconds` have passed (0: no limit). A timer signal interrupts Python
+    code and the waits Python makes (sleep, a subprocess, a socket), not a C extension that never returns to the
+    interpreter; off the main thread or without SIGALRM (Windows) there is no limit."""
+    if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _TimedOut
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def score(
+    functions: list[RewardFunction], prompts: list, completions: list, columns: dict[str, list], timeout_s: float = 0
+) -> np.ndarray:
     """[functions x completions] float64, NaN where a function returned None. Raises RewardError naming the
-    function that raised or returned something other than one number (or None) per completion."""
+    function that raised, ran past `timeout_s` (--reward-timeout-s; 0: no limit) or returned something other than
+    one number (or None) per completion."""
     out = np.full((len(functions), len(completions)), np.nan)
     for k, reward in enumerate(functions):
         try:
-            values = reward.function(prompts=prompts, completions=completions, **columns)
+            with time_limit(timeout_s):
+                values = reward.function(prompts=prompts, completions=completions, **columns)
+        except _TimedOut:  # also one that fired as the call returned: its time was up all the same
+            raise RewardError(
+                f"--reward {reward.name} did not return within --reward-timeout-s {timeout_s:g} (scoring "
+                f"{len(completions)} completions); give what it waits on a timeout of its own (a subprocess running "
+                "tests: subprocess.run(..., timeout=...)), or raise --reward-timeout-s"
+            ) from None
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's function: stop naming it, whatever it raised
             raise RewardError(f"--reward {reward.name} raised {type(exc).__name__}: {exc}") from exc
         if isinstance(values, dict | str | bytes) or not hasattr(values, "__len__"):  # a dict's keys are no rewards
