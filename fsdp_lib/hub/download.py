@@ -28,6 +28,7 @@ from fsdp_lib.hub.verify import (
 from fsdp_lib.markers import WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind
 from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes
+from fsdp_lib.offline import cached_snapshot
 
 OFFLINE_HINT = "on an offline machine copy HF_HOME from one that has internet"
 # Seconds any request to the hub may wait to connect or between bytes where huggingface_hub sets no timeout of its
@@ -332,16 +333,17 @@ def note_partial_files(folder: Path) -> None:
 
 
 def cached_model_folder(model_name: str, revision: str) -> Path:
-    """The cache snapshot of a model downloaded before; never touches the network."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    """The cache snapshot of a model downloaded before, found as the trainer finds it (offline.cached_snapshot);
+    never touches the network."""
+    from huggingface_hub import constants
 
-    cached = try_to_load_from_cache(model_name, "config.json", revision=revision)
-    if not isinstance(cached, str):
+    try:
+        return cached_snapshot(model_name, revision=revision, needs="config.json")
+    except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError and friends
         raise ToolError(
             f"{model_name} @ {revision} is not in the cache {constants.HF_HUB_CACHE}: run"
             f" `python model_download.py --model-name {model_name}` where there is internet; {OFFLINE_HINT}"
-        )
-    return Path(cached).parent
+        ) from exc
 
 
 def refuse_inside_another_tools_folder(local_dir: Path) -> None:
