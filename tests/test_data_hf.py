@@ -1015,6 +1015,31 @@ def test_auto_writes_conversations_when_every_record_is_one(tmp_path: Path, caps
     assert len(split["train"]) + len(split["validation"]) == len(GOOD)
 
 
+def test_conversations_written_as_bare_lists_of_turns_are_conversations(tmp_path: Path) -> None:
+    """A conversation not wrapped in {"messages": [...]}: a JSONL line or a record that is a list of turns, or a
+    whole file that is one. --format auto wrote their role names as text rows ('user', 'hi', ...), 0 problems."""
+    one = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    shared = [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]
+    data = write_files(
+        tmp_path / "data",
+        {
+            "lists.json": json.dumps([one, shared]),
+            "whole.json": json.dumps(one),
+            "lines.jsonl": json.dumps(one) + "\n" + json.dumps(shared) + "\n",
+            "no_reply.jsonl": json.dumps([{"role": "user", "content": "q"}]) + "\n",
+        },
+    )
+    assert convert(data, tmp_path / "auto") == 0
+    rows = load_from_disk(str(tmp_path / "auto"))["messages"][:]
+    pairs = sorted([(turn["role"], turn["content"]) for turn in row] for row in rows)
+    assert pairs == sorted(
+        3 * [[("user", "hi"), ("assistant", "hello")]] + 2 * [[("user", "x"), ("assistant", "y")]]
+    ), pairs
+    assert summary_of(tmp_path / "auto")["counts_by_reason"] == {"no_assistant_turn": 1}
+    assert convert(data, tmp_path / "text", "--format", "text", "--json-mode", "records") == 0  # text: as before
+    assert "user\nhi" in load_from_disk(str(tmp_path / "text"))["text"][:]
+
+
 def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_path: Path, capsys) -> None:
     data = write_files(
         tmp_path / "data",

@@ -115,6 +115,11 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
     assert prompt_text("as is", tokenizer) == ("as is", False)
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     assert prompt_text([{"role": "user", "content": "U"}], tokenizer) == ("<user>U<assistant>", True)
+    # a prompt made elsewhere: text parts joined and role aliases mapped (the template printed the list's repr)
+    parts = [{"role": "human", "content": [{"type": "text", "text": "U"}, {"type": "text", "text": "V"}]}]
+    assert prompt_text(parts, tokenizer) == ("<user>U\nV<assistant>", True)
+    with pytest.raises(ValueError, match="a prompt's turn 1: content part 1 is 'image_url', not text"):
+        prompt_text([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], tokenizer)
     assert isinstance(parse_prompt_record({"prompt": "x"}), PromptRecord)
     # every prompt too long: still conversational prompts (the log said "0 plain-text prompts")
     import datasets

@@ -626,11 +626,14 @@ def test_prompts_cut_to_fit_are_said_at_every_start(capsys):
     from fsdp_lib.data.cache import report_skipped
 
     skips = {"conversations": 10, "expanded": 0, "skipped": {}, "first_row": {}, "unit": "pairs"}
-    report_skipped({**skips, "cut": {"units": 3, "tokens": 30, "block": 64}}, "train", 0.5, "pairs")
+    report_skipped({**skips, "cut": {"units": 3, "tokens": 30, "block": 64}}, "the train split", 0.5, "pairs")
     said = capsys.readouterr().out
-    assert "WARNING: 3 pairs (30.0%) of train lost prompt tokens from the left to fit one block of 64 tokens " in said
+    assert (
+        "WARNING: 3 pairs (30.0%) of the train split lost prompt tokens from the left to fit one block of 64 tokens "
+        in said
+    )
     assert "(--seq-length), 10 per sequence on average" in said
-    report_skipped(skips, "train", 0.5, "pairs")  # a cache written before the count: nothing to say
+    report_skipped(skips, "the train split", 0.5, "pairs")  # a cache written before the count: nothing to say
     assert "prompt tokens" not in capsys.readouterr().out
 
 

@@ -71,6 +71,40 @@ def test_trained_tokens_are_exactly_the_assistant_turns(template, chat_models):
         assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conversation, tokenize=False)
 
 
+@pytest.mark.parametrize("template", sorted(ASSISTANT_SPANS))
+def test_datasets_made_elsewhere_train_as_data_hf_would_have_stored_them(template, chat_models):
+    """A `messages` dataset made without data_hf.py (save_to_disk, the hub): content as a list of parts trained the
+    list's repr ("[{'type': 'text', 'text': '3.'}]<|eot_id|>", exit 0), ShareGPT's human/gpt roles were skipped as
+    having no assistant turn, and an empty reply among others taught an empty answer. Parts are joined as data_hf.py
+    joins them, roles mapped as it maps them, the empty reply is context; content that is no text is a counted skip."""
+    tokenizer = _tokenizer(chat_models[template])
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "What is 1 plus 2?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "It is"}, {"type": "text", "text": "3."}]},
+    ]
+    aliases = [{"role": "human", "content": "What is 1 plus 2?"}, {"role": "GPT", "content": "3."}]
+    empty_first = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "What is 1 plus 2?"},
+        {"role": "assistant", "content": "3."},
+    ]
+    image = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}}]},
+        {"role": "assistant", "content": "A cat."},
+    ]
+    skipped: dict[str, int] = {}
+    encoded = ChatEncoder(tokenizer, "assistant").encode([parts, aliases, empty_first, image], skipped)
+    span = ASSISTANT_SPANS[template]
+    expected = [span("It is\n3."), span("3."), span("3.")]
+    assert [tokenizer.decode(np.asarray(ids)[mask == 1]) for ids, mask in encoded] == expected
+    assert skipped == {
+        "content that is not text (non_text_content; data_hf.py --format chat skips and counts these)": 1
+    }
+    said = tokenizer.decode(encoded[0][0])
+    assert "What is 1 plus 2?" in said and "'type'" not in said
+
+
 def test_loss_on_all_trains_every_token(chat_models):
     tokenizer = _tokenizer(chat_models["qwen2.5"])
     [(ids, mask)] = ChatEncoder(tokenizer, "all").encode(arithmetic_conversations(1), {})
@@ -220,11 +254,16 @@ def test_skipped_conversations_warn_above_one_percent_and_stop_above_the_limit(c
     def skips(n: int) -> dict:
         return {"conversations": 1000, "expanded": 0, "skipped": {"refused": n}, "first_row": {"refused": 17}}
 
-    report_skipped(skips(10), "train", 0.05)  # 1%: reported, not loud
+    report_skipped(skips(10), "the train split of chat_b", 0.05)  # 1%: reported, not loud
     out = capsys.readouterr().out
-    assert "skipped 10 conversation(s) of train: refused (first: row 17)" in out and "WARNING" not in out
-    report_skipped(skips(30), "train", 0.05)
-    assert "WARNING: 30 of 1000 conversations (3.0%) of the train split are skipped" in capsys.readouterr().out
+    assert (
+        "skipped 10 conversation(s) of the train split of chat_b: refused (first: row 17)" in out
+        and "WARNING" not in out
+    )
+    report_skipped(skips(30), "the train split of chat_b", 0.05)
+    assert (
+        "WARNING: 30 of 1000 conversations (3.0%) of the train split of chat_b are skipped" in capsys.readouterr().out
+    )
     with pytest.raises(TrainError, match="--max-skipped-fraction 0.05") as refused:
         report_skipped(skips(60), "train", 0.05)
     assert "the most common reason (60): refused" in str(refused.value)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fsdp_lib.convert.results import FileResult, Problem, Row
-from fsdp_lib.records.conversation import Conversation, calls_json, parse_conversation
+from fsdp_lib.records.conversation import Conversation, calls_json, is_turn_list, parse_conversation
 from fsdp_lib.records.preference import PreferencePair, UnpairedExample, parse_preference, record_kind
 from fsdp_lib.records.prompts import PromptRecord, parse_prompt_record
 from fsdp_lib.records.reasons import BadRecord
@@ -49,7 +49,9 @@ class Extraction:
         if self.data_format == "text" and self.json_mode == "strings" and not isinstance(value, (dict, list)):
             yield from extract_strings(value)  # the common scalar case, without the record bookkeeping below
             return
-        records = value if split_lists and isinstance(value, list) else (value,)
+        # a list of records, unless it is one conversation written as a bare list of turns (a whole file of them)
+        one = self.data_format != "text" and is_turn_list(value)
+        records = value if split_lists and isinstance(value, list) and not one else (value,)
         strings_seen: set[int] | None = None
         records_seen: set[int] | None = None
         if yaml_document:  # aliases: each container is read once; the document itself counts as read

@@ -178,13 +178,16 @@ def load_token_stream(
     d: Dist,
     chat: ChatEncoder | None,
     pairs: PairEncoder | ExampleEncoder | None = None,
+    name: str = "",
 ) -> PackedBlocks | WholeBlocks | PairBlocks:
     """Tokenise once per node into a cache keyed by dataset fingerprint, tokenizer and chat settings, then
     memory-map it as packed blocks of --seq-length (--packing: whole documents, or the stream cut into blocks).
 
     The cache holds the flat token stream, so any --seq-length reuses it. Local rank 0 builds it;
     the others poll for the file instead of waiting in a collective, which would time out on a large corpus.
+    `name`: the dataset's, in what the log says of its skipped rows (in a mixture, which dataset they are in).
     """
+    split_of = f"the {split_name} split of {name}" if name else f"the {split_name} split"
     fingerprint = getattr(split, "_fingerprint", None) or str(len(split))
     version = f"docs-v2|chat-v{ChatEncoder.VERSION}" if chat is not None else "docs-v2"
     if pairs is not None:  # DPO's pairs, or KTO's examples with their KL sequences
@@ -227,7 +230,7 @@ def load_token_stream(
 
     tokens = mapped(paths["tokens"], token_dtype(len(tokenizer)))
     if pairs is not None:
-        report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction, pairs.unit)
+        report_skipped(json.loads(paths["skips"].read_text()), split_of, cfg.max_skipped_fraction, pairs.unit)
         blocks = PairBlocks(
             tokens,
             mapped(paths["mask"], np.uint8),
@@ -240,7 +243,7 @@ def load_token_stream(
         return blocks
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None
     if chat is not None:
-        report_skipped(json.loads(paths["skips"].read_text()), split_name, cfg.max_skipped_fraction)
+        report_skipped(json.loads(paths["skips"].read_text()), split_of, cfg.max_skipped_fraction)
     if packs_whole(cfg, chat is not None):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         docs = mapped(paths["docs"], np.int64)
@@ -270,29 +273,29 @@ def discard_if_damaged(paths: dict[str, Path], split_name: str) -> None:
         ) from exc
 
 
-def report_skipped(skips: dict, split_name: str, max_fraction: float, unit: str = "conversations") -> None:
+def report_skipped(skips: dict, split_of: str, max_fraction: float, unit: str = "conversations") -> None:
     """Every run (also from the cache): what became of a split's conversations. More than 1% skipped is a loud
-    warning at the start; more than --max-skipped-fraction stops the run."""
+    warning at the start; more than --max-skipped-fraction stops the run. `split_of`: "the train split of NAME"."""
     total, skipped = skips["conversations"], sum(skips["skipped"].values())
     if skips["expanded"]:
         log(
-            f"{skips['expanded']} conversation(s) of {split_name} are rendered by the chat template with earlier turns "
+            f"{skips['expanded']} conversation(s) of {split_of} are rendered by the chat template with earlier turns "
             f"differing from the last (e.g. Qwen3's <think> blocks): each is trained as one sample per assistant "
             f"turn, that turn rendered as the template renders a final one"
         )
     for reason, count in sorted(skips["skipped"].items()):
-        log(f"skipped {count} {unit[:-1]}(s) of {split_name}: {reason} (first: row {skips['first_row'][reason]})")
+        log(f"skipped {count} {unit[:-1]}(s) of {split_of}: {reason} (first: row {skips['first_row'][reason]})")
     if (cut := skips.get("cut", {})).get("units"):  # pairs and KTO examples: prompts cut from the left to fit
         share = cut["units"] / max(1, total)
         log(
-            f"{'WARNING: ' if share > 0.01 else ''}{cut['units']} {unit} ({share:.1%}) of {split_name} lost prompt tokens "
+            f"{'WARNING: ' if share > 0.01 else ''}{cut['units']} {unit} ({share:.1%}) of {split_of} lost prompt tokens "
             f"from the left to fit one block of {cut['block']} tokens (--seq-length), {cut['tokens'] / cut['units']:.0f}"
             " per sequence on average; a longer --seq-length keeps more of their prompts"
         )
     fraction = skipped / max(1, total)
     if fraction <= 0.01:
         return
-    summary = f"{skipped} of {total} {unit} ({fraction:.1%}) of the {split_name} split are skipped"
+    summary = f"{skipped} of {total} {unit} ({fraction:.1%}) of {split_of} are skipped"
     if fraction > max_fraction:
         reason = max(skips["skipped"], key=skips["skipped"].get)
         rest = (

@@ -16,6 +16,8 @@ import numpy as np
 from fsdp_lib.checks import chat_template_problems
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.records.conversation import as_stored
+from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
 from fsdp_lib.runtime import log
@@ -58,7 +60,9 @@ class ChatEncoder:
     expanded: int = 0  # conversations trained as one sample per assistant turn (see above), for the log
     _empty_prompt: str | None = ""  # render([], add_generation_prompt=True); "" = not tried yet, None = refused
 
-    VERSION = 3  # of the masks this class writes: part of the token cache key (3: no conversation without a reply)
+    # of the masks this class writes: part of the token cache key (3: no conversation without a reply; 4: content
+    # parts as text, role aliases, an empty assistant turn among others not trained)
+    VERSION = 4
 
     def render(self, conversations: list[list[dict]], generation_prompt: bool, tools: list | None = None) -> list[str]:
         try:
@@ -141,13 +145,14 @@ class ChatEncoder:
         turns = [i for i, turn in enumerate(messages) if turn.get("role") == "assistant"]
         if not turns:  # it trained as context carrying no loss, and a dataset of them was blamed on the template
             raise ChatFormatError("no assistant turn: nothing to train with --loss-on assistant")
-        if not any(says_something(messages[i]) for i in turns):
+        said = [i for i in turns if says_something(messages[i])]  # an empty reply among others is context
+        if not said:
             raise ChatFormatError("every assistant turn is empty: it would teach empty answers")
-        spans = [self.turn_span(messages, i, renders) for i in turns]
+        spans = [self.turn_span(messages, i, renders) for i in said]
         if all(full.startswith(renders[(i + 1, False)]) for i in turns):
             return [(full, spans)]
         self.expanded += 1
-        return [(renders[(i + 1, False)], [span]) for i, span in zip(turns, spans)]
+        return [(renders[(i + 1, False)], [span]) for i, span in zip(said, spans)]
 
     def encode(
         self,
@@ -206,10 +211,18 @@ def _readable(
     messages_of, offered, unreadable = [], [], {}
     for row, messages in enumerate(conversations):
         try:
-            readable = template_messages(list(messages)), template_tools(tools[row]) if tools is not None else None
+            readable = (
+                as_stored(template_messages(list(messages))),
+                (template_tools(tools[row]) if tools is not None else None),
+            )
         except ToolFormatError as exc:
             readable = [], None
             unreadable[row] = ChatFormatError(f"unreadable tool use ({exc.detail[:120]})")
+        except BadRecord as exc:
+            readable = [], None
+            unreadable[row] = ChatFormatError(
+                f"content that is not text ({exc.reason}; data_hf.py --format chat skips and counts these)"
+            )
         messages_of.append(readable[0])
         offered.append(readable[1])
     return messages_of, offered, unreadable

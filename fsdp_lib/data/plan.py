@@ -313,10 +313,10 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     whole = pairs is None and packs_whole(cfg, chat is not None)
     if whole:  # after the cache key: the token cache does not depend on the packing, the blocks do
         data_format += PACKED_WHOLE
-    train_blocks = load_token_stream(train_split, "train", tokenizer, key, cfg, d, chat, pairs)
+    train_blocks = load_token_stream(train_split, "train", tokenizer, key, cfg, d, chat, pairs, name)
     validation = None
     if val_split is not None and len(val_split):
-        validation = load_token_stream(val_split, "validation", tokenizer, key, cfg, d, chat, pairs)
+        validation = load_token_stream(val_split, "validation", tokenizer, key, cfg, d, chat, pairs, name)
         if len(validation) == 0:
             log(f"the validation split of {name} is shorter than one block; its validation is skipped")
             validation = None

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from fsdp_lib.errors import TrainError
+from fsdp_lib.records.conversation import as_stored
 from fsdp_lib.records.prompts import REWARD_ARGUMENTS
+from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.tool_calls import template_messages
 from fsdp_lib.runtime import log
 
@@ -80,7 +82,11 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
     if content is None or (isinstance(content, str) and not content.strip()):
         raise ValueError("an empty prompt")
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
+        try:
+            turns = as_stored(template_messages(prompt))
+        except BadRecord as exc:
+            raise ValueError(f"a prompt's {exc.detail}") from None
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         return text, True
     roles = [turn.get("role") for turn in prompt]
     if roles not in (["user"], ["system", "user"]):

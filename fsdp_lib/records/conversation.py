@@ -28,10 +28,26 @@ CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
 )
 
 
+def _is_turn(item: object) -> bool:
+    """A dict that reads as one turn: a role (or ShareGPT's from) and content (value, or tool calls)."""
+    return (
+        isinstance(item, dict)
+        and ("role" in item or "from" in item)
+        and any(key in item for key in ("content", "value", "tool_calls", "function_call"))
+    )
+
+
+def is_turn_list(value: object) -> bool:
+    """A conversation written as a bare list of turns (a JSONL line, a record of a list of them, or a whole file),
+    not wrapped in {"messages": [...]}."""
+    return isinstance(value, list) and bool(value) and all(map(_is_turn, value))
+
+
 def conversation_shape(record: object) -> str | None:
-    """The first of CONVERSATION_SHAPES whose keys `record` has ("messages", "alpaca", ...), else None."""
+    """The first of CONVERSATION_SHAPES whose keys `record` has ("messages", "alpaca", ...), "turns" for a bare list
+    of turns (is_turn_list), else None."""
     if not isinstance(record, dict):
-        return None
+        return "turns" if is_turn_list(record) else None
     for shape, key_groups in CONVERSATION_SHAPES:
         if all(any(key in record for key in group) for group in key_groups):
             return shape
@@ -165,6 +181,27 @@ def _result_text(content: object, where: str) -> str:
     raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content")
 
 
+def turn_content(role: str, content: object, where: str) -> str:
+    """The text of a turn's content as data_hf.py stores it: a tool result's object as its JSON, text parts joined;
+    raises BadRecord for content that is no text (an image part, a number)."""
+    return _result_text(content, where) if role in TOOL_RESULT_ROLES else _content_text(content, where)
+
+
+def as_stored(messages: list[dict]) -> list[dict]:
+    """Turns as data_hf.py --format chat stores them, for a dataset made elsewhere (save_to_disk, the hub): a role
+    alias as its role (human -> user, gpt -> assistant; the assistant's turns are the trained ones), content given
+    as a list of parts as their text joined (a template would print the list's repr). Raises BadRecord for content
+    that is no text."""
+    for number, turn in enumerate(messages, 1):
+        role = turn.get("role")
+        if isinstance(role, str) and role not in ROLE_ALIASES.values():
+            turn["role"] = role = ROLE_ALIASES.get(role.strip().lower(), role)
+        content = turn.get("content")
+        if content is not None and not isinstance(content, str):
+            turn["content"] = turn_content(str(role), content, f"turn {number}")
+    return messages
+
+
 def _is_text_part(part: object) -> bool:
     return isinstance(part, str) or (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES)
 
@@ -224,23 +261,33 @@ def parse_conversation(record: object) -> Conversation:
     if isinstance(record, dict) and {"completion", "label"} <= {str(k).lower() for k in record}:
         raise BadRecord("unpaired_preference_record", "a completion with a label (an unpaired example, TRL's KTO "
                         "shape): its completion may be an undesirable one; convert it with --format preference")  # fmt: skip
-    if shape is None or not isinstance(record, dict):
+    if shape is None:
         keys = f"the keys {sorted(map(str, record))[:8]}" if isinstance(record, dict) else type(record).__name__
         raise BadRecord("not_a_conversation", f"{keys}; expected messages, conversations, instruction + output, "
-                        "prompt + completion/response or question + answer")  # fmt: skip
+                        "prompt + completion/response, question + answer or a list of turns")  # fmt: skip
+    if shape == "turns":  # no top-level system or tools beside a bare list
+        turns = turns_of_list(record, "the list of turns", tools_allowed=True)
+        check_system_turns(turns)
+        _check_replies(turns)
+        return Conversation(turns, None)
+    assert isinstance(record, dict)
     if shape in ("messages", "conversations"):
         turns = turns_of_list(record[shape], shape, tools_allowed=True)
     else:
         turns = _turns_of_pair(record, shape)
     turns = with_system(record, turns)
     check_system_turns(turns)
-    if not any(turn[0] == "assistant" and (turn[1].strip() or calls_json(turn)) for turn in turns):
-        raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text or a call")
+    _check_replies(turns)
     try:
         tools = normalize_tools(record.get("tools"))
     except ToolFormatError as err:
         raise BadRecord(err.reason, err.detail) from None
     return Conversation(turns, to_json(tools) if tools else None)
+
+
+def _check_replies(turns: list[tuple[str, str]]) -> None:
+    if not any(turn[0] == "assistant" and (turn[1].strip() or calls_json(turn)) for turn in turns):
+        raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text or a call")
 
 
 def calls_json(turn: tuple[str, str]) -> str | None:
