@@ -36,7 +36,6 @@ if __name__ == "__main__":  # Ctrl-C in the seconds torch and transformers take 
 
 import contextlib
 import math
-import os
 import signal
 from typing import Any
 
@@ -45,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
-from fsdp_lib.checks import validate_config
+from fsdp_lib.checks import launch_world, validate_config
 from fsdp_lib.config import TrainConfig, load_config, resolve_precision
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, tokenizer_hash
@@ -498,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = ExperimentLock(cfg.experiment_dir)
         if ENV_RANK == 0:  # the other ranks would see rank 0's own lock; torchrun stops them if rank 0 exits
             lock.check_free()  # a launch on a busy experiment fails in seconds, before the slower validation
-        problems = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        problems = validate_config(cfg, launch_world(cfg))
         problems = problems or peft_problems(cfg)  # the adapter flags against the model, built on meta
         if not cfg.export_only:  # the reward files are imported here; an export needs none
             problems = problems or reward_problems(cfg.reward, cfg.reward_weights, cfg.reward_pattern)
@@ -519,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.dry_run:
             describe_datasets(cfg, resolve_model_dir(cfg.model_name))
-            return dry_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+            return dry_run(cfg, launch_world(cfg))
         if ENV_RANK == 0:  # before any process group, so a refused launch touches nothing
             lock.acquire()
         return run(cfg)

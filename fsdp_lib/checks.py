@@ -26,6 +26,14 @@ from fsdp_lib.objective_flags import PREFERENCE_OBJECTIVES, changed_flags, grpo_
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
 
+def launch_world(cfg: TrainConfig) -> int:
+    """The processes of this launch: torchrun's WORLD_SIZE, else 1. A --dry-run outside torchrun with
+    --context-parallel N plans the smallest launch that runs it, N processes (WORLD_SIZE=32 plans 32)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return max(1, cfg.context_parallel) if cfg.dry_run else 1
+
+
 def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     """Check everything that can be checked before any process group or model exists."""
     problems = _flag_problems(cfg, world_size)

@@ -18,7 +18,12 @@ def context_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if n < 1:
         return [f"--context-parallel must be 1 or more (got {n}); 1 = each sequence on one process"]
     problems = []
-    if world_size % n:
+    if world_size == 1:
+        problems.append(
+            f"--context-parallel {n} splits each sequence over {n} processes, and this is one process: start it with "
+            f"torchrun --nproc_per_node {n} (or a multiple of {n}), or leave --context-parallel out"
+        )
+    elif world_size % n:
         problems.append(
             f"--context-parallel {n} does not divide the {world_size} processes; use a divisor of {world_size}"
         )

@@ -155,7 +155,10 @@ def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: 
     ]
     data_world = (world_size or 1) // max(1, cfg.context_parallel)
     batch = cfg.global_batch_size if cfg.global_batch_size > 0 else data_world * cfg.batch_size * cfg.grad_accum_steps
-    known = world_size is not None or cfg.global_batch_size > 0
+    # (a degree that does not divide the processes is refused on its own: no batch to compare then)
+    known = (world_size is not None and data_world > 0 and (world_size or 1) % max(1, cfg.context_parallel) == 0) or (
+        cfg.global_batch_size > 0
+    )
     if known and "global_batch_size" in saved and saved["global_batch_size"] != batch:
         how = f"{data_world} processes x -b {cfg.batch_size} x --grad-accum-steps {cfg.grad_accum_steps}"
         if cfg.global_batch_size > 0:

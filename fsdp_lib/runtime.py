@@ -135,7 +135,8 @@ def setup_distributed(cfg: TrainConfig) -> Dist:
             f"WARNING: this torch cannot change a group's timeout: collectives keep --init-timeout-s {cfg.init_timeout_s}"
         )
     else:
-        for group in {dist.group.WORLD, cpu_group, async_ckpt_group, *mesh.get_all_groups(), *groups}:
+        own = [context_group] if context_group is not None else []  # torch refuses a group this rank is not in
+        for group in {dist.group.WORLD, cpu_group, async_ckpt_group, *mesh.get_all_groups(), *own}:
             set_timeout(collectives, group)
     return Dist(rank, world, local_rank, local_world, device, mesh, cpu_group, async_ckpt_group, context, context_group)
 

@@ -1189,6 +1189,9 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
     assert "checkpoint 8 vs now 6" in resume_refusal(TrainConfig(**same, global_batch_size=6), None)[0]
     (problem,) = resume_refusal(TrainConfig(**same, context_parallel=2), 4)
     assert "vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; --context-parallel 1 then, 2 now;" in problem
+    # a degree that does not divide the processes is its own refusal: no "0 processes ... now 0" beside it
+    assert resume_refusal(TrainConfig(**same, context_parallel=2), 1) == []
+    assert resume_refusal(TrainConfig(**same, context_parallel=4), 6) == []
     # the objective by name (auto is resolved against the data, later), the adapters, the slice
     refused = {
         "--objective: checkpoint lm vs now dpo": {"objective": "dpo"},

@@ -56,7 +56,9 @@ def test_context_parallel_2_trains_like_one_process_and_resumes_at_1(tmp_path):
     want = _figures(tmp_path / "whole")
     split = trainer_args("split", dataset, model, tmp_path) + base
     out = killed_at_step([*split, "--context-parallel", "2"], tmp_path / "split", 3)
-    assert "each sequence split over 2 processes (Ulysses)" in out and "kept apart by varlen" in out, out
+    assert (
+        "each sequence split over 2 processes (Ulysses; 1 context group(s)" in out and "kept apart by varlen" in out
+    ), out
     _assert_same(_figures(tmp_path / "split"), want, [1, 2, 3])
     resumed = run_trainer(split, nproc=1)
     assert resumed.returncode == 0, output_of(resumed)
@@ -70,8 +72,10 @@ def test_context_parallel_2_trains_like_one_process_and_resumes_at_1(tmp_path):
 
 def test_context_parallel_chat_with_another_family(tmp_path):
     """Qwen2 with one key/value head for 4 query heads (fewer than the 2 processes: each gets a copy of it), chat
-    SFT with the loss on assistant turns, packed: the split run's losses and gradient norms equal the unsplit run's;
-    the split run also offloads its saved activations and tiles its MLPs (both exact)."""
+    SFT with the loss on assistant turns, packed, on 4 processes: 2 context groups of 2 training different
+    micro-batches (this crashed at start-up: the timeout was set on every context group, also those a rank is not
+    in); the split run's losses and gradient norms equal the unsplit run's; the split run also offloads its saved
+    activations and tiles its MLPs (both exact)."""
     dataset = make_chat_dataset(tmp_path / "chat")
     model = make_chat_model(
         tmp_path / "model", with_weights=True, arch="qwen2", sizes={**DECODER, "num_key_value_heads": 1}
@@ -79,9 +83,10 @@ def test_context_parallel_chat_with_another_family(tmp_path):
     args = [*SAME_STEPS, "--max-steps", "2"]
     whole = run_trainer(trainer_args("whole", dataset, model, tmp_path) + args, nproc=1)
     extra = ["--context-parallel", "2", "--activation-offload", "on", "--tiled-mlp", "3"]
-    split = run_trainer(trainer_args("split", dataset, model, tmp_path) + [*args, *extra])
+    split = run_trainer(trainer_args("split", dataset, model, tmp_path) + [*args, *extra, "-b", "1"], nproc=4)
     assert whole.returncode == 0 and split.returncode == 0, output_of(whole) + output_of(split)
-    assert "each sequence split over 2 processes" in output_of(split)
+    said = output_of(split)
+    assert "each sequence split over 2 processes (Ulysses; 2 context group(s) training different" in said, said
     assert "MLP in 3 tiles, saved activations offloaded to host memory" in output_of(split)
     _assert_same(_figures(tmp_path / "split"), _figures(tmp_path / "whole"), [1, 2])
 
@@ -186,3 +191,19 @@ def test_the_ulysses_all_to_alls_move_heads_and_tokens_and_their_gradients(tmp_p
 def test_a_degree_that_cannot_work_is_refused_before_any_process_group(tmp_path, flags, world, message):
     cfg = load_config(["-e", "x", "-d", str(tmp_path), "-m", str(tmp_path), *flags])
     assert any(message in problem for problem in validate_config(cfg, world))
+
+
+def test_a_dry_run_plans_the_degree_without_torchrun_and_one_process_is_told_how_to_launch(tmp_path, monkeypatch):
+    """--dry-run, which needs no GPU or process group, refused every --context-parallel N outside torchrun ("does not
+    divide the 1 processes; use a divisor of 1"): it now plans N processes (WORLD_SIZE another count), and a real
+    launch on one process names torchrun."""
+    from fsdp_lib.checks import launch_world
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = ["-e", "x", "-d", str(tmp_path), "-m", str(tmp_path), "--context-parallel", "8"]
+    assert launch_world(load_config([*args, "--dry-run"])) == 8
+    assert launch_world(load_config(args)) == 1
+    (problem,) = [p for p in validate_config(load_config(args), 1) if "--context-parallel" in p]
+    assert "this is one process: start it with torchrun --nproc_per_node 8 (or a multiple of 8)" in problem
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    assert launch_world(load_config([*args, "--dry-run"])) == 32

@@ -49,7 +49,19 @@ REAL_MODEL_CONFIGS = {
     "llama3.1_8b_lora.yaml": "meta-llama/Llama-3.1-8B-Instruct",
     "llama3.1_70b_qlora.yaml": "meta-llama/Llama-3.1-70B-Instruct",
     "llama3.1_8b_128k.yaml": "meta-llama/Llama-3.1-8B",
-    "llama3.1_8b_1m_4nodes.yaml": "meta-llama/Llama-3.1-8B",
+    "llama3_8b_1m_4nodes.yaml": "gradientai/Llama-3-8B-Instruct-Gradient-1048k",
+}
+# The positions each named model's config.json declares (max_position_embeddings): a config training past them is
+# refused by the trainer (the 1M config named Llama-3.1-8B, 131,072, and could never start).
+MODEL_POSITIONS = {
+    "meta-llama/Llama-3.2-1B": 131072,
+    "meta-llama/Llama-3.2-3B-Instruct": 131072,
+    "mistralai/Mistral-7B-v0.3": 32768,
+    "Qwen/Qwen2.5-7B": 131072,
+    "meta-llama/Llama-3.1-8B-Instruct": 131072,
+    "meta-llama/Llama-3.1-70B-Instruct": 131072,
+    "meta-llama/Llama-3.1-8B": 131072,
+    "gradientai/Llama-3-8B-Instruct-Gradient-1048k": 1048576,
 }
 
 
@@ -88,6 +100,8 @@ def test_config_keys_are_trainer_flags_with_valid_values(path: Path) -> None:
 def test_model_config_names_its_model_and_leaves_the_run_to_the_user(name: str) -> None:
     config = load_config(REPO_ROOT / "configs" / name)
     assert config["model-name"] == REAL_MODEL_CONFIGS[name]
+    positions = MODEL_POSITIONS[REAL_MODEL_CONFIGS[name]]
+    assert int(config.get("seq-length", 2048)) <= positions, f"{name}: past {positions} positions, refused"
     assert "dataset-name" not in config and "experiment-name" not in config
     for key in ("batch-size", "grad-accum-steps", "seq-length", "precision", "cpu-offload", "activation-checkpointing"):
         assert key in config, f"{name}: {key} must be chosen (and explained) in the config"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 import types
 import zlib
@@ -372,7 +373,12 @@ def build_model(
         f"attention {model.config._attn_implementation}, loss chunks of {train_forward.chunk or 'all'} tokens"
         + (" (auto)" if cfg.loss_chunk_tokens == "auto" and train_forward.chunk else "")
         + (f", packed documents kept apart by {train_forward.document_masking}" if masked_training else "")
-        + (f", each sequence split over {d.context_size} processes (Ulysses)" if d.context_size > 1 else "")
+        + (
+            f", each sequence split over {d.context_size} processes (Ulysses; {d.world_size // d.context_size} "
+            f"context group(s) training different micro-batches)"
+            if d.context_size > 1
+            else ""
+        )
         + (f", MLP in {cfg.tiled_mlp} tiles" if cfg.tiled_mlp else "")
         + (", saved activations offloaded to host memory" if cfg.activation_offload == "on" else "")
         + (
@@ -471,6 +477,11 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         f"--sharding {cfg.sharding} over {world_size} processes, cpu offload {cfg.cpu_offload}, activation "
         f"checkpointing {cfg.activation_checkpointing} (every {cfg.ac_every_n_layers} layer(s))"
     )
+    if "WORLD_SIZE" not in os.environ and world_size > 1:
+        log(
+            f"planned for {world_size} processes, one context group of --context-parallel {world_size} (no torchrun "
+            f"here); WORLD_SIZE=32 python fsdp_train.py ... --dry-run plans a launch of 32"
+        )
     sizes = sorted({1, 2, 4, 8, world_size})
     # --precision auto is bf16 on the GPU a run trains on: planned as such, also on a login node without one
     compute = "bf16" if cfg.precision == "auto" else cfg.precision
