@@ -217,6 +217,40 @@ def test_lora_chat_sft_on_a_moe_model_with_cpu_offload_and_compile(moe_chat_mode
         v for k, v in load_file(str(tmp_path / "moe" / "final" / "adapter_model.safetensors")).items() if "lora_B" in k
     ]
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # every adapter trained (B starts at 0)
+    # the folder loads as the README says (peft 0.22 leaves target_parameters = set(), written as "set()": it did not)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(moe_chat_model, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "moe" / "final")
+    assert loaded(input_ids=torch.tensor([[3, 4, 5]])).logits.isfinite().all()
+
+
+def test_target_modules_that_peft_would_misread_are_named_whole_or_refused():
+    """auto on Qwen2-MoE selects the attention and the shared expert's MLP; by leaf name (down_proj) peft also
+    wrapped the stacked experts' down_proj parameter, and the run died telling the user to re-download the model:
+    the names are given whole there. lm_head of a tied model is the embedding: a merged export dropped its adapter
+    in silence (the head re-tied to the unchanged embedding); refused."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_lib.model.adapters import resolve_targets
+    from fsdp_lib.model.anatomy import find_decoder_layers
+    from fsdp_lib.model.build import parameters_on_meta
+
+    def built(arch: str, **kw):
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(tiny_config(arch, 256, 0, **kw))
+        return model, find_decoder_layers(model)
+
+    targets, problem = resolve_targets("auto", *built("qwen2_moe"))
+    assert problem is None and isinstance(targets, list) and "model.layers.0.mlp.shared_expert.down_proj" in targets
+    assert not any(".experts." in t for t in targets) and "down_proj" not in targets
+    targets, problem = resolve_targets("auto", *built("mixtral"))  # no name shared with the experts: leaf names
+    assert problem is None and targets == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    tied = built("llama")
+    assert tied[0].get_output_embeddings().weight is tied[0].get_input_embeddings().weight
+    _, problem = resolve_targets("q_proj,lm_head", *tied)
+    assert problem and "lm_head of LlamaForCausalLM is tied to the input embedding" in problem, problem
 
 
 def test_qlora_keeps_weights_that_are_not_whole_blocks_and_refuses_uneven_splits():
@@ -269,6 +303,50 @@ def test_bad_peft_flags_are_named(peft_inputs, tmp_path, extra, expected):
     assert any(expected in p for p in problems), problems
     if "qkv" in expected:
         assert "gate_proj" in problems[0] and "o_proj" in problems[0]  # the model's Linear names are listed
+
+
+@pytest.mark.parametrize(
+    "extra,said",
+    [
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "adapters on embeddings (model.embed_tokens)"),
+        ({"use_dora": True}, "DoRA (use_dora)"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save ['lm_head'] (whole trained copies of those modules)"),
+        ({"bias": "lora_only"}, "trained biases (bias 'lora_only')"),
+    ],
+)
+def test_an_adapter_made_elsewhere_with_what_the_trainer_does_not_build_is_named(peft_inputs, tmp_path, extra, said):
+    """An embedding adapter died with a traceback ('Embedding' object has no attribute 'num_embeddings'); DoRA and
+    modules_to_save were refused as "trained on another base"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dataset, model = peft_inputs
+    config = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "task_type": "CAUSAL_LM", **extra})
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), config).save_pretrained(tmp_path / "adapter")
+    args = [*trainer_args("bad", dataset, model, tmp_path), "--peft", "lora", "--adapter", str(tmp_path / "adapter")]
+    (problem,) = config_problems(args)
+    assert said in problem and "which this trainer does not train or export" in problem, problem
+
+
+def test_lora_flags_the_adapter_overrides_are_refused_when_they_differ(peft_inputs, lora_run, tmp_path):
+    """With --adapter the adapter's config sets rank, alpha, dropout and targets: flags that said otherwise were
+    ignored in silence (exit 0, rank 4 trained after --lora-rank 8); the same values pass."""
+    dataset, model = peft_inputs
+    same = lora_args(peft_inputs, tmp_path, "more", "--adapter", str(lora_run / "final"))
+    assert config_problems(same) == []
+    other = [*same, "--lora-rank", "8", "--lora-target-modules", "q_proj"]
+    problems = config_problems(other)
+    assert len(problems) == 2 and problems[0].startswith("--lora-rank 8 differs from --adapter"), problems
+    assert "'s 4: the adapter's own adapter_config.json sets" in problems[0] and "drop --lora-rank" in problems[0]
+    assert problems[1].startswith("--lora-target-modules ['q_proj'] differs from --adapter"), problems
+
+
+def test_qlora_on_a_model_without_linear_layers_is_refused(peft_inputs, tmp_path):
+    """GPT-2's Conv1D layers: --peft qlora quantised nothing and said nothing (it trained as LoRA)."""
+    dataset, _ = peft_inputs
+    gpt2 = make_model(tmp_path / "gpt2", arch="gpt2")
+    (problem,) = config_problems([*trainer_args("bad", dataset, gpt2, tmp_path), "--peft", "qlora"])
+    assert "GPT2LMHeadModel's decoder layers have none (Conv1D" in problem and "use --peft lora" in problem, problem
 
 
 def test_qlora_without_torchao_is_refused(peft_inputs, tmp_path, monkeypatch):

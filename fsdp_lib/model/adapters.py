@@ -22,6 +22,7 @@ from fsdp_lib.model.anatomy import adaptable_modules, clean_fqn, default_targets
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import copy_into_shard, is_adapter_name, replace_folder
 from fsdp_lib.model.quantize import dequantized_local, is_nf4, quantize_linears_on_meta
+from fsdp_lib.objective_flags import changed_flags
 from fsdp_lib.runtime import Dist, log
 
 ADAPTER = "default"  # peft's adapter name inside the modules; the files written never carry it
@@ -51,9 +52,26 @@ def resolve_targets(value: str, model: nn.Module, layers: list[nn.Module]) -> tu
                 f"{type(model).__name__}; its Linear layers are: {', '.join(leaf_names)} (or use auto / all-linear)"
             )
         wanted = [n for n in linear if any(n == a or n.endswith("." + a) for a in asked)]
+        if (head := tied_head_name(model)) in wanted:
+            return [], (
+                f"--lora-target-modules {value!r}: {head} of {type(model).__name__} is tied to the input embedding "
+                "(tie_word_embeddings), and adapters on embeddings are not offered (a merged export would drop it "
+                f"in silence: the head is re-tied to the unchanged embedding); leave {head} out"
+            )
     leaves = sorted({n.rpartition(".")[2] for n in wanted})
     selected_by_leaves = {n for n in linear if n.rpartition(".")[2] in leaves}
-    return (leaves if selected_by_leaves == set(wanted) else sorted(wanted)), None
+    # a stacked experts' parameter of the same name (Qwen2-MoE's experts.down_proj beside the shared expert's
+    # down_proj Linear): peft would adapt it too from a leaf name, so the names are given whole
+    stacked = any(n.rpartition(".")[2] in leaves for n, _ in model.named_parameters(remove_duplicate=False))
+    return (leaves if selected_by_leaves == set(wanted) and not stacked else sorted(wanted)), None
+
+
+def tied_head_name(model: nn.Module) -> str | None:
+    """The output head's module name when its weight is the input embedding's (a tied model), else None."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
 
 
 def lora_config(cfg: TrainConfig, targets: list[str] | str, base_name: str) -> Any:
@@ -74,6 +92,45 @@ def lora_config(cfg: TrainConfig, targets: list[str] | str, base_name: str) -> A
         )
     config.base_model_name_or_path = base_name
     return config
+
+
+def adapter_flag_conflicts(cfg: TrainConfig, config: Any, targets: list[str] | str) -> list[str]:
+    """--lora-rank/--lora-alpha/--lora-dropout/--lora-target-modules given with --adapter and different from what
+    the adapter's config says: its config wins, so the run trained other adapters than the flags said, in silence."""
+    given = changed_flags(cfg, ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"))
+    pairs = {
+        "--lora-rank": (cfg.lora_rank, config.r),
+        "--lora-alpha": (cfg.lora_alpha, config.lora_alpha),
+        "--lora-dropout": (cfg.lora_dropout, config.lora_dropout),
+        "--lora-target-modules": (targets if isinstance(targets, str) else sorted(targets), target_names(config)),
+    }
+    return [
+        f"{flag} {pairs[flag][0]} differs from --adapter {cfg.adapter}'s {pairs[flag][1]}: the adapter's own "
+        f"adapter_config.json sets its rank, alpha, dropout and targets; drop {flag}"
+        for flag in given
+        if pairs[flag][0] != pairs[flag][1]
+    ]
+
+
+def unsupported_adapter_features(config: Any, model: nn.Module) -> list[str]:
+    """What an --adapter's config asks for beyond LoRA on Linear layers, which the trainer builds, trains and exports:
+    each was refused as "trained on another base" or died with a traceback."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    found = []
+    if getattr(config, "use_dora", False):
+        found.append("DoRA (use_dora)")
+    if getattr(config, "modules_to_save", None):
+        found.append(f"modules_to_save {sorted(config.modules_to_save)} (whole trained copies of those modules)")
+    if getattr(config, "bias", "none") != "none":
+        found.append(f"trained biases (bias {config.bias!r})")
+    embeddings = [
+        name for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and check_target_module_exists(config, name)
+    ]  # fmt: skip
+    if embeddings:
+        found.append(f"adapters on embeddings ({embeddings[0]})")
+    return found
 
 
 def inject_adapters(model: nn.Module, config: Any) -> tuple[int, int]:
@@ -235,6 +292,12 @@ def full_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _json_value(value: Any) -> Any:
+    """What peft's own save writes for a config value JSON lacks: a set as a sorted list (peft 0.22 leaves
+    target_parameters = set(); written as the string "set()" the folder did not load), anything else as text."""
+    return sorted(value) if isinstance(value, set | frozenset) else str(value)
+
+
 def export_adapter(
     model: nn.Module, config: Any, tokenizer: Any, out_dir: Path, d: Dist, base_identity: str, step: int
 ) -> None:
@@ -253,7 +316,7 @@ def export_adapter(
         saved = config.to_dict()
         saved["inference_mode"] = True
         saved["target_modules"] = target_names(config)
-        (tmp / "adapter_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
+        (tmp / "adapter_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True, default=_json_value))
         (tmp / BASE_FILE).write_text(
             json.dumps({"base_model_name_or_path": config.base_model_name_or_path, "base_identity": base_identity})
         )

@@ -28,6 +28,7 @@ from fsdp_lib.model import varlen
 from fsdp_lib.model.activations import ActivationOffload, tile_mlps
 from fsdp_lib.model.adapters import (
     PeftSetup,
+    adapter_flag_conflicts,
     adapter_problems,
     init_adapters,
     inject_adapters,
@@ -36,6 +37,7 @@ from fsdp_lib.model.adapters import (
     prepare_peft,
     resolve_targets,
     target_names,
+    unsupported_adapter_features,
 )
 from fsdp_lib.model.anatomy import (
     clean_fqn,
@@ -423,10 +425,25 @@ def peft_problems(cfg: TrainConfig) -> list[str]:
     targets, problem = resolve_targets(cfg.lora_target_modules, model, layers)
     if problem:
         return [problem]
+    if cfg.peft == "qlora" and not any(type(m) is nn.Linear for layer in layers for m in layer.modules()):
+        kinds = sorted({type(m).__name__ for m in layers[0].modules() if m is not layers[0] and not list(m.children())})
+        return [
+            f"--peft qlora stores the decoder's nn.Linear weights in NF4, and {type(model).__name__}'s decoder layers "
+            f"have none ({', '.join(kinds)}): it would train as --peft lora with nothing quantised; use --peft lora"
+        ]
     if not cfg.adapter:
         return []
     try:
-        inject_adapters(model, lora_config(cfg, targets, cfg.model_name))
+        config = lora_config(cfg, targets, cfg.model_name)
+        if overridden := adapter_flag_conflicts(cfg, config, targets):
+            return overridden
+        if unsupported := unsupported_adapter_features(config, model):
+            return [
+                f"--adapter {cfg.adapter} uses {'; '.join(unsupported)}, which this trainer does not train or "
+                "export; continue from a plain LoRA adapter on Linear layers, or from the model with this one merged "
+                "in (PeftModel.from_pretrained(...).merge_and_unload(), saved as a model folder)"
+            ]
+        inject_adapters(model, config)
     except Exception as exc:  # noqa: BLE001 - peft raises many types for a config it cannot use
         return [f"--adapter {cfg.adapter}: not a LoRA adapter this model can take ({type(exc).__name__}: {exc})"]
     return adapter_problems(cfg, model, weights_identity(model_dir))
