@@ -368,8 +368,12 @@ def full_shard_losses(full_shard_run) -> dict[int, float]:
 
 def test_a_damaged_token_cache_is_rebuilt_not_trained_on(tmp_path, dataset_dir, scratch_model, full_shard_run):
     """A byte flipped in a copy of the reference run's token cache: the rerun says so, rebuilds the cache and trains
-    to the reference losses."""
+    to the reference losses. Failure markers other launches left beside it (a preempted tokenisation, an
+    experiment stopped beside this one) are not this launch's: its waiting rank stopped on them, blaming its own
+    rank 0 ("tokenisation failed on local rank 0: KeyboardInterrupt('SIGTERM')"); a dead launch's is removed."""
+    import os
     import shutil
+    import socket
 
     save, expected = full_shard_run
     shutil.copytree(save / ".token_cache", tmp_path / ".token_cache")
@@ -377,10 +381,18 @@ def test_a_damaged_token_cache_is_rebuilt_not_trained_on(tmp_path, dataset_dir, 
     raw = bytearray(tokens.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     tokens.write_bytes(bytes(raw))
+    host = socket.gethostname()
+    alive, dead = (
+        tokens.with_name(f"train.failed.{os.getpid()}.{host}"),
+        tokens.with_name(f"train.failed.1999999999.{host}"),
+    )
+    for marker in (tokens.with_name("train.failed"), alive, dead):  # the first: the name before this launch's own
+        marker.write_text("KeyboardInterrupt('SIGTERM')")
     args = [*trainer_args("run", dataset_dir, scratch_model, tmp_path), "--max-steps", "8", "--seed", "7", "-b", "2"]
     proc = run_trainer(args)
     log = output_of(proc)
     assert proc.returncode == 0, log
+    assert alive.exists() and not dead.exists()
     assert "WARNING: the token cache of the train split is damaged" in log and "checksum mismatch" in log, log
     assert "token cache of the validation split verified" in log and "tokenising train split" in log
     assert losses_by_step(tmp_path / "run") == expected

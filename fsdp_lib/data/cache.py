@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -21,8 +23,15 @@ from fsdp_lib.data.packing import WholeBlocks
 from fsdp_lib.data.preference import PairBlocks, PairEncoder, tokenize_pairs_to_file
 from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError, name_sample
-from fsdp_lib.integrity import commit_files, recorded_problems, remove_stale_staged, staged, staged_writes
+from fsdp_lib.integrity import (
+    commit_files,
+    recorded_problems,
+    remove_stale_staged,
+    staged,
+    staged_writes,
+)
 from fsdp_lib.markers import TOKEN_CACHE
+from fsdp_lib.processes import process_alive
 from fsdp_lib.runtime import Dist, log, raise_if_stopped
 
 
@@ -195,13 +204,17 @@ def load_token_stream(
     key = hashlib.sha256(f"{fingerprint}|{cache_key}|{version}".encode()).hexdigest()[:20]
     cache_dir = Path(cfg.save_dir) / TOKEN_CACHE / key
     paths = stream_paths(cache_dir / f"{split_name}.tokens")
-    failed_path = cache_dir / f"{split_name}.failed"
+    # this launch's own marker: a failure of another launch's tokenisation (a preempted run, an experiment stopped
+    # beside this one on the same cache) stopped this launch's waiting ranks with a failure of their rank 0
+    failed_path = cache_dir / f"{split_name}.failed.{_tokenising_process(d)}"
     if d.local_rank == 0 and paths["tokens"].exists():
         discard_if_damaged(paths, split_name)
     dist.barrier(group=d.cpu_group)  # nobody takes a damaged token file for a finished one (checking takes seconds)
     if d.local_rank == 0 and not paths["tokens"].exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        failed_path.unlink(missing_ok=True)
+        for marker in cache_dir.glob(f"{split_name}.failed.*.{socket.gethostname()}"):
+            if not process_alive(int(marker.name.split(".")[2])):  # of a launch that is gone
+                marker.unlink(missing_ok=True)
         if stale := remove_stale_staged(cache_dir):
             log(f"removed {len(stale)} partial file(s) a killed tokenisation left in {cache_dir}: {name_sample(stale)}")
         log(f"tokenising {split_name} split ({len(split)} rows) into {paths['tokens']}")
@@ -250,6 +263,15 @@ def load_token_stream(
         return WholeBlocks(tokens, cfg.seq_length, trained, docs, pad_id, cfg.document_masking == "on")
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
+
+
+def _tokenising_process(d: Dist) -> str:
+    """'PID.HOST' of the process that tokenises for this rank: its node's local rank 0 in this launch."""
+    mine = (socket.gethostname(), d.local_rank, os.getpid())
+    everyone: list[Any] = [None] * d.world_size
+    dist.all_gather_object(everyone, mine, group=d.cpu_group)
+    pid = next(pid for host, local_rank, pid in everyone if host == mine[0] and local_rank == 0)
+    return f"{pid}.{mine[0]}"
 
 
 def discard_if_damaged(paths: dict[str, Path], split_name: str) -> None:
