@@ -298,6 +298,8 @@ def run(cfg: TrainConfig) -> int:
             f"resumed from {latest} at step {state.step} (epoch {state.epoch}, {state.samples_in_epoch} samples "
             f"into the epoch)"
         )
+        if moved := state.fit_epoch(data.train.global_batch, data.train.steps_per_epoch):
+            log(moved)
     if d.is_main:  # only now: a refused run writes nothing
         cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
         (cfg.experiment_dir / "config.yaml").write_text(yaml.safe_dump(run_settings(cfg), sort_keys=False))

@@ -61,10 +61,37 @@ def packing_refusal(then_format: str, now_format: str, config: dict) -> str:
     then, now = ("whole" if PACKED_WHOLE in fmt else "stream" for fmt in (then_format, now_format))
     value = config.get("packing") or "stream"
     fix = "leave --packing out" if value == "auto" else f"--packing {value}"
-    return (
-        f"--packing: checkpoint {then} vs now {now} (conversations are packed whole by default since 2026-11-28; "
-        f"{fix} resumes this run as it began)"
-    )
+    why = "conversations are packed whole by default since 2026-11-28; " if then_format.startswith("chat:") else ""
+    return f"--packing: checkpoint {then} vs now {now} ({why}{fix} resumes this run as it began)"
+
+
+# export_fingerprint's adapter entries as the flags that set them (a refusal said "peft.start: 'init' vs 'f1ec...'")
+PEFT_NAMES = {
+    "mode": "--peft", "rank": "--lora-rank", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
+    "targets": "--lora-target-modules", "start": "--adapter (init: none)",
+    "base_weights": "the base model's weights (--model-name's files)",
+}  # fmt: skip
+
+
+def format_difference(was: str, now: str, payload: dict, cfg: TrainConfig) -> str | None:
+    """A changed data format said as the setting behind it: --data-weights, the chat template (its hash in the
+    format), --loss-on; None when it is none of these (the format strings are then shown)."""
+    config = payload.get("config", {})
+    if "data_weights" in config and config["data_weights"] != cfg.data_weights:
+        return f"--data-weights: checkpoint {config['data_weights']!r} vs now {cfg.data_weights!r}"
+    said = []
+    templates = [re.findall(r"(?:chat|pairs):([0-9a-f]+)", fmt) for fmt in (was, now)]
+    if templates[0] != templates[1]:
+        given = [config.get("chat_template") or "the model folder's", cfg.chat_template or "the model folder's"]
+        said.append(
+            f"the chat template: checkpoint {', '.join(templates[0]) or 'none'} ({given[0]}) vs now "
+            f"{', '.join(templates[1]) or 'none'} ({given[1]}): a template edited or replaced since renders the "
+            "conversations into other tokens"
+        )
+    losses = [re.findall(r"loss-on-(\w+)", fmt) for fmt in (was, now)]
+    if losses[0] != losses[1]:
+        said.append(f"--loss-on: checkpoint {', '.join(losses[0])} vs now {', '.join(losses[1])}")
+    return "; ".join(said) or None
 
 
 # A refused resume's way out: here (the plain flags, before any data is read) and in train/checkpoint.py (the rest)

@@ -259,6 +259,45 @@ def test_keep_last_prunes_old_checkpoints(inputs, tmp_path):
     assert state["step"] == 10 and state["latest_checkpoint"].endswith("step_00000010")
 
 
+def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
+    """A chat template edited in place, --data-weights, --loss-on and the adapters' settings were named by internal
+    keys ("data_format: checkpoint 'chat:bab0...' vs now ...", "peft.start: checkpoint 'init' vs now 'f1ec...'")."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.experiment_dir import packing_refusal
+    from fsdp_lib.train.checkpoint import Checkpointer
+
+    cfg = TrainConfig(experiment_name="x", save_dir=str(tmp_path), data_weights="3,1")
+
+    def said(key: str, was, now, config: dict | None = None) -> str:
+        ckpt = Checkpointer(cfg, None, {key: now})
+        return ckpt._difference(key, {"fingerprint": {key: was}, "config": config or {}})
+
+    mixture = said("data_format", "mixture[text; text]:weights-[0.5, 0.5]", "mixture[text; text]:weights-[0.75, 0.25]",
+                   {"data_weights": "1,1"})  # fmt: skip
+    assert mixture == "--data-weights: checkpoint '1,1' vs now '3,1'", mixture
+    cfg.data_weights = ""
+    template = said("data_format", "chat:bab0e3c8:loss-on-assistant", "chat:7cf79f0c:loss-on-all")
+    assert template.startswith("the chat template: checkpoint bab0e3c8 (the model folder's) vs now 7cf79f0c"), template
+    assert template.endswith("; --loss-on: checkpoint assistant vs now all"), template
+    peft = said("peft", {"mode": "lora", "rank": 4, "start": "init"}, {"mode": "lora", "rank": 8, "start": "f1ec"})
+    assert peft == "--lora-rank: checkpoint 4 vs now 8; --adapter (init: none): checkpoint 'init' vs now 'f1ec'", peft
+    assert "conversations are packed" not in packing_refusal("text", "text:packing-whole", {})
+
+
+def test_a_forced_resume_onto_fewer_blocks_goes_on_at_the_next_epoch():
+    """--force-resume onto data whose epoch is shorter than the saved position (24 samples into an epoch of 20 now)
+    crashed gathering an empty step (numpy: 'need at least one array to stack'); it goes on at the next epoch's start
+    and says so. A position inside the epoch stays as it is."""
+    from fsdp_lib.state import TrainState
+
+    state = TrainState(step=6, epoch=0, samples_in_epoch=24)
+    said = state.fit_epoch(global_batch=4, steps_per_epoch=5)
+    assert said and "24 samples into epoch 0, is past the end of this data's epoch (20 samples" in said
+    assert (state.step, state.epoch, state.samples_in_epoch) == (6, 1, 0)
+    inside = TrainState(step=3, epoch=2, samples_in_epoch=12)
+    assert inside.fit_epoch(4, 5) is None and (inside.epoch, inside.samples_in_epoch) == (2, 12)
+
+
 def test_incompatible_resume_is_refused_and_force_resume_overrides(inputs, four_steps, tmp_path):
     """A changed setting is refused by name and --force-resume overrides it; a changed model is refused naming the
     two model folders (not only their hashes), and --force-resume cannot load weights of another shape and says

@@ -32,7 +32,15 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
-from fsdp_lib.experiment_dir import PACKED_WHOLE, RESUME_REFUSED_FIX, objective_name, packing_refusal, run_settings
+from fsdp_lib.experiment_dir import (
+    PACKED_WHOLE,
+    PEFT_NAMES,
+    RESUME_REFUSED_FIX,
+    format_difference,
+    objective_name,
+    packing_refusal,
+    run_settings,
+)
 from fsdp_lib.faults import fault_point, save_delay
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs
@@ -307,6 +315,8 @@ class Checkpointer:
             return f"{key}: checkpoint {named!r} ({was}) vs now {getattr(self.cfg, flag)!r} ({now})"
         if key == "data_format" and str(was).replace(PACKED_WHOLE, "") == str(now).replace(PACKED_WHOLE, ""):
             return packing_refusal(str(was), str(now), payload.get("config", {}))  # --packing alone
+        if key == "data_format" and (named_format := format_difference(str(was), str(now), payload, self.cfg)):
+            return named_format
         if key == "objective" and objective_name(was) != objective_name(now):  # the rest follows from it
             return f"--objective: checkpoint {objective_name(was)} vs now {objective_name(now)}"
         config = payload.get("config", {})
@@ -336,7 +346,8 @@ class Checkpointer:
             return f"{key}: checkpoint {was!r} vs now {now!r} ({why})"
         if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
             parts = [
-                f"{key}.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"
+                f"{PEFT_NAMES.get(k, f'{key}.{k}') if key == 'peft' else f'{key}.{k}'}: checkpoint {was.get(k)!r} vs "
+                f"now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"
                 for k in sorted(set(was) | set(now), key=str)
                 if was.get(k) != now.get(k)
             ]
