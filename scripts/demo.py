@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{correct}/{len(DEMO_PROMPTS)} prompts answered as the corpus teaches after training")
     plot = exp / "loss.png"  # written by fsdp_train.py at the end of the run
     rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train_losses = [r["loss"] for r in rows if "loss" in r]
+    train_losses = [r["loss"] for r in rows if r.get("loss") is not None]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     print(
         f"\ntrain loss {train_losses[0]:.3f} -> {train_losses[-1]:.3f}"

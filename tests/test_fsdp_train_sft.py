@@ -365,6 +365,24 @@ def test_masked_loss_is_the_same_at_any_split_of_the_global_batch(tmp_path, chat
         assert losses[1][step] == pytest.approx(losses[2][step], rel=1e-5)
 
 
+def test_a_step_whose_batch_trains_no_token_logs_no_loss_rather_than_zero(tmp_path, chat_models):
+    """A long prompt cut into blocks: the first block holds prompt tokens only. Its step logged loss=0 (metrics.jsonl,
+    loss.png), a drop of the curve to zero; it logs null ("n/a") and the plot leaves it out."""
+    import datasets
+
+    long_prompt = " ".join(f"word{i}" for i in range(120))
+    rows = [[{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "Short answer."}]] * 4
+    datasets.Dataset.from_dict({"messages": rows}).save_to_disk(str(tmp_path / "long_chat"))
+    args = trainer_args("long", tmp_path / "long_chat", chat_models["qwen2.5"], tmp_path)
+    args += ["-b", "1", "--max-steps", "2", "--log-freq", "1", "--seq-length", "32", "--packing", "stream"]
+    result = run_trainer(args, nproc=1)
+    assert result.returncode == 0, output_of(result)
+    first = read_metrics(tmp_path / "long")[0]
+    assert first["step"] == 1 and first["trained_tokens"] == 0, first
+    assert first["loss"] is None and first["loss_avg"] is None, first
+    assert "loss=n/a loss_avg=n/a" in output_of(result)
+
+
 def test_chat_data_without_a_template_names_the_flag(tmp_path, chat_dataset):
     model = make_chat_model(tmp_path / "no_template", template=None)
     result = run_trainer(trainer_args("nt", chat_dataset, model, tmp_path) + ["--max-steps", "1"], nproc=1)

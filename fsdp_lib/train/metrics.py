@@ -256,8 +256,9 @@ class Metrics:
         record = {
             "step": state.step,
             "epoch": self.epoch_progress(state),
-            "loss": step_sum / max(1, self.last_trained),
-            "loss_avg": window_sum / max(1, self.window_trained),
+            # None (null, "n/a") where no token carried loss (a chat batch of prompt-only pieces): it read 0
+            "loss": step_sum / self.last_trained if self.last_trained else None,
+            "loss_avg": window_sum / self.window_trained if self.window_trained else None,
             "lr": lr,
             "grad_norm": sum(norms) / len(norms),
             "skipped_steps": skipped_steps,
@@ -309,9 +310,11 @@ class Metrics:
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self.writer.add_scalar(key, value, record["step"])
         if self.wandb_run is not None:  # "step" is logged as the x axis (see start_wandb); W&B keeps its own time
-            self.wandb_run.log({k: v for k, v in record.items() if k != "time"})
+            self.wandb_run.log({k: v for k, v in record.items() if k != "time" and v is not None})
         message = " ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items() if k != "time"
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={'n/a' if v is None else v}"
+            for k, v in record.items()
+            if k != "time"
         )
         if self.bar is not None:
             self.bar.write(message)
@@ -433,7 +436,7 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
         from matplotlib.figure import Figure  # not pyplot: no global figure state, GUI backend lookup or its import
 
         rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-        train = [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r]
+        train = [(r["step"], r["loss"], r["lr"]) for r in rows if r.get("loss") is not None]
         val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         if not train and not val:
             return
