@@ -137,6 +137,31 @@ def mix_flags(inputs: dict[str, Path], save: Path, nproc: int = 2) -> list[str]:
     return args
 
 
+def test_a_mixture_says_which_datasets_its_validation_loss_covers(mix_inputs, tmp_path):
+    """A saved train/test DatasetDict's test split was ignored in a folder (a hub dataset's was used), and val_loss
+    of a mixture whose other member has no validation split read as the whole mixture's, without a word."""
+    import datasets
+
+    text = [f"{a} plus {b} is {a + b}. " * 4 for a in range(10) for b in range(10)]
+    parts = {
+        "train": datasets.Dataset.from_dict({"text": text[:80]}),
+        "test": datasets.Dataset.from_dict({"text": text[80:]}),
+    }
+    datasets.DatasetDict(parts).save_to_disk(str(tmp_path / "with_test"))
+    datasets.Dataset.from_dict({"text": text}).save_to_disk(str(tmp_path / "no_val"))
+    args = trainer_args("mixv", tmp_path / "with_test", mix_inputs["model"], tmp_path) + [
+        "-d",
+        str(tmp_path / "no_val"),
+    ]
+    result = run_trainer([*args, "--max-steps", "1"], nproc=1)
+    said = output_of(result)
+    assert result.returncode == 0, said
+    assert "no_val: " in said and ", no validation" in said and "validation blocks" in said, said
+    assert "note: the validation loss covers with_test only: no_val has no validation split" in said, said
+    rows = [json.loads(line) for line in (tmp_path / "mixv" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss/with_test" in r for r in rows) and not any("val_loss/no_val" in r for r in rows)
+
+
 def test_mixture_run_reports_per_dataset_and_resumes_after_kill9_on_another_process_count(mix_inputs, tmp_path):
     reference = run_trainer(mix_flags(mix_inputs, tmp_path / "ref"))
     out = output_of(reference)

@@ -419,11 +419,18 @@ def mixture_plan(
     )  # fmt: skip
     lines = [
         f"  {name}: {source.name}, {source.rows:,} rows, {source.tokens:,} tokens, {size:,} blocks, weight "
-        f"{weight:.3f} -> {count:,} blocks per epoch ({count / size:.2f} passes)"
+        f"{weight:.3f} -> {count:,} blocks per epoch ({count / size:.2f} passes), "
+        + (f"{len(source.validation):,} validation blocks" if source.validation is not None else "no validation")
         for name, source, size, weight, count in zip(names, sources, sizes, mixture.weights, mixture.counts)
     ]
     log(f"mixture of {len(sources)} datasets (--data-weights {cfg.data_weights or 'by size'}):\n" + "\n".join(lines))
     held_out = [(name, source.validation) for name, source in zip(names, sources) if source.validation is not None]
+    if held_out and len(held_out) < len(sources):  # val_loss would read as the whole mixture's
+        log(
+            f"note: the validation loss covers {', '.join(n for n, _ in held_out)} only: "
+            f"{', '.join(n for n, s in zip(names, sources) if s.validation is None)} has no validation split "
+            "(data_hf.py --val-fraction makes one); each dataset's own is logged as val_loss/NAME"
+        )
     validation = MixedBlocks([v for _, v in held_out], [n for n, _ in held_out]) if held_out else None
     return plan, validation
 

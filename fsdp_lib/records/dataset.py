@@ -52,7 +52,7 @@ def load_text_dataset(
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
                 raise ValueError(f"{folder} has the splits {sorted(loaded)} but no 'train' split; {how_to_make}")
-            train, validation = loaded["train"], loaded.get("validation")
+            train, validation = loaded["train"], loaded.get("validation", loaded.get("test"))  # as a hub dataset
         else:
             train, validation = loaded, None
         source = str(folder)
