@@ -806,6 +806,16 @@ def test_parallel_calls_answer_in_order_and_plain_conversations_have_no_tools() 
     assert [json.loads(turns[1].tool_calls)[i]["function"]["arguments"] for i in (0, 1)] == [{"city": "Paris"}, {}]
     assert [(turn.name, turn.content) for turn in turns[2:4]] == [("get_weather", "sunny"), ("get_time", "noon")]
     assert turns.tools is None and parse_conversation(GOOD[0]).tools is None
+    # results with ids answer their own calls, in any order; one naming no call keeps its own fields only (it took
+    # the name of the next call while its id said another)
+    ids = [{"id": "c1", "function": calls[0]}, {"id": "c2", "function": calls[1]}]
+    record = {"messages": [
+        {"role": "user", "content": "Weather and time?"}, {"role": "assistant", "tool_calls": ids},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"}, {"role": "tool", "tool_call_id": "zzz", "content": "?"},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "assistant", "content": "Sunny at noon."}]}  # fmt: skip
+    turns = parse_conversation(record)
+    assert [(t.name, t.tool_call_id, t.content) for t in turns[2:5]] == [
+        ("get_time", "c2", "noon"), (None, "zzz", "?"), ("get_weather", "c1", "sunny")]  # fmt: skip
 
 
 BAD_TOOL_RECORDS = [

@@ -117,11 +117,12 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
             if tools_allowed and role in TOOL_RESULT_ROLES:
                 if content_key not in turn:
                     raise BadRecord("bad_message", f"{where} is a tool result without content")
-                answered = unanswered.pop(0) if unanswered else {}
+                given_id = turn.get("tool_call_id") if isinstance(turn.get("tool_call_id"), str) else None
+                answered = _answered_call(unanswered, given_id)
                 name = (
                     turn.get("name") if isinstance(turn.get("name"), str) else answered.get("function", {}).get("name")
                 )
-                call_id = turn.get("tool_call_id") if isinstance(turn.get("tool_call_id"), str) else answered.get("id")
+                call_id = given_id or answered.get("id")
                 result.append(ToolTurn("tool", _result_text(turn[content_key], where), None, name, call_id))
                 continue
         except ToolFormatError as err:
@@ -133,6 +134,16 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
             raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
         result.append((ROLE_ALIASES[role], _content_text(turn[content_key], where)))
     return result
+
+
+def _answered_call(unanswered: list[dict], call_id: str | None) -> dict:
+    """The call a tool result answers, taken off `unanswered`: the one with its tool_call_id, else the next one in
+    order (results without ids answer calls in order); {} when none (a result naming another call's id kept the
+    name of the next call, mixing two calls' fields)."""
+    if call_id is not None:
+        index = next((i for i, call in enumerate(unanswered) if call.get("id") == call_id), None)
+        return unanswered.pop(index) if index is not None else {}
+    return unanswered.pop(0) if unanswered else {}
 
 
 def _plain_turn(turn: object) -> tuple[str, str] | None:
