@@ -3,6 +3,7 @@ hub dataset id's snapshot folder, and the offline switches of huggingface_hub an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -110,6 +111,19 @@ def _no_config(model_name: str, path: Path) -> str:
         )
     if kind is not None:
         return f"--model-name {kind.describe(path)}, not a model; pass it as -d if it is your data, and a model as -m"
+    if (path / "adapter_config.json").is_file():  # a LoRA run's final/: the adapter, not a model
+        base = ""
+        try:
+            base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            pass
+        merged = path.with_name(f"{path.name}-merged")
+        return (
+            f"--model-name {model_name} is a LoRA adapter, not a model: pass its base, -m {base or 'BASE'}, with "
+            f"--peft lora --adapter {model_name}"
+            + (f", or the merged model -m {merged}" if (merged / "config.json").is_file() else
+               " (or export the run with --export-merged on and pass its final-merged/)")
+        )  # fmt: skip
     return (
         f"--model-name {model_name}: folder has no config.json; pass the folder that holds config.json and the "
         "weights (model_download.py fetches one; --init makes a new one)"

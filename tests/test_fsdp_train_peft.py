@@ -341,6 +341,18 @@ def test_lora_flags_the_adapter_overrides_are_refused_when_they_differ(peft_inpu
     assert problems[1].startswith("--lora-target-modules ['q_proj'] differs from --adapter"), problems
 
 
+def test_an_adapter_folder_given_as_the_model_says_how_to_use_it(peft_inputs, lora_run, tmp_path):
+    """-m outputs/EXP/final of a LoRA run (the README's DPO example after a LoRA SFT) said only "folder has no
+    config.json"."""
+    dataset, model = peft_inputs
+    problems = config_problems(trainer_args("bad", dataset, lora_run / "final", tmp_path))
+    assert any(
+        f"is a LoRA adapter, not a model: pass its base, -m {model}, with --peft lora --adapter {lora_run / 'final'}"
+        f", or the merged model -m {lora_run / 'final-merged'}" in p
+        for p in problems
+    ), problems
+
+
 def test_qlora_on_a_model_without_linear_layers_is_refused(peft_inputs, tmp_path):
     """GPT-2's Conv1D layers: --peft qlora quantised nothing and said nothing (it trained as LoRA)."""
     dataset, _ = peft_inputs
