@@ -904,7 +904,8 @@ CHAT_FEATURES = Features(
 def test_messages_column_has_the_arrow_type_datasets_gives_conversations() -> None:
     assert arrow_type("messages") == CHAT_FEATURES.arrow_schema.field("messages").type
     assert str(arrow_type("messages")) == (
-        "list<item: struct<role: string, content: string, tool_calls: string, name: string, tool_call_id: string>>"
+        "list<item: struct<role: string, content: string, tool_calls: string, name: string, tool_call_id: string, "
+        "weight: string>>"
     )
     assert arrow_type("tools") == CHAT_FEATURES.arrow_schema.field("tools").type
 
@@ -1048,6 +1049,31 @@ def test_conversations_written_as_bare_lists_of_turns_are_conversations(tmp_path
     assert summary_of(tmp_path / "auto")["counts_by_reason"] == {"no_assistant_turn": 1}
     assert convert(data, tmp_path / "text", "--format", "text", "--json-mode", "records") == 0  # text: as before
     assert "user\nhi" in load_from_disk(str(tmp_path / "text"))["text"][:]
+
+
+def test_openai_turn_weights_keep_weight_0_replies_as_context(tmp_path: Path) -> None:
+    """OpenAI's fine-tuning format marks assistant turns not to train with "weight": 0; it was dropped and the turn
+    trained. Stored as "0" on the turn, trained by no one; a weight that is not 0 or 1 is a counted skip, and a
+    conversation whose every reply has weight 0 has nothing to train."""
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "skip me", "weight": 0},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "train me", "weight": 1}]  # fmt: skip
+    data = write_files(
+        tmp_path / "data",
+        {"r.jsonl": "".join(json.dumps(r) + "\n" for r in (
+            {"messages": turns},
+            {"messages": [turns[0], {**turns[1], "weight": 0.5}]},
+            {"messages": turns[:2]},
+        ))},
+    )  # fmt: skip
+    assert convert(data, tmp_path / "out", "--format", "chat") == 0
+    (row,) = load_from_disk(str(tmp_path / "out"))["messages"][:]
+    assert [(t["content"], t["weight"]) for t in row] == [
+        ("q", None),
+        ("skip me", "0"),
+        ("q2", None),
+        ("train me", None),
+    ]
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"bad_turn_weight": 1, "no_assistant_turn": 1}
 
 
 def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_path: Path, capsys) -> None:

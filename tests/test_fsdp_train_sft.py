@@ -93,13 +93,22 @@ def test_datasets_made_elsewhere_train_as_data_hf_would_have_stored_them(templat
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}}]},
         {"role": "assistant", "content": "A cat."},
     ]
+    weighted = [  # OpenAI's weight 0: context (as data_hf.py stores it, "0", or as a dataset made elsewhere has it)
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello.", "weight": "0"},
+        {"role": "user", "content": "What is 1 plus 2?"},
+        {"role": "assistant", "content": "3.", "weight": 1},
+    ]
+    all_out = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello.", "weight": 0}]
     skipped: dict[str, int] = {}
-    encoded = ChatEncoder(tokenizer, "assistant").encode([parts, aliases, empty_first, image], skipped)
+    encoder = ChatEncoder(tokenizer, "assistant")
+    encoded = encoder.encode([parts, aliases, empty_first, image, weighted, all_out], skipped)
     span = ASSISTANT_SPANS[template]
-    expected = [span("It is\n3."), span("3."), span("3.")]
+    expected = [span("It is\n3."), span("3."), span("3."), span("3.")]
     assert [tokenizer.decode(np.asarray(ids)[mask == 1]) for ids, mask in encoded] == expected
     assert skipped == {
-        "content that is not text (non_text_content; data_hf.py --format chat skips and counts these)": 1
+        "content that is not text (non_text_content; data_hf.py --format chat skips and counts these)": 1,
+        "every assistant turn has weight 0: nothing to train": 1,
     }
     said = tokenizer.decode(encoded[0][0])
     assert "What is 1 plus 2?" in said and "'type'" not in said

@@ -61,8 +61,8 @@ class ChatEncoder:
     _empty_prompt: str | None = ""  # render([], add_generation_prompt=True); "" = not tried yet, None = refused
 
     # of the masks this class writes: part of the token cache key (3: no conversation without a reply; 4: content
-    # parts as text, role aliases, an empty assistant turn among others not trained)
-    VERSION = 4
+    # parts as text, role aliases, an empty assistant turn among others not trained; 5: weight 0 not trained)
+    VERSION = 5
 
     def render(self, conversations: list[list[dict]], generation_prompt: bool, tools: list | None = None) -> list[str]:
         try:
@@ -148,6 +148,9 @@ class ChatEncoder:
         said = [i for i in turns if says_something(messages[i])]  # an empty reply among others is context
         if not said:
             raise ChatFormatError("every assistant turn is empty: it would teach empty answers")
+        said = [i for i in said if not weighted_out(messages[i])]  # OpenAI's weight 0: context, not trained
+        if not said:
+            raise ChatFormatError("every assistant turn has weight 0: nothing to train")
         spans = [self.turn_span(messages, i, renders) for i in said]
         if all(full.startswith(renders[(i + 1, False)]) for i in turns):
             return [(full, spans)]
@@ -196,6 +199,13 @@ class ChatEncoder:
         for a, b in spans:
             mask[bisect.bisect_right(range(n), a, key=end_of) : bisect.bisect_right(range(n), b, key=end_of)] = 1
         return mask
+
+
+def weighted_out(turn: dict) -> bool:
+    """An assistant turn with OpenAI's weight 0 ("0" as data_hf.py stores it, 0 or False in a dataset made
+    elsewhere): kept as context, not trained."""
+    weight = turn.get("weight")
+    return weight is not None and str(weight).strip().lower() in ("0", "0.0", "false")
 
 
 def says_something(turn: dict) -> bool:

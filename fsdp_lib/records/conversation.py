@@ -70,6 +70,7 @@ class ToolTurn(NamedTuple):
     tool_calls: str | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    weight: str | None = None  # "0": an assistant turn not trained (OpenAI's weight 0); None: trained as usual
 
 
 class Conversation(tuple):
@@ -112,7 +113,7 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
                 calls = _tool_calls_of(turn, role, content_key, where)
                 content = "" if role in TOOL_CALL_ROLES else _optional_content(turn, content_key, where)
                 unanswered = list(calls)
-                result.append(ToolTurn("assistant", content, to_json(calls)))
+                result.append(ToolTurn("assistant", content, to_json(calls), weight=_weight(turn, where)))
                 continue
             if tools_allowed and role in TOOL_RESULT_ROLES:
                 if content_key not in turn:
@@ -132,8 +133,22 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
             raise BadRecord("unknown_role", f"{where} has the role {turn[role_key]!r}{hint}")
         if content_key not in turn:
             raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
-        result.append((ROLE_ALIASES[role], _content_text(turn[content_key], where)))
+        content = _content_text(turn[content_key], where)
+        weight = _weight(turn, where) if ROLE_ALIASES[role] == "assistant" else None
+        if weight is not None and not tools_allowed:
+            raise BadRecord("bad_turn_weight", f"{where} has a weight 0: a preference pair trains whole responses")
+        result.append(ToolTurn("assistant", content, weight=weight) if weight else (ROLE_ALIASES[role], content))
     return result
+
+
+def _weight(turn: dict, where: str) -> str | None:
+    """OpenAI's per-message `weight` on an assistant turn: 0 = context, not trained ("0"), 1 = trained (None)."""
+    value = turn.get("weight")
+    if value is None or (type(value) in (int, float, bool) and value == 1):
+        return None
+    if type(value) in (int, float, bool) and value == 0:
+        return "0"
+    raise BadRecord("bad_turn_weight", f"{where} has the weight {value!r}; OpenAI's format takes 0 or 1")
 
 
 def _answered_call(unanswered: list[dict], call_id: str | None) -> dict:
@@ -149,7 +164,7 @@ def _answered_call(unanswered: list[dict], call_id: str | None) -> dict:
 def _plain_turn(turn: object) -> tuple[str, str] | None:
     """(role, content) of a turn with a standard role (or alias) and string content that calls no tool; None for
     any other turn (read by the full checks of turns_of_list)."""
-    if type(turn) is not dict or "tool_calls" in turn or "function_call" in turn:
+    if type(turn) is not dict or "tool_calls" in turn or "function_call" in turn or "weight" in turn:
         return None
     role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
     if type(role) is not str or type(content) is not str:
@@ -297,8 +312,11 @@ def parse_conversation(record: object) -> Conversation:
 
 
 def _check_replies(turns: list[tuple[str, str]]) -> None:
-    if not any(turn[0] == "assistant" and (turn[1].strip() or calls_json(turn)) for turn in turns):
+    replies = [turn for turn in turns if turn[0] == "assistant" and (turn[1].strip() or calls_json(turn))]
+    if not replies:
         raise BadRecord("no_assistant_turn", f"{len(turns)} turn(s), none from the assistant with text or a call")
+    if all(getattr(turn, "weight", None) == "0" for turn in replies):
+        raise BadRecord("no_assistant_turn", f"every assistant turn of {len(turns)} has weight 0: nothing to train")
 
 
 def calls_json(turn: tuple[str, str]) -> str | None:

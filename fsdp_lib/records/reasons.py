@@ -18,6 +18,8 @@ RECORD_REASONS = {
     "bad_tools": "a `tools` value that is not a list of tool schemas with names (or a JSON string of one)",
     "non_text_content": "a turn whose content parts include one that is not text (an image, audio, a file)",
     "misplaced_system_turn": "a system turn that is not the first turn",
+    "bad_turn_weight": "an assistant turn whose `weight` (OpenAI's fine-tuning format) is not 0 or 1, or a weight 0 "
+    "in a preference record",
     "unpaired_preference_record": "a prompt + completion record with a label (TRL's unpaired KTO shape) in --format "
     "chat: its completion may be an undesirable one, so it is not trained as a conversation; use --format "
     "preference",

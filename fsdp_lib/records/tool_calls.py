@@ -1,11 +1,12 @@
 """Tool use in conversations: the one schema data_hf.py writes, read back for the chat template.
 
 A chat dataset row (`--format chat`) holds two columns:
-- `messages`: a list of turns {role, content, tool_calls, name, tool_call_id}, all strings. `role` is system, user,
+- `messages`: a list of turns {role, content, tool_calls, name, tool_call_id, weight}, all strings. `role` is system, user,
   assistant or tool. `tool_calls`, on an assistant turn that calls tools, is the JSON of a list of calls, each
   {"type": "function", "function": {"name": ..., "arguments": {...}}}, with "id" when the data gave one; `name`
   and `tool_call_id`, on a tool turn (a tool's result), are the called function's name and the call's id when
-  known. Fields that do not apply are null.
+  known; `weight` is "0" on an assistant turn kept as context and not trained (OpenAI's per-message weight 0).
+  Fields that do not apply are null.
 - `tools`: the JSON of the list of tool schemas the conversation offers, each {"type": "function", "function":
   {"name": ..., "description": ..., "parameters": {...}}}; null when it offers none.
 Arrow needs one type per column, hence JSON strings for the free-form schemas and arguments. The trainer decodes
@@ -17,7 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-TURN_FIELDS = ("tool_calls", "name", "tool_call_id")  # the turn fields beside role and content
+# the turn fields beside role and content; weight: "0" on an assistant turn not to train (OpenAI's fine-tuning
+# format: weight 0 or 1 per assistant message), null otherwise
+TURN_FIELDS = ("tool_calls", "name", "tool_call_id", "weight")
 
 
 class ToolFormatError(ValueError):
