@@ -246,7 +246,8 @@ class TrainConfig:
     reward_timeout_s: float = _opt(
         600.0,
         "--objective grpo: the longest one call of a reward function (one process's completions of a micro-batch) "
-        "may take, in seconds; past it the run stops naming the function (below --collective-timeout-s; 0 = no "
+        "may take, in seconds; past it the run stops naming the function (default: 600 or half of "
+        "--collective-timeout-s, whichever is less; a value given must be below --collective-timeout-s; 0 = no "
         "limit, and a function that hangs then holds every process until --collective-timeout-s)",
     )
     reward_pattern: str = _opt(

@@ -61,7 +61,8 @@ def packing_refusal(then_format: str, now_format: str, config: dict) -> str:
     then, now = ("whole" if PACKED_WHOLE in fmt else "stream" for fmt in (then_format, now_format))
     value = config.get("packing") or "stream"
     fix = "leave --packing out" if value == "auto" else f"--packing {value}"
-    why = "conversations are packed whole by default since 2026-11-28; " if then_format.startswith("chat:") else ""
+    chat = then_format.startswith("chat:") or "[chat:" in then_format or "; chat:" in then_format  # mixtures too
+    why = "conversations are packed whole by default since 2026-11-28; " if chat else ""
     return f"--packing: checkpoint {then} vs now {now} ({why}{fix} resumes this run as it began)"
 
 
@@ -77,11 +78,14 @@ def format_difference(was: str, now: str, payload: dict, cfg: TrainConfig) -> st
     """A changed data format said as the setting behind it: --data-weights, the chat template (its hash in the
     format), --loss-on; None when it is none of these (the format strings are then shown)."""
     config = payload.get("config", {})
-    if "data_weights" in config and config["data_weights"] != cfg.data_weights:
-        return f"--data-weights: checkpoint {config['data_weights']!r} vs now {cfg.data_weights!r}"
     said = []
+    if "data_weights" in config and config["data_weights"] != cfg.data_weights:
+        said.append(f"--data-weights: checkpoint {config['data_weights']!r} vs now {cfg.data_weights!r}")
+    kinds = [re.findall(r"(?:^|\[|; )(chat|pairs|text|prompts)", fmt) for fmt in (was, now)]
     templates = [re.findall(r"(?:chat|pairs):([0-9a-f]+)", fmt) for fmt in (was, now)]
-    if templates[0] != templates[1]:
+    if kinds[0] != kinds[1]:  # converted again as another kind: not the template's doing
+        said.append(f"the data's kind: checkpoint {', '.join(kinds[0])} vs now {', '.join(kinds[1])}")
+    elif templates[0] != templates[1]:
         given = [config.get("chat_template") or "the model folder's", cfg.chat_template or "the model folder's"]
         said.append(
             f"the chat template: checkpoint {', '.join(templates[0]) or 'none'} ({given[0]}) vs now "
@@ -89,7 +93,7 @@ def format_difference(was: str, now: str, payload: dict, cfg: TrainConfig) -> st
             "conversations into other tokens"
         )
     losses = [re.findall(r"loss-on-(\w+)", fmt) for fmt in (was, now)]
-    if losses[0] != losses[1]:
+    if losses[0] != losses[1] and losses[0] and losses[1]:
         said.append(f"--loss-on: checkpoint {', '.join(losses[0])} vs now {', '.join(losses[1])}")
     return "; ".join(said) or None
 

@@ -59,6 +59,9 @@ def interrupt_exit_code(interrupt: KeyboardInterrupt) -> int:
     return EXIT_SIGTERM if interrupt.args == ("SIGTERM",) else EXIT_CTRL_C
 
 
+ABANDONED: set[threading.Thread] = set()  # threads a timed-out reward function left running (rewards.score)
+
+
 def exit_without_teardown(code: int | None) -> NoReturn:
     """End the process with `code` after what Python's own exit does that anyone can observe: no thread but daemons
     left (else the normal exit, which waits for them), the atexit handlers run (logging's flush, libraries' helper
@@ -66,7 +69,8 @@ def exit_without_teardown(code: int | None) -> NoReturn:
     one: ~1 s per process with torch and transformers loaded (0.4 s for torch alone), which every run paid after
     its last line (the test suite launches the tools several hundred times)."""
     code = 0 if code is None else code  # what sys.exit(None) means
-    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    # a hung reward function's threads (a thread pool's workers) are not waited for: the exit would hang on them
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t not in ABANDONED]
     if not isinstance(code, int) or any(t.is_alive() and not t.daemon for t in others):
         sys.exit(code)
     atexit._run_exitfuncs()  # CPython's own exit runs these; no public API runs them early

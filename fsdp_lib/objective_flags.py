@@ -126,6 +126,14 @@ def grpo_problems(cfg: TrainConfig) -> list[str]:
     return problems + grpo_conflicts(cfg, "this run is --objective grpo") + grpo_range_problems(cfg)
 
 
+def reward_timeout(cfg: TrainConfig) -> float:
+    """--reward-timeout-s as given, else its default or half of --collective-timeout-s, whichever is less (the
+    other processes wait for this one's rewards in a collective)."""
+    if changed_flags(cfg, ("reward_timeout_s",)):
+        return cfg.reward_timeout_s
+    return min(cfg.reward_timeout_s, cfg.collective_timeout_s / 2)
+
+
 def grpo_range_problems(cfg: TrainConfig) -> list[str]:
     """The GRPO flags' values, each problem naming its flag."""
     problems = []
@@ -153,7 +161,7 @@ def grpo_range_problems(cfg: TrainConfig) -> list[str]:
         )
     if not cfg.reward_timeout_s >= 0 or not math.isfinite(cfg.reward_timeout_s):
         problems.append(f"--reward-timeout-s must be a number of seconds, 0 or more (got {cfg.reward_timeout_s})")
-    elif cfg.reward_timeout_s >= cfg.collective_timeout_s:
+    elif changed_flags(cfg, ("reward_timeout_s",)) and cfg.reward_timeout_s >= cfg.collective_timeout_s:
         problems.append(
             f"--reward-timeout-s {cfg.reward_timeout_s:g} is not below --collective-timeout-s "
             f"{cfg.collective_timeout_s}: the other processes, waiting for this one's rewards, would time out first "

@@ -1074,6 +1074,12 @@ def test_openai_turn_weights_keep_weight_0_replies_as_context(tmp_path: Path) ->
         ("train me", None),
     ]
     assert summary_of(tmp_path / "out")["counts_by_reason"] == {"bad_turn_weight": 1, "no_assistant_turn": 1}
+    # the stored shape read again (to_json and back): "0" is 0; a prompt's or a pair's turns are not weighed
+    again = parse_conversation({"messages": [turns[0], {**turns[1], "weight": "0"}, turns[2], turns[3]]})
+    assert [getattr(t, "weight", None) for t in again] == [None, "0", None, None]
+    from fsdp_lib.records.prompts import parse_prompt_record
+
+    assert parse_prompt_record({"prompt": [turns[0], {**turns[1], "weight": 0.5}, turns[2]]})
 
 
 def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_path: Path, capsys) -> None:

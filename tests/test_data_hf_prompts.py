@@ -112,6 +112,8 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
         "S\n\nU",
         False,
     )
+    parts = [{"role": "human", "content": [{"type": "text", "text": "hi"}]}]  # without a template too
+    assert prompt_text(parts, tokenizer) == ("hi", False)
     assert prompt_text("as is", tokenizer) == ("as is", False)
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     assert prompt_text([{"role": "user", "content": "U"}], tokenizer) == ("<user>U<assistant>", True)

@@ -282,6 +282,12 @@ def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
     peft = said("peft", {"mode": "lora", "rank": 4, "start": "init"}, {"mode": "lora", "rank": 8, "start": "f1ec"})
     assert peft == "--lora-rank: checkpoint 4 vs now 8; --adapter (init: none): checkpoint 'init' vs now 'f1ec'", peft
     assert "conversations are packed" not in packing_refusal("text", "text:packing-whole", {})
+    assert "conversations are packed" in packing_refusal("mixture[text; chat:ab]", "mixture[text; chat:ab]:w", {})
+    kind = said("data_format", "chat:bab0e3c8:loss-on-assistant", "text")  # converted again as text
+    assert kind == "the data's kind: checkpoint chat vs now text", kind
+    cfg.data_weights = "3,1"
+    both = said("data_format", "mixture[text; chat:aa]:w", "mixture[text; chat:bb]:w", {"data_weights": "1,1"})
+    assert both.startswith("--data-weights: checkpoint '1,1' vs now '3,1'; the chat template: checkpoint aa"), both
 
 
 def test_a_forced_resume_onto_fewer_blocks_goes_on_at_the_next_epoch():

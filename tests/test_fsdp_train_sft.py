@@ -100,15 +100,17 @@ def test_datasets_made_elsewhere_train_as_data_hf_would_have_stored_them(templat
         {"role": "assistant", "content": "3.", "weight": 1},
     ]
     all_out = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello.", "weight": 0}]
+    halved = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello.", "weight": 0.5}]
     skipped: dict[str, int] = {}
     encoder = ChatEncoder(tokenizer, "assistant")
-    encoded = encoder.encode([parts, aliases, empty_first, image, weighted, all_out], skipped)
+    encoded = encoder.encode([parts, aliases, empty_first, image, weighted, all_out, halved], skipped)
     span = ASSISTANT_SPANS[template]
     expected = [span("It is\n3."), span("3."), span("3."), span("3.")]
     assert [tokenizer.decode(np.asarray(ids)[mask == 1]) for ids, mask in encoded] == expected
     assert skipped == {
         "content that is not text (non_text_content; data_hf.py --format chat skips and counts these)": 1,
         "every assistant turn has weight 0: nothing to train": 1,
+        "a turn weight other than 0 or 1 (0.5; OpenAI's format)": 1,
     }
     said = tokenizer.decode(encoded[0][0])
     assert "What is 1 plus 2?" in said and "'type'" not in said

@@ -207,6 +207,8 @@ def load_token_stream(
     # this launch's own marker: a failure of another launch's tokenisation (a preempted run, an experiment stopped
     # beside this one on the same cache) stopped this launch's waiting ranks with a failure of their rank 0
     failed_path = cache_dir / f"{split_name}.failed.{_tokenising_process(d)}"
+    if d.local_rank == 0:  # its own name's marker is stale (a restarted container can reuse a PID): before anyone looks
+        failed_path.unlink(missing_ok=True)
     if d.local_rank == 0 and paths["tokens"].exists():
         discard_if_damaged(paths, split_name)
     dist.barrier(group=d.cpu_group)  # nobody takes a damaged token file for a finished one (checking takes seconds)

@@ -428,8 +428,9 @@ def mixture_plan(
     if held_out and len(held_out) < len(sources):  # val_loss would read as the whole mixture's
         log(
             f"note: the validation loss covers {', '.join(n for n, _ in held_out)} only: "
-            f"{', '.join(n for n, s in zip(names, sources) if s.validation is None)} has no validation split "
-            "(data_hf.py --val-fraction makes one); each dataset's own is logged as val_loss/NAME"
+            f"{', '.join(n for n, s in zip(names, sources) if s.validation is None)} has no validation data (no "
+            "validation split, or one shorter than a block; data_hf.py --val-fraction makes one); each dataset's own "
+            "is logged as val_loss/NAME"
         )
     validation = MixedBlocks([v for _, v in held_out], [n for n, _ in held_out]) if held_out else None
     return plan, validation

@@ -81,13 +81,12 @@ def prompt_text(prompt: Any, tokenizer: Any) -> tuple[str, bool]:
     content = prompt[-1].get("content")
     if content is None or (isinstance(content, str) and not content.strip()):
         raise ValueError("an empty prompt")
+    try:  # as data_hf.py stores turns: text parts joined, role aliases mapped (with a template or without)
+        prompt = as_stored(template_messages(prompt))
+    except BadRecord as exc:
+        raise ValueError(f"a prompt's {exc.detail}") from None
     if getattr(tokenizer, "chat_template", None):
-        try:
-            turns = as_stored(template_messages(prompt))
-        except BadRecord as exc:
-            raise ValueError(f"a prompt's {exc.detail}") from None
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        return text, True
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
     roles = [turn.get("role") for turn in prompt]
     if roles not in (["user"], ["system", "user"]):
         raise ValueError(

@@ -134,9 +134,8 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
         if content_key not in turn:
             raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
         content = _content_text(turn[content_key], where)
-        weight = _weight(turn, where) if ROLE_ALIASES[role] == "assistant" else None
-        if weight is not None and not tools_allowed:
-            raise BadRecord("bad_turn_weight", f"{where} has a weight 0: a preference pair trains whole responses")
+        # chat rows only: a prompt's or a pair's turns are never trained by turn, so a weight there means nothing
+        weight = _weight(turn, where) if tools_allowed and ROLE_ALIASES[role] == "assistant" else None
         result.append(ToolTurn("assistant", content, weight=weight) if weight else (ROLE_ALIASES[role], content))
     return result
 
@@ -144,11 +143,25 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
 def _weight(turn: dict, where: str) -> str | None:
     """OpenAI's per-message `weight` on an assistant turn: 0 = context, not trained ("0"), 1 = trained (None)."""
     value = turn.get("weight")
-    if value is None or (type(value) in (int, float, bool) and value == 1):
+    number = turn_weight(value)
+    if number == 1:
         return None
-    if type(value) in (int, float, bool) and value == 0:
+    if number == 0:
         return "0"
     raise BadRecord("bad_turn_weight", f"{where} has the weight {value!r}; OpenAI's format takes 0 or 1")
+
+
+def turn_weight(value: object) -> float | None:
+    """A turn's weight as a number: 1 for none, the number of an int, float, bool or numeric string ("0", as
+    data_hf.py stores it), None for anything else."""
+    if value is None:
+        return 1.0
+    if type(value) in (int, float, bool):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _answered_call(unanswered: list[dict], call_id: str | None) -> dict:

@@ -31,6 +31,7 @@ from fsdp_lib.data.prompts import PromptBatch, PromptSet, end_of_turn_ids
 from fsdp_lib.errors import TrainError
 from fsdp_lib.model.build import ModelBundle
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
+from fsdp_lib.objective_flags import reward_timeout
 from fsdp_lib.runtime import Dist, StopRequest, eagerly, evaluation_cut_short, log
 from fsdp_lib.train.dpo import (
     context_share,
@@ -208,6 +209,7 @@ class GRPOObjective:
 
     phase = "generate"
     forwards_without_gradient = 0  # the model flops count the training forward and backward, not generation
+    reward_failed = False  # a reward function failed on this rank in this rollout: the rest is not scored
 
     def begin_step(self, batches: list[PromptBatch], trained: int, epoch: int) -> tuple[list[Batch], int]:
         """The step's micro-batches of prompts become their sampled completions (rollout)."""
@@ -219,7 +221,7 @@ class GRPOObjective:
         after a reward function failed on it (the ranks' forwards must line up); then all stop with its message."""
         out, error = [], None
         tokens = sequences = 0
-        self.last_rewards = []
+        self.last_rewards, self.reward_failed = [], False
         self.update, self.calls, self.old_log_probs, self.references = 0, 0, [], []
         with eagerly():
             for k, prompts in enumerate(batches):
@@ -279,15 +281,18 @@ class GRPOObjective:
         completions: list[Any] = texts
         if self.prompts.conversational:
             completions = [[{"role": "assistant", "content": text}] for text in texts]
-        error, scores = None, np.zeros((len(self.rewards), 0))
-        if completions:  # a reward function never sees an empty batch
+        error, scores = None, np.zeros((len(self.rewards), len(completions) if self.reward_failed else 0))
+        # a reward function never sees an empty batch, nor another one once it failed (a hung grader would cost
+        # --reward-timeout-s per micro-batch before every rank stops)
+        if completions and not self.reward_failed:
             try:
                 scores = score(
                     self.rewards, repeated[start:stop], completions, {k: v[start:stop] for k, v in columns.items()},
-                    cfg.reward_timeout_s,
+                    reward_timeout(cfg),
                 )  # fmt: skip
             except RewardError as exc:
                 error, scores = str(exc), np.zeros((len(self.rewards), len(completions)))
+                self.reward_failed = True
         return Share(done, completions, scores, error)
 
     def rollout_one(self, prompts: PromptBatch, epoch: int, first: bool) -> tuple[Batch, str | None]:
@@ -318,7 +323,7 @@ class GRPOObjective:
         nothing): the forwards must line up."""
         count = len(prompts) if not cfg.eval_max_blocks else min(len(prompts), cfg.eval_max_blocks)
         sums = np.zeros(3 + 2 * len(self.rewards))  # completions, reward, completion tokens, per function: sum, count
-        error = None
+        error, self.reward_failed = None, False
         with eagerly():
             for idx in evaluation_shares(count, cfg.batch_size, d):
                 if evaluation_cut_short(stop, d):

@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_lib.interrupts import ABANDONED
 from fsdp_lib.records.prompts import REFERENCE_COLUMNS
 
 BUILT_IN = ("accuracy", "format")
@@ -346,7 +348,8 @@ def time_limit(seconds: float) -> Iterator[None]:
     """Raise _TimedOut in the main thread once `seconds` have passed (0: no limit). A timer signal interrupts Python
     code and the waits Python makes (sleep, a subprocess, a socket), not a C extension that never returns to the
     interpreter; off the main thread or without SIGALRM (Windows) there is no limit."""
-    if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if seconds <= 0 or not usable or signal.getsignal(signal.SIGALRM) is None:  # None: a handler set from C
         yield
         return
 
@@ -354,12 +357,24 @@ def time_limit(seconds: float) -> Iterator[None]:
         raise _TimedOut
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    # again every second after the first: a function's cleanup that blocks too (a thread pool joining its hung
+    # workers on the way out) is interrupted as well, rather than holding every rank until the collective timeout
+    earlier = signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        for _ in range(100):  # a repeat firing while the timer is disarmed raises here: disarm again
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                if earlier[0]:  # someone else's timer, set before: what is left of it
+                    signal.setitimer(
+                        signal.ITIMER_REAL, max(1e-3, earlier[0] - (time.monotonic() - started)), earlier[1]
+                    )
+                break
+            except _TimedOut:
+                continue
 
 
 def score(
@@ -370,10 +385,12 @@ def score(
     one number (or None) per completion."""
     out = np.full((len(functions), len(completions)), np.nan)
     for k, reward in enumerate(functions):
+        running = set(threading.enumerate())
         try:
             with time_limit(timeout_s):
                 values = reward.function(prompts=prompts, completions=completions, **columns)
         except _TimedOut:  # also one that fired as the call returned: its time was up all the same
+            ABANDONED.update(t for t in threading.enumerate() if t not in running and t.is_alive())
             raise RewardError(
                 f"--reward {reward.name} did not return within --reward-timeout-s {timeout_s:g} (scoring "
                 f"{len(completions)} completions); give what it waits on a timeout of its own (a subprocess running "
