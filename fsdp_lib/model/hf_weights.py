@@ -83,7 +83,7 @@ class WeightRouting:
     conversions: list[Any]  # the architecture's whole conversion mapping
 
 
-TESTED_TRANSFORMERS = ">=5.17,<6 (tested: 5.17 on GPU, 5.24 on CPU)"
+TESTED_TRANSFORMERS = ">=5.17,<6 (tested: 5.17 on GPU, 5.24-5.25 on CPU)"
 
 
 def core_model_loading() -> tuple[Any, Any]:

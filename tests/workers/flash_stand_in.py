@@ -57,6 +57,11 @@ def install() -> None:
     fa._process_with_kvcache_kwargs_fn = dict
     fa._loaded_implementation = "flash_attention_2"
     PreTrainedModel._flash_attn_can_dispatch = lambda self, *args, **kwargs: True  # no flash_attn, no GPU: fine
+    import transformers.modeling_utils as modeling
+
+    # transformers >= 5.25 with the kernels package: without flash_attn it fetches kernels-community/flash-attn2
+    # from the hub instead (offline: "Version 4 ... is not available in the local cache"); the stand-in is the kernel
+    modeling.is_kernels_available = lambda: False
 
 
 if __name__ == "__main__":
