@@ -157,7 +157,7 @@ def test_a_mixture_says_which_datasets_its_validation_loss_covers(mix_inputs, tm
     said = output_of(result)
     assert result.returncode == 0, said
     assert "no_val: " in said and ", no validation" in said and "validation blocks" in said, said
-    assert "note: the validation loss covers with_test only: no_val has no validation split" in said, said
+    assert "note: the validation loss covers with_test only: no_val has no validation data" in said, said
     rows = [json.loads(line) for line in (tmp_path / "mixv" / "metrics.jsonl").read_text().splitlines()]
     assert any("val_loss/with_test" in r for r in rows) and not any("val_loss/no_val" in r for r in rows)
 

@@ -68,14 +68,14 @@ def test_opt_ignores_packed_position_ids_and_gets_an_explicit_block_mask(attn):
     assert isolated(tiny_model("llama", attn), "position_ids")
 
 
-def test_flash_attention_batches_of_several_rows_leak_unless_sent_as_one_row():
+def test_flash_attention_batches_of_several_rows_leak_unless_sent_as_one_row(monkeypatch):
     """transformers' flash-attention path finds packed documents from the position ids only in a batch of one
     row; with -b 2 it runs the plain causal kernel over the whole block. Sent as one row, the varlen kernel keeps
     every document (and every block) apart. Run with a CPU stand-in for flash_attn under transformers' own path."""
     sys.path.insert(0, str(WORKERS))
     from flash_stand_in import install
 
-    install()
+    install(monkeypatch.setattr)  # undone after the test: later tests in this process load models as usual
     model = tiny_model("llama", "flash_attention_2")
     assert model.model.config._attn_implementation == "flash_attention_2"
     assert not isolated(model, "position_ids")

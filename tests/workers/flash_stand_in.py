@@ -13,6 +13,7 @@ Run under torchrun as fsdp_train.py with the stand-in installed in every worker:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,20 +49,25 @@ def varlen_fn(
     return torch.cat(pieces)
 
 
-def install() -> None:
+def install(patch: Callable[[object, str, object], None] = setattr) -> None:
+    """Put the stand-in where transformers looks; `patch` sets each attribute (a test passes monkeypatch.setattr so
+    that the process's later tests get transformers back as it was: with the kernels fallback off, every model
+    load after it failed, "Kernels are not available")."""
     import transformers.modeling_flash_attention_utils as fa
+    import transformers.modeling_utils as modeling
     from transformers import PreTrainedModel
 
-    fa._flash_fn, fa._flash_varlen_fn, fa._flash_with_kvcache_fn = flash_fn, varlen_fn, None
-    fa._process_flash_kwargs_fn = fa._lazy_define_process_function(varlen_fn)
-    fa._process_with_kvcache_kwargs_fn = dict
-    fa._loaded_implementation = "flash_attention_2"
-    PreTrainedModel._flash_attn_can_dispatch = lambda self, *args, **kwargs: True  # no flash_attn, no GPU: fine
-    import transformers.modeling_utils as modeling
-
-    # transformers >= 5.25 with the kernels package: without flash_attn it fetches kernels-community/flash-attn2
-    # from the hub instead (offline: "Version 4 ... is not available in the local cache"); the stand-in is the kernel
-    modeling.is_kernels_available = lambda: False
+    for name, value in (
+        ("_flash_fn", flash_fn), ("_flash_varlen_fn", varlen_fn), ("_flash_with_kvcache_fn", None),
+        ("_process_flash_kwargs_fn", fa._lazy_define_process_function(varlen_fn)),
+        ("_process_with_kvcache_kwargs_fn", dict), ("_loaded_implementation", "flash_attention_2"),
+    ):  # fmt: skip
+        patch(fa, name, value)
+    patch(PreTrainedModel, "_flash_attn_can_dispatch", lambda self, *args, **kwargs: True)  # no flash_attn, no GPU
+    # transformers >= 5.25 (which requires the kernels package): without flash_attn it fetches
+    # kernels-community/flash-attn2 from the hub instead (offline: "Version 4 ... is not available in the local
+    # cache"); the stand-in is the kernel
+    patch(modeling, "is_kernels_available", lambda: False)
 
 
 if __name__ == "__main__":
