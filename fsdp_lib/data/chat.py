@@ -16,7 +16,7 @@ import numpy as np
 from fsdp_lib.checks import chat_template_problems
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
-from fsdp_lib.records.conversation import as_stored, turn_weight
+from fsdp_lib.records.conversation import as_stored, is_trained_weight
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import dataset_kind
 from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
@@ -204,10 +204,10 @@ class ChatEncoder:
 def weighted_out(turn: dict) -> bool:
     """An assistant turn with OpenAI's weight 0 ("0" as data_hf.py stores it, 0 or False in a dataset made
     elsewhere): kept as context, not trained. A weight other than 0 or 1 is a counted skip, as in data_hf.py."""
-    weight = turn_weight(turn.get("weight"))
-    if weight not in (0.0, 1.0):
+    trained = is_trained_weight(turn.get("weight"))
+    if trained is None:
         raise ChatFormatError(f"a turn weight other than 0 or 1 ({turn.get('weight')!r}; OpenAI's format)")
-    return weight == 0.0
+    return not trained
 
 
 def says_something(turn: dict) -> bool:

@@ -142,26 +142,26 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
 
 def _weight(turn: dict, where: str) -> str | None:
     """OpenAI's per-message `weight` on an assistant turn: 0 = context, not trained ("0"), 1 = trained (None)."""
-    value = turn.get("weight")
-    number = turn_weight(value)
-    if number == 1:
-        return None
-    if number == 0:
-        return "0"
-    raise BadRecord("bad_turn_weight", f"{where} has the weight {value!r}; OpenAI's format takes 0 or 1")
+    trained = is_trained_weight(turn.get("weight"))
+    if trained is None:
+        raise BadRecord(
+            "bad_turn_weight", f"{where} has the weight {turn.get('weight')!r}; OpenAI's format takes 0 or 1"
+        )
+    return None if trained else "0"
 
 
-def turn_weight(value: object) -> float | None:
-    """A turn's weight as a number: 1 for none, the number of an int, float, bool or numeric string ("0", as
-    data_hf.py stores it), None for anything else."""
+def is_trained_weight(value: object) -> bool | None:
+    """The verdict on a turn's weight, for data_hf.py and the trainer alike: True for none or 1, False for 0 (an int,
+    float, bool or numeric string: "0" as data_hf.py stores it), None for anything else (not OpenAI's format)."""
     if value is None:
-        return 1.0
-    if type(value) in (int, float, bool):
-        return float(value)
-    try:
-        return float(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
+        return True
+    number: float | None = float(value) if type(value) in (int, float, bool) else None
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    return {1.0: True, 0.0: False}.get(number) if number is not None else None
 
 
 def _answered_call(unanswered: list[dict], call_id: str | None) -> dict:
