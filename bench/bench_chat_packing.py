@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_table, work_folder, write_results
+from common import REPO_ROOT, bench_arg_parser, last_loss, machine_info, median, print_table, work_folder, write_results
 from inputs import init_model_folder
 from launch import torchrun
 
@@ -80,7 +80,7 @@ def fine_tune(work: Path, dataset: Path, model: Path, packing: str, seq: int, st
         "fill_pct": float(fill.group(1)) if fill else 100.0,
         "tokens_per_s": median([w["tokens_per_s"] for w in windows]),
         "trained_tokens_per_s": median([w["trained_tokens_per_s"] for w in windows]),
-        "final_train_loss": windows[-1]["loss"] if windows else float("nan"),
+        "final_train_loss": last_loss(windows),
     }
 
 

@@ -73,7 +73,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from common import (
+    bench_arg_parser,
+    interleaved,
+    last_loss,
+    machine_info,
+    median,
+    print_table,
+    work_folder,
+    write_results,
+)
 from dpo_baseline import trl_tokenize
 from inputs import init_model_folder, make_corpus
 from launch import (
@@ -304,7 +313,7 @@ def window_figures(windows: list[dict[str, Any]], precompute_s: float, on_cpu: b
         "windows_peak_gib": [w["mem_peak_alloc_gb"] for w in windows],
         "idle_rss_gib": idle,
         "peak_above_runtime_gib": peak - idle if on_cpu else None,
-        "last_loss": windows[-1]["loss"],
+        "last_loss": last_loss(windows),
     }
 
 

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, bench_arg_parser, machine_info, median, print_table, work_folder, write_results
+from common import REPO_ROOT, bench_arg_parser, last_loss, machine_info, median, print_table, work_folder, write_results
 from inputs import corpus_and_model
 from launch import report_failures, run_trainer
 
@@ -94,7 +94,7 @@ def run_setting(
         "tokens_per_s": median([r["tokens_per_s"] for r in steady]),
         "mfu": median([r["mfu"] for r in steady]) if all("mfu" in r for r in steady) else None,
         "mem_peak_alloc_gb": max(r["mem_peak_alloc_gb"] for r in steady),
-        "last_loss": records[-1]["loss"],
+        "last_loss": last_loss(records),
     }
     result |= {f"time_{n}_ms": median([r[f"time_{n}_ms"] for r in steady]) for n in PHASES}
     return result

@@ -69,7 +69,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from common import (
+    bench_arg_parser,
+    interleaved,
+    last_loss,
+    machine_info,
+    median,
+    print_table,
+    work_folder,
+    write_results,
+)
 from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
 from launch import gpus_hidden, rank_figures, report_failures, run_trainer, trainer_worker
 from ratios import device_results, failure_text, mode_figures, mode_ratios, numbered_runs, print_goal_ratios
@@ -224,7 +233,7 @@ def run_mode(
         "idle_rss_gib": idle,
         "peak_above_runtime_gib": peak - idle if on_cpu else None,
         "run_peak_rss_gib": run_peak,
-        "last_loss": records[-1]["loss"],
+        "last_loss": last_loss(records),
         **parse_log(run.log),
     }
 

@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import bench_arg_parser, interleaved, machine_info, median, print_table, work_folder, write_results
+from common import (
+    bench_arg_parser,
+    interleaved,
+    last_loss,
+    machine_info,
+    median,
+    print_table,
+    work_folder,
+    write_results,
+)
 from inputs import make_train_inputs
 from launch import torchrun
 
@@ -152,7 +161,7 @@ def run_fsdp_train(work: Path, p: dict[str, Any], rep: int) -> dict[str, Any]:
     windows = [tokens_per_step / r["tokens_per_s"] for r in full]
     phases_ms = {name: median([r[f"time_{name}_ms"] for r in full[1:]]) for name in PHASES}
     shutil.rmtree(work / "outputs" / exp)
-    return side_result(windows, [float("nan"), *cpu_windows], phases_ms, records[-1]["loss"])
+    return side_result(windows, [float("nan"), *cpu_windows], phases_ms, last_loss(records))
 
 
 def run_minimal(work: Path, p: dict[str, Any]) -> dict[str, Any]:

@@ -153,6 +153,11 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def last_loss(records: list[dict[str, Any]]) -> float:
+    """The last logged training loss, NaN when none: a window in which no token was trained logs loss null."""
+    return next((float(r["loss"]) for r in reversed(records) if r.get("loss") is not None), float("nan"))
+
+
 class Stopwatch:
     """Wall-clock and process CPU time (all threads, so the Rust tokenizer's pool counts) of a block."""
 

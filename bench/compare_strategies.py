@@ -41,6 +41,7 @@ from common import (
     bench_arg_parser,
     format_table,
     interleaved,
+    last_loss,
     machine_info,
     median,
     work_folder,
@@ -166,7 +167,7 @@ def run_setting(
         "status": "ok",
         "tokens_per_s": median([r["tokens_per_s"] for r in records[1:]]),
         "mem_peak_alloc_gb": max(r["mem_peak_alloc_gb"] for r in records),
-        "final_loss": records[-1]["loss"],
+        "final_loss": last_loss(records),
     }
 
 

@@ -118,7 +118,7 @@ from typing import Any
 
 import bench_dpo
 import bench_peft
-from common import REPO_ROOT, env_set, format_table, machine_info, median
+from common import REPO_ROOT, env_set, format_table, last_loss, machine_info, median
 from inputs import init_model_folder, make_corpus, make_llama_folder, save_text_dataset
 from launch import LaunchError, gpus_hidden, run_trainer, torchrun
 
@@ -410,7 +410,7 @@ def figures(windows: list[dict[str, Any]], log: str) -> dict[str, Any]:
         "mfu": median([w["mfu"] for w in steady]) if all("mfu" in w for w in steady) else None,
         "peak_gib": max(w["mem_peak_alloc_gb"] for w in steady),
         "losses": [[w["step"], w["loss"]] for w in windows],
-        "last_loss": windows[-1]["loss"],
+        "last_loss": last_loss(windows),
         "attention": attention.group(1) if attention else None,
         **(
             {  # --objective grpo's windows (one step each): the phases' sum is the step

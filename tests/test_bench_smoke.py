@@ -216,6 +216,14 @@ def test_compare_strategies_recommendation_rule(repo_root):
     assert cs.recommend({"bad": {"status": "failed"}}, 1.0) == (None, "no setting ran")
 
 
+def test_last_loss_passes_over_windows_without_trained_tokens(repo_root):
+    """A log window in which no token was trained logs loss null: the benches report the last real loss (they
+    crashed formatting None)."""
+    last_loss = load_compare_strategies(repo_root).last_loss  # bench/common.py's, as every bench imports it
+    assert last_loss([{"loss": 2.5}, {"loss": None}]) == 2.5
+    assert math.isnan(last_loss([{"loss": None}])) and math.isnan(last_loss([]))
+
+
 def test_compare_strategies_hybrid_only_with_nodes(repo_root, monkeypatch):
     cs = load_compare_strategies(repo_root)
     monkeypatch.delenv("NNODES", raising=False)
