@@ -214,6 +214,28 @@ def test_find_source_files_does_not_follow_a_symlink_loop(src: Path) -> None:
     assert "dangling.txt (broken symlink)" in scan.skipped and "zero.txt (not a regular file)" in scan.skipped
 
 
+def test_a_tool_s_folder_inside_src_dir_is_skipped_whole(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A model or dataset folder under --src-dir was spread over the splits (config.json here, tokenizer.json there):
+    no split then looked like a model folder, and data_hf.py converted their metadata into text rows."""
+    src = tmp_path / "proj"
+    for i in range(6):
+        write(src / "texts" / f"d{i}.txt", f"real document {i}\n")
+    model = src / "models" / "tiny"
+    write(model / "config.json", json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    write(model / "tokenizer.json", json.dumps({"model": {"vocab": {"hello": 0}}}))
+    write(src / "data" / "ds" / "data_hf_summary.json", "{}")
+    write(src / "data" / "ds" / "dataset_info.json", "{}")
+    scan = find_source_files(src, [".txt", ".json"])
+    assert [f.rel_path for f in scan.files] == [f"texts/d{i}.txt" for i in range(6)]
+    assert any(s.startswith("models/tiny/ (a model folder") for s in scan.skipped), scan.skipped
+    assert any(s.startswith("data/ds/ (a dataset") for s in scan.skipped), scan.skipped
+    code, _, err = run(capsys, "--src-dir", src, "--dst-root", tmp_path / "splits", "--num-dirs", "3")
+    assert code == 0 and "models/tiny/" in err
+    assert data_hf.main(["--data_folder", str(tmp_path / "splits"), "--save_dir", str(tmp_path / "out")]) == 0
+    rows = load_from_disk(str(tmp_path / "out"))["text"]
+    assert sorted(rows) == sorted(f"real document {i}\n" for i in range(6)), rows
+
+
 # --------------------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fsdp_lib.errors import name_sample
-from fsdp_lib.markers import SPLITS_MANIFEST
+from fsdp_lib.markers import SPLITS_MANIFEST, folder_kind
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 
@@ -239,7 +239,9 @@ def find_source_files(src_dir: Path, extensions: Sequence[str]) -> SourceScan:
     """Every non-hidden file under src_dir whose name ends in one of extensions (case-insensitive), by path.
 
     Symlinked folders are not followed: one can point back up the tree (an endless loop) or at a folder
-    already scanned (every file twice). Symlinked files are data like any other and are kept.
+    already scanned (every file twice). Symlinked files are data like any other and are kept. Folders a tool wrote
+    (a model, a dataset, an experiment) are skipped and reported: spread over the splits, their metadata files would
+    no longer be known for what they are, and data_hf.py would convert them into text.
     """
     suffixes = tuple(ext.lower() for ext in extensions)
     files, skipped = [], []
@@ -260,7 +262,10 @@ def find_source_files(src_dir: Path, extensions: Sequence[str]) -> SourceScan:
                 continue
             rel_path = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_dir(follow_symlinks=False):
-                pending.append(rel_path)
+                if (kind := folder_kind(Path(entry.path))) is None or kind.kind == "split folders":
+                    pending.append(rel_path)
+                else:  # its files spread over splits would no longer be known as its own, and become text rows
+                    skipped.append(f"{rel_path}/ ({kind.what}, {kind.evidence}: a tool's output, not raw files)")
             elif entry.is_symlink() and entry.is_dir():
                 skipped.append(f"{rel_path}/ (symlinked folder, not followed)")
             elif not entry.name.lower().endswith(suffixes):
