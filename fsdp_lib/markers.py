@@ -59,9 +59,9 @@ class FolderKind:
 
 def unfinished_splits(folder: Path) -> Path | None:
     """The manifest of split folders that organize_data.py began and has not finished (interrupted, or rerunning
-    with another plan), when `folder` is those split folders or one of them; else None. Some files are still
-    missing from them, or still in their earlier places."""
-    for candidate in (folder, folder.parent):
+    with another plan), when `folder` is those split folders or a folder at any depth inside them; else None. Some
+    files are still missing from them, or still in their earlier places."""
+    for candidate in (folder, *folder.absolute().parents):
         manifest = candidate / SPLITS_MANIFEST
         try:
             value: Any = json.loads(manifest.read_text(encoding="utf-8"))

@@ -317,10 +317,13 @@ def test_rerun_finishes_an_interrupted_run(
     assert manifest_of(dst)["complete"] is False
     assert len(split_files(dst)) == 5  # four finished files and the partial temp file
     assert not calls[4].exists()
-    # data_hf.py does not convert the unfinished split as if it were whole, nor one of its folders
-    for folder in (dst, next(dst.glob("split_*"))):
+    # data_hf.py does not convert the unfinished split as if it were whole, nor one of its folders at any depth
+    deeper = next(dst.glob("split_*")) / "corpus" / "en"
+    write(deeper / "doc.txt", "a file of a folder two levels inside the split\n")
+    for folder in (dst, next(dst.glob("split_*")), deeper):
         assert data_hf.main(["--data_folder", str(folder), "--save_dir", str(tmp_path / "ds")]) == 1
         assert "organize_data.py has not finished these split folders" in capsys.readouterr().err
+    shutil.rmtree(deeper.parent)
     assert not (tmp_path / "ds").exists()
     (tmp_path / "above").mkdir()
     (tmp_path / "above" / "notes.txt").write_text("text beside the split\n")
