@@ -55,7 +55,16 @@ from tqdm import tqdm
 
 from fsdp_lib.arguments import JoinRepeats, OneValueParser
 from fsdp_lib.convert.extraction import DATA_FORMATS, DEFAULT_MAX_CHARS, JSON_MODES, RECORD_FORMATS
-from fsdp_lib.convert.planning import Options, find_input_files, normalize_extensions, plan_tasks, record_inputs
+from fsdp_lib.convert.planning import (
+    Options,
+    file_ending,
+    find_input_files,
+    has_ending,
+    is_compressed,
+    normalize_extensions,
+    plan_tasks,
+    record_inputs,
+)
 from fsdp_lib.convert.publish import (
     SUMMARY_NAME,
     TMP_TAG,
@@ -66,7 +75,7 @@ from fsdp_lib.convert.publish import (
     replace_problem,
 )
 from fsdp_lib.convert.reading import piece_bytes_for
-from fsdp_lib.convert.summary import Tally, build_summary, one_line, print_summary
+from fsdp_lib.convert.summary import Tally, build_summary, endings_text, one_line, print_summary
 from fsdp_lib.convert.workers import run_tasks, worker_count
 from fsdp_lib.convert.writer import SplitWriter, choose_column, finish_writers, unpair_into
 from fsdp_lib.errors import broken_link, file_above, unreadable
@@ -84,7 +93,11 @@ DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 # A row of 100M characters is at most 400 MB of UTF-8: far from Arrow's 2 GiB limit for one string array.
 MAX_MAX_CHARS = 100_000_000
 # Endings of files that are not text: a --data_folder file with one of these is refused, not read as text.
-NOT_TEXT_ENDINGS = {".parquet", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".tar", ".pdf", ".docx"}
+NOT_TEXT_ENDINGS = {".parquet", ".arrow", ".pdf", ".docx"}
+_DECOMPRESS = (
+    "data_hf.py reads text files, not compressed ones; decompress them first (gunzip -k, unzstd, unxz -k, bunzip2 -k, "
+    "unzip), then convert the folder"
+)
 
 
 class DataHfError(Exception):
@@ -193,12 +206,15 @@ def _data_folder_problems(args: argparse.Namespace) -> list[str]:
     elif not (folder.is_dir() or folder.is_file()):
         errors.append(f"--data_folder {folder} is neither a folder nor a regular file (a pipe or a device?); pass "
                       "the folder that holds your files")  # fmt: skip
-    elif folder.is_file() and folder.suffix.lower() not in args.extensions:
-        ending = f"ending in {folder.suffix}" if folder.suffix else "without an ending"
-        fix = f"pass --extensions {folder.suffix.lstrip('.')} to read it as plain text"
-        if not folder.suffix:
+    elif folder.is_file() and not has_ending(folder.name, args.extensions):
+        suffix = file_ending(folder.name)
+        ending = f"ending in {suffix}" if suffix else "without an ending"
+        fix = f"pass --extensions {suffix.lstrip('.')} to read it as plain text"
+        if not suffix:
             fix = "rename it with an ending such as .txt, or pass the folder that holds your files"
-        elif folder.suffix.lower() in NOT_TEXT_ENDINGS:
+        elif is_compressed(suffix):
+            fix = _DECOMPRESS
+        elif suffix in NOT_TEXT_ENDINGS:
             fix = "data_hf.py reads text files only: convert it to .jsonl or text first"
         errors.append(f"--data_folder {folder} is a file {ending}, which --extensions does not list; {fix}")
     elif manifest := unfinished_splits(folder):
@@ -217,7 +233,9 @@ def _data_folder_problems(args: argparse.Namespace) -> list[str]:
     if not args.extensions:
         errors.append(f"--extensions is empty; e.g. --extensions {' '.join(DEFAULT_EXTENSIONS)}")
     for ending in args.extensions:
-        if ending == "." or any(char in ending for char in "*?[]/\\"):
+        if is_compressed(ending):
+            errors.append(f"--extensions {ending.lstrip('.')}: {_DECOMPRESS}")
+        elif ending == "." or any(char in ending for char in "*?[]/\\"):
             typed = ending[1:] or ending  # as given: normalize_extensions put the dot in front
             example = f"--extensions {m[1]}" if (m := re.fullmatch(r"\*\.(\w+)", typed)) else "txt or .md"
             errors.append(f"--extensions {typed} is not a file ending; give endings such as {example} (no "
@@ -272,7 +290,7 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     records an auto run found shaped like conversations or preference pairs but could not use, when it found nothing
     else: their strings are no text dataset (the run is refused)."""
     started = time.monotonic()
-    files, walk_problems = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
+    files, walk_problems, other_endings = find_input_files(args.data_folder, args.extensions, exclude=[args.save_dir])
     files, text_files_skipped = record_inputs(files, args.data_format)
     # a folder skipped (unreadable, another tool's, unfinished splits) is a problem, not a file found and skipped
     folders, skipped = [], []
@@ -280,12 +298,13 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
         (folders if os.path.isdir(problem.path) else skipped).append(problem)
     skipped += text_files_skipped
     tally = Tally(files_found=len(files) + len(skipped), files_read=len(files), files_skipped=len(skipped))
+    tally.other_endings = other_endings
     for problem in skipped:
         tally.add_problem(problem, skipped_file=True)
     for problem in folders:
         tally.add_problem(problem)
     if not files:
-        raise DataHfError(_no_files_message(args, len(text_files_skipped)))
+        raise DataHfError(_no_files_message(args, len(text_files_skipped), other_endings))
     options = Options(args.max_chars, args.min_chars, args.val_fraction, args.data_format, args.json_mode)
     tasks = plan_tasks(files, piece_bytes_for(args.max_chars))
     splits = ["train", "validation"] if args.val_fraction > 0 else ["train"]
@@ -326,11 +345,13 @@ def convert(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], dict[s
     return build_summary(tally, args, chosen, column, time.monotonic() - started), chosen, unusable
 
 
-def _no_files_message(args: argparse.Namespace, text_files: int) -> str:
+def _no_files_message(args: argparse.Namespace, text_files: int, other_endings: dict[str, int]) -> str:
     """Why a run found nothing to read, and the fix."""
     where = f"under --data_folder {args.data_folder} (hidden files and folders are skipped)"
     if not text_files:
-        return f"no files with the extensions {' '.join(args.extensions)} {where}; check the path or pass --extensions"
+        found = f"; it holds {endings_text(other_endings)}" if other_endings else ""
+        fix = _DECOMPRESS if any(map(is_compressed, other_endings)) else "check the path or pass --extensions"
+        return f"no files with the extensions {' '.join(args.extensions)} {where}{found}; {fix}"
     what = {"chat": "conversation", "preference": "preference", "prompts": "prompt"}[args.data_format]
     return (
         f"no {what} files (.json .jsonl .ndjson .yaml .yml; --format {args.data_format}) {where}: its {text_files} "

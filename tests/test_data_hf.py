@@ -3,6 +3,7 @@ the validation split, --strict, overwriting and atomicity under kill -9."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -432,9 +433,10 @@ def test_find_input_files_sorted_skips_hidden_follows_links_without_looping(tmp_
     )
     (root / "b" / "loop").symlink_to(root, target_is_directory=True)  # would recurse forever if followed blindly
     (root / "broken.txt").symlink_to(root / "missing.txt")
-    found, problems = find_input_files(root, data_hf.DEFAULT_EXTENSIONS)
+    found, problems, other_endings = find_input_files(root, data_hf.DEFAULT_EXTENSIONS)
     assert [p.relative_to(root).as_posix() for p, _ in found] == ["a.md", "b/1.TXT", "b/2.txt"]
     assert [(Path(p.path).name, p.reason) for p in problems] == [("broken.txt", "read_error")]
+    assert other_endings == {".csv": 1}
 
 
 def test_plan_groups_small_files_and_keeps_order(tmp_path: Path) -> None:
@@ -584,6 +586,39 @@ def test_extensions_flag_and_other_extensions_read_as_text(tmp_path: Path) -> No
     data = write_files(tmp_path / "data", {"a.rst": "restructured", "b.txt": "plain", "c.json": '["j"]'})
     assert convert(data, tmp_path / "out", "--extensions", "rst,.JSON") == 0
     assert rows_of(tmp_path / "out") == ["restructured", "j"]
+
+
+def test_files_of_other_endings_are_counted_and_compressed_ones_named(tmp_path: Path, capsys) -> None:
+    """A corpus of .jsonl.gz files was silently left out (not found, not skipped, no note): an empty or partial
+    dataset with exit 0. Now they are counted by ending, and a compressed ending is refused with the fix."""
+    data = write_files(tmp_path / "data", {"a.jsonl": '{"text": "read"}\n', "notes.csv": "a,b", "part-00000": "x"})
+    for name in ("b.jsonl.gz", "c.jsonl.gz"):
+        (data / name).write_bytes(gzip.compress(b'{"text": "compressed"}\n'))
+    assert convert(data, tmp_path / "out") == 0
+    summary = summary_of(tmp_path / "out")
+    assert summary["files_not_read_by_ending"] == {".jsonl.gz": 2, ".csv": 1, "": 1}
+    note = "not read, their ending is not in --extensions: 2 .jsonl.gz files, 1 .csv file, 1 file without an ending"
+    assert summary["notes"][0].startswith(note) and "decompress them first" in summary["notes"][0]
+    assert note in capsys.readouterr().out
+    (data / "a.jsonl").unlink()
+    (data / "notes.csv").unlink()
+    assert convert(data, tmp_path / "out2") == 1  # nothing to read: the message says what the folder holds
+    err = capsys.readouterr().err
+    assert "it holds 2 .jsonl.gz files, 1 file without an ending; data_hf.py reads text files, not compressed" in err
+    for given in (["--extensions", "jsonl.gz"], ["--extensions", ".zst"]):
+        assert convert(data, tmp_path / "out3", *given) == 1
+        assert (
+            f"--extensions {given[1].lstrip('.')}: data_hf.py reads text files, not compressed"
+            in capsys.readouterr().err
+        )
+    assert convert(data / "b.jsonl.gz", tmp_path / "out4") == 1
+    assert "is a file ending in .jsonl.gz, which --extensions does not list; data_hf.py reads text files, not" in (
+        capsys.readouterr().err
+    )
+    # two-part endings that are not compressed match as organize_data.py matches them
+    write_files(data, {"d.notes.txt": "two-part ending"})
+    assert convert(data, tmp_path / "out5", "--extensions", "notes.txt") == 0
+    assert rows_of(tmp_path / "out5") == ["two-part ending"]
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from fsdp_lib.convert.extraction import RECORD_FORMATS, Extraction
 from fsdp_lib.convert.reading import file_kind, unicode_file
@@ -18,6 +20,8 @@ from fsdp_lib.markers import SPLITS_MANIFEST, folder_kind, unfinished_splits
 # Small files are grouped into tasks of about this much input so that per-task overhead stays negligible.
 TASK_BYTES = 2 << 20
 TASK_FILES = 256
+# Endings of compressed files: data_hf.py reads text, so these are named (".jsonl.gz") and the fix is to decompress.
+COMPRESSED_ENDINGS = frozenset({".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".tar", ".tgz"})
 
 
 @dataclass(frozen=True)
@@ -69,22 +73,47 @@ def normalize_extensions(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def find_input_files(
-    root: Path, extensions: Iterable[str], exclude: Iterable[Path] = ()
-) -> tuple[list[tuple[Path, int]], list[Problem]]:
-    """(path, size) of every file under `root` with one of `extensions`, sorted by path, and the problems met.
+class InputScan(NamedTuple):
+    files: list[tuple[Path, int]]  # (path, size), sorted by path
+    problems: list[Problem]  # folders and files that cannot be read, folders a tool wrote
+    other_endings: dict[str, int]  # files not read because --extensions does not list their ending, by ending
+
+
+def file_ending(name: str) -> str:
+    """A file name's ending as the run counts it: ".jsonl.gz" for a compressed file, else the last one (".csv"), or
+    "" for a name without one (Spark's part-00000)."""
+    suffixes = [suffix.lower() for suffix in Path(name).suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED_ENDINGS:
+        return "".join(suffixes[-2:])
+    return suffixes[-1] if suffixes else ""
+
+
+def is_compressed(ending: str) -> bool:
+    """Whether a file ending (".jsonl.gz", ".zst") is that of a compressed file."""
+    return Path(f"x{ending}").suffix.lower() in COMPRESSED_ENDINGS
+
+
+def has_ending(name: str, extensions: Iterable[str]) -> bool:
+    """Whether a file name ends in one of `extensions` (case-insensitive; ".jsonl" and a two-part ".tar.txt" alike)."""
+    return name.lower().endswith(tuple(extensions))
+
+
+def find_input_files(root: Path, extensions: Iterable[str], exclude: Iterable[Path] = ()) -> InputScan:
+    """Every file under `root` whose name ends in one of `extensions`, sorted by path, the problems met, and how
+    many other files there were by ending (so a folder of .jsonl.gz files is not silently an empty run).
 
     Hidden files and folders (name starting with ".") are skipped; symlinks are followed, but each folder is
     entered once, so link loops end. Folders in `exclude` (the output) are never entered, and folders a tool wrote
     (a dataset, an experiment, a model) are skipped with a not_raw_data problem.
     """
-    wanted = set(extensions)
+    wanted = tuple(extensions)
     if root.is_file():
-        return [(root, root.stat().st_size)], []
+        return InputScan([(root, root.stat().st_size)], [], {})
     problems: list[Problem] = []
     excluded = {(s.st_dev, s.st_ino) for s in (_stat_or_none(p) for p in exclude) if s is not None}
     visited: set[tuple[int, int]] = set()
     found: list[tuple[Path, int]] = []
+    other: Counter[str] = Counter()
 
     def on_error(err: OSError) -> None:
         problems.append(Problem(str(err.filename), "read_error", f"folder not readable: {err.strerror}"))
@@ -105,7 +134,10 @@ def find_input_files(
                     problems.append(problem)
         subfolders[:] = keep
         for name in names:
-            if name.startswith(".") or Path(name).suffix.lower() not in wanted:
+            if name.startswith("."):
+                continue
+            if not has_ending(name, wanted):
+                other[file_ending(name)] += 1
                 continue
             path = Path(folder, name)
             try:
@@ -118,7 +150,8 @@ def find_input_files(
                 continue
             found.append((path, info.st_size))
     found.sort(key=lambda item: item[0].relative_to(root).parts)
-    return found, problems
+    by_count = sorted(other.items(), key=lambda item: (-item[1], item[0] or "~"))  # no ending last among equals
+    return InputScan(found, problems, dict(by_count))
 
 
 def _tool_output(folder: Path) -> Problem | None:

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_lib.convert.planning import is_compressed
 from fsdp_lib.convert.publish import SUMMARY_NAME
 from fsdp_lib.convert.reading import note_no_text
 from fsdp_lib.convert.results import MAX_LISTED, REASONS, FileResult, Problem
@@ -56,6 +57,7 @@ class Tally:
     extra_rows_from_splitting: int = 0
     rows_with_surrogates: int = 0
     counts_by_reason: Counter[str] = field(default_factory=Counter)
+    other_endings: dict[str, int] = field(default_factory=dict)  # files --extensions does not list, by ending
     skipped_files: list[dict[str, Any]] = field(default_factory=list)
     problems: list[dict[str, Any]] = field(default_factory=list)
     fallback_decoded: dict[str, str] = field(default_factory=dict)
@@ -155,7 +157,7 @@ def build_summary(
         "save_dir": str(args.save_dir),
         "column": column,  # the kind of dataset: text, messages, preference, unpaired or prompts
         "columns": list(DATASET_COLUMNS[column]),
-        "notes": _format_notes(tally, args.data_format, column),
+        "notes": _ending_notes(tally.other_endings) + _format_notes(tally, args.data_format, column),
         "options": {
             "format": args.data_format,
             "json_mode": args.json_mode,
@@ -169,6 +171,7 @@ def build_summary(
         "files_read": tally.files_read,
         "files_with_rows": files_with_rows.get(column, tally.files_with_text),
         "files_skipped": tally.files_skipped,
+        "files_not_read_by_ending": tally.other_endings,
         "bytes_read": tally.bytes_read,
         "rows": rows,
         "rows_total": sum(rows.values()),
@@ -195,6 +198,25 @@ def build_summary(
         "seconds": round(seconds, 3),
         "reasons": {reason: REASONS[reason] for reason in sorted(tally.counts_by_reason)},
     }
+
+
+def endings_text(counts: dict[str, int], shown: int = 6) -> str:
+    """ "3 .jsonl.gz files, 1 .csv file, 2 files without an ending" (the most common first)."""
+    parts = [
+        f"{count} {ending + ' ' if ending else ''}file{'s' if count > 1 else ''}{'' if ending else ' without an ending'}"
+        for ending, count in list(counts.items())[:shown]
+    ]
+    more = sum(list(counts.values())[shown:])
+    return ", ".join(parts + ([f"{more} more"] if more else []))
+
+
+def _ending_notes(other_endings: dict[str, int]) -> list[str]:
+    """That files were passed over for their ending, so a corpus of .jsonl.gz files is not silently left out."""
+    if not other_endings:
+        return []
+    compressed = any(is_compressed(ending) for ending in other_endings)
+    fix = "decompress them first (gunzip -k, unzstd, ...)" if compressed else "pass --extensions to read them as text"
+    return [f"not read, their ending is not in --extensions: {endings_text(other_endings)}; to convert them, {fix}"]
 
 
 def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:
