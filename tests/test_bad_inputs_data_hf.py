@@ -48,6 +48,10 @@ FILES: dict[str, bytes | str] = {
     "deep_json/a.json": "[" * 100_000 + "]" * 100_000,
     "huge_int/a.json": "1" * 5000,
     "cut_json/a.json": '[{"text": "one"}, {"text": "tw',
+    # one bad element early in a large array: everything after it is lost, and the message says how much
+    "array_bad_element/a.json": "["
+    + ",".join(['{"text": "ok"}'] * 3 + ["{text: bad}"] + ['{"text": "lost"}'] * 96)
+    + "]",
     "one_bad_line/a.jsonl": '{"text": "a"}\n{"text": broken\n{"text": "c"}\n',
     "latin1/a.txt": "caf\u00e9 au lait\n".encode("latin-1"),
     "utf16_bom/a.txt": "hello world\n".encode("utf-16"),
@@ -446,6 +450,12 @@ RECORD_CASES = [
 
 HANDLED_CASES = [
     written("JSON cut off mid-file", "cut_json", "invalid_json", "read 1 value(s) before it", "1 problems"),
+    written(
+        "a bad element early in a JSON array",
+        "array_bad_element",
+        "read 3 value(s) before it; the rest of the file, 1,643 characters (97%), was not read: fix the file there",
+        "-> 3 rows",
+    ),
     written("one bad line among good JSON Lines", "one_bad_line", "a.jsonl:2: invalid_jsonl_line", "-> 2 rows"),
     written("a Latin-1 file", "latin1", "is not UTF-8; decoded as cp1252"),
     written("UTF-16 with a byte-order mark", "utf16_bom", "is not UTF-8; decoded as utf-16"),

@@ -44,10 +44,12 @@ _NOT_FLOW_BRACKET = bytes(sorted(set(range(256)) - set(_FLOW_STEP)))
 class JsonStreamError(Exception):
     """JSON that stops being readable; `reason` is invalid_json or too_deep, `detail` says where."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, offset: int = 0, unread: str = "") -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        self.offset = offset  # characters before the error
+        self.unread = unread  # what the reader held past the error; the rest of the input is still unread
 
 
 class _JsonReader:
@@ -74,7 +76,8 @@ class _JsonReader:
     def error(self, reason: str, message: str, pos: int) -> JsonStreamError:
         line = self._lines_before + self.buf.count("\n", 0, pos) + 1
         message = message.removesuffix(" at")  # json's "Unterminated string starting at" says where itself
-        return JsonStreamError(reason, f"{message} at line {line} (char {self._chars_before + pos})")
+        offset = self._chars_before + pos
+        return JsonStreamError(reason, f"{message} at line {line} (char {offset})", offset, self.buf[pos:])
 
     def peek(self) -> str:
         """The next non-whitespace character, or "" at the end of the input."""
