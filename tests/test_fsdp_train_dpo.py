@@ -194,6 +194,28 @@ def test_pairs_of_strings_are_one_user_turn_and_one_assistant_turn(chat_tokenize
     assert not skipped and all(np.array_equal(a, b) for a, b in zip(strings, turns))
 
 
+def test_responses_that_repeat_the_prompt_are_trained_without_it(chat_tokenizer):
+    """UltraFeedback's shape given straight to the trainer (a hub dataset): chosen and rejected are whole
+    conversations that start with the prompt. data_hf.py strips the repeat; the trainer rendered the prompt twice
+    (and cut the first copy from the left to fit), exit 0."""
+    encoder = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 1000)
+    user = {"role": "user", "content": "What is 6 plus 6?"}
+    system = {"role": "system", "content": "Be brief."}
+    standard = {"prompt": [user], "chosen": [{"role": "assistant", "content": " 12."}]}
+    standard["rejected"] = [{"role": "assistant", "content": " 13."}]
+    repeated = {"prompt": [user], "chosen": [user, *standard["chosen"]], "rejected": [user, *standard["rejected"]]}
+    with_system = {key: [system, *value] if key == "prompt" else value for key, value in standard.items()}
+    repeated_no_system = {**with_system, "chosen": repeated["chosen"], "rejected": repeated["rejected"]}
+    skipped: dict[str, int] = {}
+    [want] = encoder.encode(_rows([standard]), skipped, {}, 0)
+    [got] = encoder.encode(_rows([repeated]), skipped, {}, 0)
+    assert not skipped and all(np.array_equal(a, b) for a, b in zip(want, got))
+    [want] = encoder.encode(_rows([with_system]), skipped, {}, 0)
+    [got] = encoder.encode(_rows([repeated_no_system]), skipped, {}, 0)
+    assert not skipped and all(np.array_equal(a, b) for a, b in zip(want, got))
+    assert chat_tokenizer.decode(got[0]).count("What is 6 plus 6?") == 1
+
+
 def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(chat_tokenizer):
     pair = {
         "prompt": [

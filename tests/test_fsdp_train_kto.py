@@ -115,6 +115,14 @@ def test_examples_unpair_pairs_and_borrow_another_prompts_completion(kto_inputs)
     out = encoder.encode(unpaired, skipped, first, 10)
     assert [int(mask.max()) for _, mask, _, _ in out] == [DESIRABLE, UNDESIRABLE]
     assert skipped == {"the label is not true or false (nor 1/0)": 1} and list(first.values()) == [12]
+    # a pair whose chosen is its rejected (DPO skips it) would train one text as desirable and undesirable; responses
+    # that repeat the prompt first (UltraFeedback) are read without it, as DPO reads them
+    same = {"prompt": ["2+2?", "3+3?"], "chosen": [bot("4"), user("3+3?") + bot("6")], "rejected": [" 4 ", bot("7")]}
+    skipped, first = {}, {}
+    out = encoder.encode(same, skipped, first, 0)
+    assert list(skipped.values()) == [1] and "chosen and rejected are the same" in next(iter(skipped))
+    assert [int(mask.max()) for _, mask, _, _ in out] == [DESIRABLE, UNDESIRABLE]
+    assert tokenizer.decode(out[0][0]).count("3+3?") == 1
 
 
 def test_skips_are_counted_in_examples_two_per_pair(kto_inputs, tmp_path):

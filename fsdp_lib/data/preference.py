@@ -36,6 +36,18 @@ def as_turns(value: object, role: str) -> list[dict]:
     return list(value or [])
 
 
+def response_turns(value: object, prompt: list[dict]) -> list[dict]:
+    """A response as turns, without the prompt turns it repeats first: UltraFeedback-style chosen/rejected are whole
+    conversations that start with the prompt (with or without its system turn), as data_hf.py strips them; kept,
+    every sequence held the prompt twice."""
+    response = as_turns(value, "assistant")
+    said = [(turn.get("role"), turn.get("content")) for turn in response]
+    for repeated in (prompt, prompt[1:] if prompt and prompt[0].get("role") == "system" else []):
+        if repeated and said[: len(repeated)] == [(turn.get("role"), turn.get("content")) for turn in repeated]:
+            return response[len(repeated) :]
+    return response
+
+
 @dataclass
 class PairEncoder:
     """Renders prompt + response with the chat template; the trained tokens are the response's assistant turns
@@ -49,7 +61,9 @@ class PairEncoder:
     chat: ChatEncoder
     max_tokens: int
 
-    VERSION = 2  # of the sequences this class writes: part of the token cache key (2: no pair without its prompt)
+    # of the sequences this class writes: part of the token cache key (2: no pair without its prompt; 3: responses
+    # without the prompt turns they repeat)
+    VERSION = 3
     unit = "pairs"
     TOO_LONG, PROMPT_GONE = "too long", "prompt gone"  # why fit() cannot fit one
 
@@ -105,8 +119,11 @@ class PairEncoder:
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """(chosen ids, chosen mask, rejected ids, rejected mask) per kept pair of a row batch; `cut` adds up the
         pairs whose prompt lost tokens and the tokens each of their sequences lost."""
-        roles = {"prompt": "user", "chosen": "assistant", "rejected": "assistant"}
-        rows = {column: [as_turns(value, roles[column]) for value in rows[column]] for column in PREFERENCE_COLUMNS}
+        prompts = [as_turns(value, "user") for value in rows["prompt"]]
+        rows = {
+            "prompt": prompts,
+            **{key: [response_turns(v, p) for v, p in zip(rows[key], prompts)] for key in ("chosen", "rejected")},
+        }
         conversations, owners = [], []
         for row, (prompt, chosen, rejected) in enumerate(zip(*(rows[c] for c in PREFERENCE_COLUMNS))):
             for response in (chosen, rejected):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_lib.data.chat import ChatFormatError
-from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, as_turns, count_cut
+from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, as_turns, count_cut, response_turns
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
 LABEL_TEXT = {"true": True, "false": False, "1": True, "0": False}
@@ -42,12 +42,19 @@ def row_examples(rows: dict[str, list], row: int) -> list[Example] | str:
     """The examples of one row of a paired or unpaired dataset, or why the row has none."""
     if all(c in rows for c in PREFERENCE_COLUMNS):
         prompt = as_turns(rows["prompt"][row], "user")
-        return [(prompt, as_turns(rows["chosen"][row], "assistant"), True),
-                (prompt, as_turns(rows["rejected"][row], "assistant"), False)]  # fmt: skip
+        chosen, rejected = (response_turns(rows[key][row], prompt) for key in ("chosen", "rejected"))
+        if [_said(turn) for turn in chosen] == [_said(turn) for turn in rejected]:  # DPO skips them too
+            return "chosen and rejected are the same: one text would be trained as desirable and undesirable"
+        return [(prompt, chosen, True), (prompt, rejected, False)]
     label = as_label(rows["label"][row])
     if label is None:
         return "the label is not true or false (nor 1/0)"
-    return [(as_turns(rows["prompt"][row], "user"), as_turns(rows["completion"][row], "assistant"), label)]
+    prompt = as_turns(rows["prompt"][row], "user")
+    return [(prompt, response_turns(rows["completion"][row], prompt), label)]
+
+
+def _said(turn: dict) -> tuple:
+    return turn.get("role"), str(turn.get("content") or "").strip(), str(turn.get("tool_calls") or "")
 
 
 @dataclass
@@ -58,7 +65,7 @@ class ExampleEncoder:
 
     pairs: PairEncoder
 
-    VERSION = 1  # of the sequences this class writes: part of the token cache key
+    VERSION = 2  # of the sequences this class writes: part of the token cache key (2: repeated prompts stripped)
     unit = "examples"
 
     @property
