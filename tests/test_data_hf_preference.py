@@ -132,6 +132,14 @@ SHAPES = [
     ("alpaca", {"instruction": "What is", "input": "2+2?", "chosen": GOOD, "rejected": BAD},
      PreferencePair(turns("user", "What is\n\n2+2?"), SIMPLE.chosen, SIMPLE.rejected)),
     ("alpaca-empty-input", {"instruction": Q, "input": "", "chosen": GOOD, "rejected": BAD}, SIMPLE),
+    # Orca DPO pairs (Intel/orca_dpo_pairs): system + question; sets that call the prompt a query or an input
+    ("orca", {"system": "Be brief.", "question": Q, "chosen": GOOD, "rejected": BAD}, WITH_SYSTEM),
+    ("query", {"query": Q, "chosen": GOOD, "rejected": BAD}, SIMPLE),
+    ("input", {"input": Q, "chosen": GOOD, "rejected": BAD}, SIMPLE),
+    # an HH dialogue as the prompt string (Dahoas/rm-static): its turns, the empty answer header dropped
+    ("hh-prompt", {"prompt": f"\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: {Q}\n\nAssistant:", "chosen": f" {GOOD}",
+                   "rejected": f" {BAD}"}, PreferencePair(MULTI_TURN.prompt, turns("assistant", f" {GOOD}"),
+                                                         turns("assistant", f" {BAD}"))),
     (  # keys in any case, in the record and in the turns
         "case-insensitive",
         {"Prompt": [{"Role": "User", "Content": Q}], "CHOSEN": [{"ROLE": "assistant", "CONTENT": GOOD}],

@@ -107,6 +107,21 @@ def _preference_turns(value: object, key: str, string_role: str) -> list[tuple[s
     return turns_of_list(turns, key)
 
 
+# The key of a pair's prompt, in order: TRL's, ShareGPT's, Alpaca's (+ input), and the question of Orca DPO pairs
+# (system, question, chosen, rejected) or of sets that call it a query or an input.
+PROMPT_KEYS = ("prompt", "conversations", "instruction", "question", "query", "input")
+
+
+def _prompt_turns(value: object, key: str) -> list[tuple[str, str]]:
+    """A prompt's turns: a string is one user turn, unless it is an Anthropic HH dialogue ("\n\nHuman: ...
+    \n\nAssistant:", as Dahoas/rm-static stores prompts), whose turns are read and the empty answer header dropped
+    (kept as one user turn, the template wrapped the literal markers)."""
+    if isinstance(value, str) and _HH_TURN.match(value):
+        turns = _hh_turns(value, key)
+        return turns[:-1] if turns[-1] == ("assistant", "") else turns
+    return _preference_turns(value, key, "user")
+
+
 def _hh_turns(text: str, key: str) -> list[tuple[str, str]]:
     """The turns of an Anthropic HH dialogue string ("\\n\\nHuman: ...\\n\\nAssistant: ..."), contents stripped."""
     markers = list(_HH_TURN.finditer(text))
@@ -180,8 +195,9 @@ def parse_preference(record: object) -> PreferencePair | UnpairedExample:
     """The prompt and responses of one preference record, keys in any case. Shapes, by the keys beside chosen and
     rejected: `prompt` (TRL standard: strings; conversational: lists of turns, where chosen/rejected may repeat the
     prompt turns first), `conversations` (ShareGPT: the prompt turns; each response one turn object or a string),
-    `instruction` (+ `input`: Alpaca), or none: chosen and rejected are whole conversations, lists of turns or
-    Anthropic HH strings, whose shared leading turns are the prompt. A top-level `system` string becomes the first
+    `instruction` (+ `input`: Alpaca), `question`, `query` or `input` (Orca DPO pairs), or none: chosen and rejected
+    are whole conversations, lists of turns or Anthropic HH strings, whose shared leading turns are the prompt. A
+    prompt string in HH's dialogue form is read as its turns. A top-level `system` string becomes the first
     prompt turn. A record with `completion` and `label` (and no chosen or rejected) is an unpaired example
     (parse_unpaired). Raises BadRecord with the reason when the pair cannot be trained on."""
     if not is_preference_record(record) or not isinstance(record, dict):
@@ -190,13 +206,13 @@ def parse_preference(record: object) -> PreferencePair | UnpairedExample:
     fields = _lower_keys(record, "the record")
     if "chosen" not in fields and "rejected" not in fields:
         return parse_unpaired(fields)
-    if "prompt" in fields or "conversations" in fields or "instruction" in fields:
-        if "prompt" in fields:
-            given = _preference_turns(fields["prompt"], "prompt", "user")
-        elif "conversations" in fields:
+    if key := next((key for key in PROMPT_KEYS if key in fields), None):
+        if key == "conversations":
             given = _preference_turns(fields["conversations"], "conversations", "user")
-        else:
+        elif key == "instruction":
             given = [("user", alpaca_instruction(fields))]
+        else:
+            given = _prompt_turns(fields[key], key)
         prompt = with_system(fields, given)
         chosen, rejected = (
             _strip_prompt(_preference_turns(fields[key], key, "assistant"), [prompt, given])
@@ -232,7 +248,7 @@ def parse_unpaired(fields: dict) -> UnpairedExample:
         raise BadRecord("bad_label", f"'label' is {str(fields['label'])[:40]!r}; expected true or false")
     if "prompt" not in fields:
         raise BadRecord("missing_prompt", "an unpaired example (completion, label) without a 'prompt'")
-    given = _preference_turns(fields["prompt"], "prompt", "user")
+    given = _prompt_turns(fields["prompt"], "prompt")
     prompt = with_system(fields, given)
     completion = _strip_prompt(_preference_turns(fields["completion"], "completion", "assistant"), [prompt, given])
     _check_prompt_and_responses(prompt, [("completion", completion)])
