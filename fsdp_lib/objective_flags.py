@@ -49,6 +49,11 @@ def grpo_conflicts(cfg: TrainConfig, why: str) -> list[str]:
         problems.append(
             f"--fp8 {cfg.fp8}: {why}, and generation through float8 layers is not built or tested; leave --fp8 off"
         )
+    if cfg.loss_on != "assistant":
+        problems.append(
+            f"--loss-on {cfg.loss_on}: {why}, whose loss is on the sampled completions' tokens only (never the "
+            "prompt's); leave --loss-on at its default"
+        )
     return problems
 
 

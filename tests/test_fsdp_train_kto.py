@@ -309,9 +309,12 @@ def test_the_dataset_decides_and_a_wrong_objective_is_refused():
     # the same conflicts (config.grpo_conflicts) for an explicit --objective grpo, before any process group
     from fsdp_lib.checks import validate_config
 
-    explicit = TrainConfig(objective="grpo", reward=["accuracy"], dpo_beta=0.5, fp8="emulate")
+    explicit = TrainConfig(objective="grpo", reward=["accuracy"], dpo_beta=0.5, fp8="emulate", loss_on="all")
     problems = validate_config(explicit, 1)
     assert "--dpo-beta applies to --objective dpo; this run is --objective grpo: drop them" in problems, problems
+    assert any(
+        p.startswith("--loss-on all: this run is --objective grpo, whose loss is on the sampled") for p in problems
+    )
     assert any(p.startswith("--fp8 emulate: this run is --objective grpo, and generation through") for p in problems)
     deferred = validate_config(TrainConfig(objective="auto", reward=["a"], seq_length=128), 1)  # the data decides
     assert not any("--max-new-tokens" in p for p in deferred), deferred
