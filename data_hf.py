@@ -93,6 +93,7 @@ DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 # A row of 100M characters is at most 400 MB of UTF-8: far from Arrow's 2 GiB limit for one string array.
 MAX_MAX_CHARS = 100_000_000
 # Endings of files that are not text: a --data_folder file with one of these is refused, not read as text.
+GUESSED_ENCODINGS = ("cp1252", "latin-1")  # what a file that is not UTF-8 (and has no byte-order mark) is read as
 NOT_TEXT_ENDINGS = {".parquet", ".arrow", ".pdf", ".docx"}
 _DECOMPRESS = (
     "data_hf.py reads text files, not compressed ones; decompress them first (gunzip -k, unzstd, unxz -k, bunzip2 -k, "
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--strict", action="store_true",
-        help="fail (exit 1, nothing written) if anything was skipped: a bad file, a bad JSONL line, ...",
+        help="fail (exit 1, nothing written) if anything was skipped (a bad file, a bad JSONL line, ...) or a file "
+        "that is not UTF-8 was read as cp1252 or Latin-1 (a guess)",
     )  # fmt: skip
     return parser
 
@@ -380,6 +382,13 @@ def _refusals(summary: dict[str, Any], args: argparse.Namespace, unusable: int) 
     problems = sum(summary["counts_by_reason"].values())
     if args.strict and problems:
         refusals.append(f"--strict: {problems} problem(s) found (listed above); fix them or drop --strict")
+    guessed = [path for path, encoding in summary["fallback_decoded_files"].items() if encoding in GUESSED_ENCODINGS]
+    if args.strict and guessed:  # Shift JIS or GBK read as cp1252 is mojibake, not a problem the reader can see
+        refusals.append(
+            f"--strict: {len(guessed)} file(s) are not UTF-8 and were read as {summary['fallback_decoded_files'][guessed[0]]}"
+            f" (a guess; e.g. {guessed[0]}): a file in another legacy encoding (Shift JIS, GBK, ...) would become "
+            "wrong text; convert them to UTF-8 (iconv -f THEIR_ENCODING -t UTF-8) or drop --strict"
+        )
     if summary["rows_total"] == 0:
         found = {"messages": "conversations", "preference": "preference pairs", "prompts": "prompts"}.get(
             summary["column"]

@@ -276,6 +276,12 @@ OPTION_CASES = [
         "no rows were extracted",
         "1 row(s) were shorter than --min-chars 100; lower it",
     ),
+    data_hf_case(  # a guessed decoding is no problem the reader can see: Shift JIS read as cp1252 is mojibake
+        "--strict with a file that is not UTF-8",
+        on("latin1", "--strict"),
+        "--strict: 1 file(s) are not UTF-8 and were read as cp1252 (a guess; e.g.",
+        "convert them to UTF-8 (iconv -f THEIR_ENCODING -t UTF-8) or drop --strict",
+    ),
     data_hf_case(
         "--strict with one bad JSON Lines line",
         on("one_bad_line", "--strict"),
