@@ -268,6 +268,11 @@ def _save_dir_problems(args: argparse.Namespace) -> list[str]:
     save_dir = args.save_dir
     if why := broken_link(save_dir):
         return [f"--save_dir {save_dir} {why}; fix the link, or choose another --save_dir"]
+    if save_dir.is_dir() and os.path.ismount(save_dir):  # found only at the end, after the whole conversion
+        return [
+            f"--save_dir {save_dir} is a mount point (a container volume?): the dataset is written beside it and "
+            f"renamed into place, which cannot replace a mount point; pass a folder inside it, e.g. {save_dir / 'NAME'}"
+        ]
     if occupied(save_dir):
         if not save_dir.is_dir():
             return [f"--save_dir {save_dir} exists and is not a folder; choose another --save_dir"]

@@ -568,6 +568,19 @@ def test_refuses_to_overwrite_unless_asked_and_replaces_only_datasets(tmp_path: 
     assert (precious / "notes.txt").read_text() == "not a dataset"
 
 
+def test_a_mount_point_as_save_dir_is_refused_before_converting(tmp_path: Path, capsys, monkeypatch) -> None:
+    """docker run -v host:/out ... --save_dir /out: the dataset was converted in full beside the mount, then the
+    rename onto the mount point failed (EBUSY) and the work was thrown away."""
+    data = write_files(tmp_path / "data", {"a.txt": "text"})
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == volume or real_ismount(path))
+    assert convert(data, volume) == 1
+    assert f"--save_dir {volume} is a mount point (a container volume?)" in capsys.readouterr().err
+    assert convert(data, volume / "corpus") == 0 and rows_of(volume / "corpus") == ["text"]
+
+
 def test_output_inside_the_input_folder_is_not_read_back(tmp_path: Path) -> None:
     data = write_files(tmp_path / "data", {"a.json": '["x"]'})
     out = data / "hf_datasets" / "corpus"
