@@ -236,6 +236,26 @@ def test_a_tool_s_folder_inside_src_dir_is_skipped_whole(tmp_path: Path, capsys:
     assert sorted(rows) == sorted(f"real document {i}\n" for i in range(6)), rows
 
 
+def test_split_copies_beside_their_source_are_read_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """organize_data.py --src-dir proj/raw --dst-root proj/splits, then data_hf.py (or organize_data.py) on proj:
+    every file was read twice, from raw and from its copy, with no note."""
+    proj = tmp_path / "proj"
+    for i in range(4):
+        write(proj / "raw" / f"d{i}.txt", f"doc {i}\n")
+    code, _, _ = run(capsys, "--src-dir", proj / "raw", "--dst-root", proj / "splits", "--num-dirs", "2")
+    assert code == 0
+    assert data_hf.main(["--data_folder", str(proj), "--save_dir", str(tmp_path / "ds")]) == 0
+    assert sorted(load_from_disk(str(tmp_path / "ds"))["text"]) == [f"doc {i}\n" for i in range(4)]
+    assert "split folders of organize_data.py copying" in capsys.readouterr().out
+    scan = find_source_files(proj, [".txt"])
+    assert [f.rel_path for f in scan.files] == [f"raw/d{i}.txt" for i in range(4)]
+    assert scan.skipped and scan.skipped[0].startswith("splits/ (split folders copying")
+    # moved files are only in the splits: read there
+    code, _, _ = run(capsys, "--src-dir", proj / "raw", "--dst-root", tmp_path / "moved", "--num-dirs", "2",
+                     "--mode", "move")  # fmt: skip
+    assert code == 0 and len(find_source_files(tmp_path, [".txt"]).files) == 8  # the copies and the moved files
+
+
 # --------------------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from fsdp_lib.convert.extraction import RECORD_FORMATS, Extraction
 from fsdp_lib.convert.reading import file_kind, unicode_file
 from fsdp_lib.convert.results import Problem
-from fsdp_lib.markers import SPLITS_MANIFEST, folder_kind, unfinished_splits
+from fsdp_lib.markers import SPLITS_MANIFEST, copied_from, folder_kind, unfinished_splits
 
 # Small files are grouped into tasks of about this much input so that per-task overhead stays negligible.
 TASK_BYTES = 2 << 20
@@ -128,7 +128,7 @@ def find_input_files(root: Path, extensions: Iterable[str], exclude: Iterable[Pa
         for name in sorted(subfolders):
             sub = _stat_or_none(Path(folder, name))
             if not name.startswith(".") and (sub is None or (sub.st_dev, sub.st_ino) not in excluded):
-                if (problem := _tool_output(Path(folder, name))) is None:
+                if (problem := _tool_output(Path(folder, name)) or _copy_of(Path(folder, name), root)) is None:
                     keep.append(name)
                 else:
                     problems.append(problem)
@@ -164,6 +164,18 @@ def _tool_output(folder: Path) -> Problem | None:
     if kind is None or kind.kind == "split folders":
         return None
     return Problem(str(folder), "not_raw_data", f"{kind.describe(folder)}; not read as raw files")
+
+
+def _copy_of(folder: Path, root: Path) -> Problem | None:
+    """Split folders holding copies of files that `root` also holds (organize_data.py --src-dir raw --dst-root
+    splits, then data_hf.py on the folder above both): read once, from the source, not twice."""
+    source = copied_from(folder)
+    if source is None or not source.is_dir() or not source.resolve().is_relative_to(root.resolve()):
+        return None
+    detail = (
+        f"split folders of organize_data.py copying {source}, which --data_folder also holds; read once, from there"
+    )
+    return Problem(str(folder), "not_raw_data", detail)
 
 
 def _stat_or_none(path: Path) -> os.stat_result | None:

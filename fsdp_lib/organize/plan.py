@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fsdp_lib.errors import name_sample
-from fsdp_lib.markers import SPLITS_MANIFEST, folder_kind
+from fsdp_lib.markers import SPLITS_MANIFEST, copied_from, folder_kind
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 
@@ -262,7 +262,10 @@ def find_source_files(src_dir: Path, extensions: Sequence[str]) -> SourceScan:
                 continue
             rel_path = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_dir(follow_symlinks=False):
-                if (kind := folder_kind(Path(entry.path))) is None or kind.kind == "split folders":
+                kind, source = folder_kind(Path(entry.path)), copied_from(Path(entry.path))
+                if source is not None and source.resolve().is_relative_to(src_dir.resolve()) and source.is_dir():
+                    skipped.append(f"{rel_path}/ (split folders copying {source}, also under --src-dir: not twice)")
+                elif kind is None or kind.kind == "split folders":
                     pending.append(rel_path)
                 else:  # its files spread over splits would no longer be known as its own, and become text rows
                     skipped.append(f"{rel_path}/ ({kind.what}, {kind.evidence}: a tool's output, not raw files)")
