@@ -96,8 +96,9 @@ class TrainConfig:
     chat_template: str = _opt("", "Jinja chat template file, for a tokenizer without one (conversation data)")
     max_skipped_fraction: float = _opt(
         0.05,
-        "conversation data: stop when more than this fraction of a split's conversations cannot be trained (e.g. "
-        "the chat template refuses them); above 0.01 the start of the run warns",
+        "conversations, preference pairs and GRPO prompts: stop when more than this fraction of a split's records "
+        "cannot be trained (e.g. the chat template refuses them, or they do not fit --seq-length); above 0.01 the "
+        "start of the run warns",
     )
     loss_chunk_tokens: str = _opt(
         "auto",

@@ -129,6 +129,18 @@ def test_the_trainer_reads_the_fields_back_as_columns(tmp_path: Path) -> None:
     chats = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "two plus two"}]}] * 2)
     skipped = load_prompts(chats, tokenizer, 1, "d", "train")
     assert len(skipped) == 0 and skipped.conversational
+    # more than --max-skipped-fraction skipped stops the run, as for pairs (GRPO only warned, and trained on what
+    # was left of the prompts)
+    from fsdp_lib.errors import TrainError
+
+    with pytest.raises(TrainError, match=r"2 of 2 prompts \(100.0%\) of the train split of d are skipped, more than "
+                       "--max-skipped-fraction 0.05; the most common reason .2.: longer than 1 tokens"):  # fmt: skip
+        load_prompts(chats, tokenizer, 1, "d", "train", 0.05)
+    # turn-list prompts without a template reach the reward functions as the text the model continued, as their
+    # completions are text (the functions got lists of messages beside strings)
+    tokenizer.chat_template = None
+    plain = load_prompts(chats, tokenizer, 1000, "d", "train")
+    assert not plain.conversational and plain.gather([0, 1]).prompts == ["two plus two"] * 2
 
 
 def test_prompts_tokenised_in_batches_equal_one_at_a_time_and_skips_are_counted(tmp_path: Path, monkeypatch) -> None:
@@ -138,6 +150,7 @@ def test_prompts_tokenised_in_batches_equal_one_at_a_time_and_skips_are_counted(
     import datasets
     from transformers import AutoTokenizer
 
+    from fsdp_lib.data import cache as cache_module
     from fsdp_lib.data import prompts as prompts_module
     from tests.fsdp_helpers import make_model
 
@@ -146,13 +159,14 @@ def test_prompts_tokenised_in_batches_equal_one_at_a_time_and_skips_are_counted(
     split = datasets.Dataset.from_dict({"prompt": texts, "answer": [str(i) for i in range(len(texts))]})
     monkeypatch.setattr(prompts_module, "TOKENIZE_BATCH", 3)
     logged: list[str] = []
-    monkeypatch.setattr(prompts_module, "log", logged.append)
+    monkeypatch.setattr(cache_module, "log", logged.append)  # the skips are reported as a token cache's are
     got = prompts_module.load_prompts(split, tokenizer, 40, "d", "train")
     kept = [i for i, t in enumerate(texts) if t and len(tokenizer(t)["input_ids"]) <= 40]
     assert got.rows.tolist() == kept and kept == [0, 3, 4, 6, 7]
     assert got.ids == [tokenizer(texts[i])["input_ids"] for i in kept]
-    assert any("skipped 2 (an empty prompt; first: row 1)" in line for line in logged), logged
-    assert any("skipped 1 (longer than 40 tokens" in line and "first: row 2" in line for line in logged), logged
+    assert "skipped 2 prompt(s) of the train split of d: an empty prompt (first: row 1)" in logged, logged
+    assert any("skipped 1 prompt(s) of the train split of d: longer than 40 tokens" in line and "first: row 2" in line
+               for line in logged), logged  # fmt: skip
 
 
 @pytest.mark.parametrize(

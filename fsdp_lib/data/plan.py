@@ -385,10 +385,11 @@ def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any,
     """--objective grpo's dataset: its train and validation prompts tokenised (each at most --seq-length -
     --max-new-tokens tokens); a validation evaluates to the held-out prompts' mean reward."""
     use_template_file(cfg, tokenizer)  # as for conversations, prompts of either kind
-    prompts = load_prompts(train_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "train")
+    longest = cfg.seq_length - cfg.max_new_tokens
+    prompts = load_prompts(train_split, tokenizer, longest, name, "train", cfg.max_skipped_fraction)
     validation = None
     if val_split is not None and len(val_split):
-        validation = load_prompts(val_split, tokenizer, cfg.seq_length - cfg.max_new_tokens, name, "validation")
+        validation = load_prompts(val_split, tokenizer, longest, name, "validation", cfg.max_skipped_fraction)
         validation = validation if len(validation) else None  # every one skipped: nothing to evaluate, no zeros
     template = chat_template_hash(tokenizer) if prompts.conversational else "text"
     log(

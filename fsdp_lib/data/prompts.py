@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_lib.data.cache import report_skipped
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.conversation import as_stored
 from fsdp_lib.records.prompts import REWARD_ARGUMENTS
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.tool_calls import template_messages
-from fsdp_lib.runtime import log
 
 PROMPT_COLUMN = "prompt"
 COLUMNS_JSON = "columns_json"  # data_hf.py --format prompts: a record's other fields as one JSON object
@@ -49,6 +49,8 @@ class PromptSet:
     def gather(self, indices: list[int]) -> PromptBatch:
         records = self.split.select(self.rows[indices].tolist()).to_dict() if indices else {}
         prompts = records.pop(PROMPT_COLUMN, [])
+        if not self.conversational:  # the text the model continued, as the completions are text: never turns
+            prompts = [prompt if isinstance(prompt, str) else prompt_text(prompt, None)[0] for prompt in prompts]
         if COLUMNS_JSON in records:  # the fields data_hf.py kept, as the columns they were
             fields = [json.loads(text or "{}") for text in records.pop(COLUMNS_JSON)]
             for name in dict.fromkeys(name for row in fields for name in row):
@@ -124,9 +126,12 @@ def check_reward_columns(split: Any, name: str, what: str) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str) -> PromptSet:
+def load_prompts(
+    split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, what: str, max_skipped: float = 1.0
+) -> PromptSet:
     """Every prompt of `split` tokenised; a prompt that cannot be rendered or is longer than max_prompt_tokens
-    (--seq-length minus --max-new-tokens) is a counted skip, logged with its first row."""
+    (--seq-length minus --max-new-tokens) is a counted skip, logged with its first row. More than `max_skipped`
+    (--max-skipped-fraction) of them skipped stops the run, as for conversations and pairs."""
     if PROMPT_COLUMN not in split.column_names:
         raise TrainError(
             f"--dataset-name {name}: --objective grpo needs a 'prompt' column (columns: {split.column_names}); "
@@ -159,8 +164,9 @@ def load_prompts(split: Any, tokenizer: Any, max_prompt_tokens: int, name: str, 
             ids.append(tokens)
             rows.append(row)
             kinds.add(templated)
-    for reason, where in skipped.items():
-        log(f"WARNING: {what} prompts of {name}: skipped {len(where)} ({reason}; first: row {min(where)})")
+    counts = {"conversations": len(split), "expanded": 0, "skipped": {r: len(rows) for r, rows in skipped.items()}}
+    counts["first_row"] = {reason: min(where) for reason, where in skipped.items()}
+    report_skipped(counts, f"the {what} split of {name}", max_skipped, "prompts")
     if len(kinds) > 1:
         raise TrainError(
             f"--dataset-name {name}: the {what} prompts mix plain strings and conversations; the completions the "
