@@ -150,6 +150,23 @@ def test_load_text_dataset_errors(offline_cache: Path):
         load_text_dataset("org/nope")
 
 
+def test_known_shapes_without_the_trainer_s_columns_are_named_with_the_conversion(tmp_path: Path):
+    """Pairs without a prompt column (Anthropic HH) and question/answer prompts were told to pass --text-column,
+    which would train one of their columns as plain text."""
+    import datasets
+
+    shapes = {
+        "hh": ({"chosen": ["\n\nHuman: Hi\n\nAssistant: Hello."], "rejected": ["\n\nHuman: Hi\n\nAssistant: Go."]},
+               "preference pairs without a 'prompt' column (an implicit prompt, as in Anthropic HH)"),
+        "gsm8k": ({"question": ["What is 2+2?"], "answer": ["4"]}, "prompts (or exchanges) under another name"),
+    }  # fmt: skip
+    for name, (columns, what) in shapes.items():
+        datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / name))
+        with pytest.raises(ValueError, match="convert them with: python data_hf.py") as refused:
+            load_text_dataset(str(tmp_path / name), column_flag=True)
+        assert what in str(refused.value) and "--text-column" not in str(refused.value)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # fsdp_train.py -d ORG/NAME, offline
 # ---------------------------------------------------------------------------------------------------------

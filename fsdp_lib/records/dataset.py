@@ -61,6 +61,8 @@ def load_text_dataset(
         validation = use_as_text(validation, text_column, "validation", source)
     for name, split in (("train", train), ("validation", validation)):
         if split is not None and dataset_kind(split.column_names) is None:
+            if hint := _shape_hint(split.column_names):
+                raise ValueError(f"{source}: the {name} split has the columns {split.column_names}: {hint}")
             raise ValueError(
                 f"{source}: the {name} split has the columns {split.column_names} but no 'text' or 'messages' "
                 f"column, nor 'prompt', 'chosen' and 'rejected' (preference pairs) or 'prompt' alone (prompts for "
@@ -69,6 +71,28 @@ def load_text_dataset(
                 + how_to_make
             )
     return train, validation
+
+
+# Rows of a dataset the trainer cannot read as it is, which data_hf.py reads from JSON Lines.
+_AS_FILES = (
+    "write its rows to JSON Lines (datasets' Dataset.to_json('rows/train.jsonl')) and convert them with: python "
+    "data_hf.py --data_folder rows --save_dir <new dataset> --format {}"
+)
+
+
+def _shape_hint(columns: list[str]) -> str | None:
+    """What a dataset of a known shape without the trainer's columns is, and how to convert it; None otherwise.
+    Pairs without a prompt column (TRL's implicit prompt, Anthropic HH strings) and question/problem prompts were
+    told to pass --text-column, which would train one column as plain text."""
+    names = {column.lower() for column in columns}
+    if {"chosen", "rejected"} <= names:
+        return (
+            "preference pairs without a 'prompt' column (an implicit prompt, as in Anthropic HH): data_hf.py splits the "
+            "prompt the two responses share off them; " + _AS_FILES.format("preference")
+        )
+    if names & {"question", "problem", "instruction", "query"}:
+        return "prompts (or exchanges) under another name: " + _AS_FILES.format("prompts (for GRPO) or chat (for SFT)")
+    return None
 
 
 def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
