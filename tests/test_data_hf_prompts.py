@@ -25,11 +25,19 @@ GOOD = [
      {"tests": [[1, 2]]}),
     ({"prompt": [{"from": "human", "value": "hi"}], "meta": {"a": None}}, [("user", "hi")], {"meta": {"a": None}}),
     ({"instruction": "Add", "input": "1 and 1", "output": "2"}, [("user", "Add\n\n1 and 1")], {"output": "2"}),
+    # a null prompt is no prompt (the question is); a conversation is a prompt up to its last user turn, its last
+    # reply the answer unless the record has a reference of its own
+    ({"prompt": None, "question": "q", "answer": "a"}, [("user", "q")], {"answer": "a"}),
+    ({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4"}]}, [("system", "S"), ("user", "2+2?")], {"answer": "4"}),
+    ({"conversations": [{"from": "human", "value": "hi"}], "solution": "x"}, [("user", "hi")], {"solution": "x"}),
 ]  # fmt: skip
 BAD = [
     ({"chosen": "x", "rejected": "y"}, "not_a_prompt_record"),
     ("just a string", "not_a_prompt_record"),
     ({"question": 5}, "non_string_content"),
+    ({"messages": "a string"}, "non_string_content"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "prompt_not_ending_with_user"),
     ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "prompt_not_ending_with_user"),
     ({"prompt": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}, "misplaced_system_turn"),
     ({"question": "  "}, "empty_prompt"),

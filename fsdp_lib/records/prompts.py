@@ -4,7 +4,8 @@ as one JSON object so a reward function can read the reference answer or the tes
 
 Shapes, keys in any case: `prompt` (TRL's prompt-only records: a string, or a list of turns ending with a user
 turn), `question` (question/answer), `problem` (problem/solution, as in math sets), `instruction` (+ `input`,
-Alpaca). A top-level `system` string becomes the first turn. A string prompt is one user turn. Pure: no file, no
+Alpaca), `messages` or `conversations` (a conversation: its turns up to the last user turn; the last assistant
+reply after it, if any, becomes the `answer` column unless the record has a reference column). A top-level `system` string becomes the first turn. A string prompt is one user turn. Pure: no file, no
 Arrow, no torch."""
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from fsdp_lib.records.conversation import alpaca_instruction, check_system_turns
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import Turns
 
-# The keys a prompt is read from, in the order they are tried; the keys that form it are not kept as columns.
-PROMPT_KEYS = ("prompt", "question", "problem", "instruction")
+# The keys a prompt is read from, in the order they are tried; the keys that form it are not kept as columns. A
+# conversation (messages, conversations) is a prompt up to its last user turn.
+PROMPT_KEYS = ("prompt", "question", "problem", "instruction", "messages", "conversations")
+CONVERSATION_KEYS = ("messages", "conversations")
 # A reward function's own arguments, f(prompts, completions, **columns): no kept field may take their names.
 REWARD_ARGUMENTS = ("prompts", "completions")
 # The columns the built-in accuracy reward reads the reference answer from, the first one a row has.
@@ -45,21 +48,25 @@ def parse_prompt_record(record: object) -> PromptRecord:
     if len(lowered) != len([k for k in record if isinstance(k, str)]):
         raise BadRecord("ambiguous_keys", "the record has two keys that differ only in case")
     fields = {name: record[key] for name, key in lowered.items()}
-    shape = next((key for key in PROMPT_KEYS if key in fields), None)
+    shape = next((key for key in PROMPT_KEYS if fields.get(key) is not None), None)  # a null prompt is no prompt
     if shape is None:
         keys = sorted(map(str, record))[:8]
         raise BadRecord("not_a_prompt_record", f"the keys {keys}; expected one of {', '.join(PROMPT_KEYS)}")
     used = {shape, "system"} | ({"input"} if shape == "instruction" else set())
+    used |= {key for key in PROMPT_KEYS if key in fields and fields[key] is None}
+    reply, value = None, fields[shape]
     if shape == "instruction":
         turns = [("user", alpaca_instruction(fields))]
+    elif isinstance(value, str) and shape not in CONVERSATION_KEYS:
+        turns = [("user", value)]
+    elif isinstance(value, (list, dict)):
+        turns = turns_of_list([value] if isinstance(value, dict) else value, shape)
     else:
-        value = fields[shape]
-        if isinstance(value, str):
-            turns = [("user", value)]
-        elif isinstance(value, (list, dict)):
-            turns = turns_of_list([value] if isinstance(value, dict) else value, shape)
-        else:
-            raise BadRecord("non_string_content", f"{shape!r} is {type(value).__name__}, not a string or turns")
+        raise BadRecord("non_string_content", f"{shape!r} is {type(value).__name__}, not a string or turns")
+    if shape in CONVERSATION_KEYS:  # the prompt is the conversation up to its last user turn
+        last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=-1)
+        replies = [content for role, content in turns[last_user + 1 :] if role == "assistant"]
+        turns, reply = turns[: last_user + 1], replies[-1] if replies else None
     turns = with_system(fields, turns)
     check_system_turns(turns, " of the prompt")
     if not turns or turns[-1][0] != "user":
@@ -68,6 +75,8 @@ def parse_prompt_record(record: object) -> PromptRecord:
     if not turns[-1][1].strip():
         raise BadRecord("empty_prompt", f"the {shape!r} text is empty")
     others = {key: value for key, value in record.items() if not (isinstance(key, str) and key.lower() in used)}
+    if reply is not None and not set(REFERENCE_COLUMNS) & set(fields):  # the conversation's answer: a reference
+        others["answer"] = reply
     if clash := sorted(set(others) & set(REWARD_ARGUMENTS)):
         raise BadRecord(
             "reward_argument_field",

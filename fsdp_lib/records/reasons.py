@@ -48,7 +48,7 @@ RECORD_REASONS = {
     "missing_prompt": "an unpaired example (completion + label) without a prompt",
     "example_too_long": "an unpaired example (prompt + completion) longer than --max-chars characters",
     # Prompt records (--format prompts): the conversation reasons above apply to a prompt's turns too.
-    "not_a_prompt_record": "a record without a prompt, question, problem or instruction key (--format prompts)",
+    "not_a_prompt_record": "a record without a prompt, question, problem, instruction, messages or conversations key (--format prompts)",
     "empty_prompt": "a prompt whose last user turn is empty or whitespace",
     "non_json_field": "a field JSON cannot hold (e.g. a YAML date), so the record's columns cannot be kept",
     "prompt_too_long": "a prompt record (its prompt and other fields) longer than --max-chars characters",
