@@ -545,8 +545,11 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, dataset_dir, scrat
     chat = make_chat_dataset(tmp_path / "chat", n=8, validation=False)
     prompts = tmp_path / "prompts"
     datasets.Dataset.from_dict({"prompt": ["1 plus 1?"], "answer": ["2"]}).save_to_disk(str(prompts))
+    pairs = tmp_path / "pairs"  # TRL's standard strings: not "conversations", as the message said
+    datasets.Dataset.from_dict({"prompt": ["1 plus 1?"], "chosen": [" 2"], "rejected": [" 3"]}).save_to_disk(str(pairs))
     for data, extra, said in [
-        (chat, [], "holds conversations, but the tokenizer of --model-name"),  # no chat template, none passed
+        (chat, [], "holds conversations, which are rendered with the chat template, but the tokenizer of --model-name"),
+        (pairs, [], "holds preference data, whose prompts and responses (strings too: one turn each) are rendered"),
         (
             prompts,
             ["--reward", "accuracy", "--max-new-tokens", "16", "--fp8", "emulate"],

@@ -335,18 +335,24 @@ def warn_unused_template(cfg: TrainConfig, templated: bool) -> None:
 
 
 def chat_encoder(
-    cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False, dataset: str = ""
+    cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False, dataset: str = "", pairs: bool = False
 ) -> ChatEncoder | None:
-    """A ChatEncoder when the dataset holds conversations (a `messages` column), after checking the template (and
-    its tool support when the dataset uses tools)."""
-    if dataset_kind(columns) != "messages":
+    """A ChatEncoder when the dataset holds conversations (a `messages` column), or preference pairs or examples
+    (`pairs`: rendered with the template too), after checking the template (and its tool support when the dataset
+    uses tools)."""
+    if dataset_kind(columns) != "messages" and not pairs:
         return None
     dataset = dataset or cfg.datasets_label
     use_template_file(cfg, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
+        what = (
+            "preference data, whose prompts and responses (strings too: one turn each) are"
+            if pairs
+            else ("conversations, which are")
+        )
         raise TrainError(
-            f"--dataset-name {dataset} holds conversations, but the tokenizer of --model-name "
-            f"{cfg.model_name} has no chat template; pass --chat-template FILE (a Jinja chat template, e.g. the one "
+            f"--dataset-name {dataset} holds {what} rendered with the chat template, but the tokenizer of "
+            f"--model-name {cfg.model_name} has none; pass --chat-template FILE (a Jinja chat template, e.g. the one "
             f"of the model's instruct version)"
         )
     if getattr(tokenizer, "backend_tokenizer", None) is None:

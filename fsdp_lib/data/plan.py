@@ -298,9 +298,8 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     if objective == "grpo":
         return prompt_source(cfg, name, train_split, val_split, tokenizer)
     preference = objective in PREFERENCE_OBJECTIVES
-    columns = ["messages"] if preference else train_split.column_names  # pairs need the template too
     tools = not preference and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
-    chat = chat_encoder(cfg, tokenizer, columns, tools, name)
+    chat = chat_encoder(cfg, tokenizer, train_split.column_names, tools, name, pairs=preference)
     pairs: PairEncoder | ExampleEncoder | None = None
     if preference:
         pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None
@@ -444,7 +443,7 @@ def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
     weights = parse_data_weights(cfg.data_weights) if cfg.data_weights else None
     check_mixture_kinds(cfg)
     lines = []
-    templated = None  # a dataset whose rows the chat template renders
+    templated, paired = None, False  # a dataset whose rows the chat template renders; whether it holds pairs
     prompted = False  # GRPO's prompts: rendered with the template when they are conversations (plan.prompt_source)
     for i, name in enumerate(cfg.dataset_name):
         try:
@@ -452,8 +451,10 @@ def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
         except ValueError as exc:
             raise TrainError(f"--dataset-name: {exc}") from exc
         objective = objective_of(cfg, train_split.column_names, name)
-        if objective in PREFERENCE_OBJECTIVES or dataset_kind(train_split.column_names) == "messages":
-            templated = templated or name
+        if not templated and (
+            objective in PREFERENCE_OBJECTIVES or dataset_kind(train_split.column_names) == "messages"
+        ):
+            templated, paired = name, objective in PREFERENCE_OBJECTIVES
         kind = {
             "preference": "preference pairs",
             "unpaired": "unpaired preference examples",
@@ -470,9 +471,8 @@ def describe_datasets(cfg: TrainConfig, model_dir: Path) -> None:
     if templated:
         from transformers import AutoTokenizer
 
-        chat_encoder(
-            cfg, AutoTokenizer.from_pretrained(model_dir, local_files_only=True), ["messages"], False, templated
-        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        chat_encoder(cfg, tokenizer, ["messages"], False, templated, pairs=paired)
 
 
 def evaluation_shares(count: int, batch_size: int, d: Dist) -> list[list[int]]:
