@@ -76,7 +76,7 @@ PEFT_NAMES = {
 
 def format_difference(was: str, now: str, payload: dict, cfg: TrainConfig) -> str | None:
     """A changed data format said as the setting behind it: --data-weights, the chat template (its hash in the
-    format), --loss-on; None when it is none of these (the format strings are then shown)."""
+    format), --loss-on, --document-masking; None when it is none of these (the format strings are then shown)."""
     config = payload.get("config", {})
     said = []
     if "data_weights" in config and config["data_weights"] != cfg.data_weights:
@@ -92,9 +92,10 @@ def format_difference(was: str, now: str, payload: dict, cfg: TrainConfig) -> st
             f"{', '.join(templates[1]) or 'none'} ({given[1]}): a template edited or replaced since renders the "
             "conversations into other tokens"
         )
-    losses = [re.findall(r"loss-on-(\w+)", fmt) for fmt in (was, now)]
-    if losses[0] != losses[1] and losses[0] and losses[1]:
-        said.append(f"--loss-on: checkpoint {', '.join(losses[0])} vs now {', '.join(losses[1])}")
+    for flag in ("loss-on", "document-masking"):
+        values = [re.findall(rf"{flag}-(\w+)", fmt) for fmt in (was, now)]
+        if values[0] != values[1] and values[0] and values[1]:
+            said.append(f"--{flag}: checkpoint {', '.join(values[0])} vs now {', '.join(values[1])}")
     return "; ".join(said) or None
 
 

@@ -185,7 +185,7 @@ prepare_launch() {
   fi
   local restarts=${MAX_RESTARTS:-0}
   [[ $restarts =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$restarts must be a whole number >= 0"
-  if ((restarts > 0)); then torchrun_cmd+=(--max-restarts "$restarts"); fi
+  if ((10#$restarts > 0)); then torchrun_cmd+=(--max-restarts "$((10#$restarts))"); fi
   torchrun_cmd+=(--nproc-per-node "$nproc" "$REPO_DIR/fsdp_train.py")
   if [[ -n ${EXPERIMENT:-} ]]; then torchrun_cmd+=(-e "$EXPERIMENT"); fi
   if [[ -n ${DATASET:-} ]]; then torchrun_cmd+=(-d "$DATASET"); fi
@@ -254,7 +254,7 @@ export_runtime_env() {
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
   # torchrun keeps one store for all restarts of a group; across nodes the trainer cannot tell the restarts apart
   # in it (fsdp_lib/runtime.py, restart_safe_store), so every restart gets a fresh one.
-  if ((${NNODES:-1} > 1)); then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}; fi
+  if ((10#${NNODES:-1} > 1)); then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}; fi
 }
 
 # Set by the traps, so wait_for_exit can tell "a signal interrupted wait" from "the child exited".

@@ -279,6 +279,8 @@ def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
     template = said("data_format", "chat:bab0e3c8:loss-on-assistant", "chat:7cf79f0c:loss-on-all")
     assert template.startswith("the chat template: checkpoint bab0e3c8 (the model folder's) vs now 7cf79f0c"), template
     assert template.endswith("; --loss-on: checkpoint assistant vs now all"), template
+    masking = said("data_format", "text:document-masking-on", "text:document-masking-off")
+    assert masking == "--document-masking: checkpoint on vs now off", masking
     peft = said("peft", {"mode": "lora", "rank": 4, "start": "init"}, {"mode": "lora", "rank": 8, "start": "f1ec"})
     assert peft == "--lora-rank: checkpoint 4 vs now 8; --adapter (init: none): checkpoint 'init' vs now 'f1ec'", peft
     assert "conversations are packed" not in packing_refusal("text", "text:packing-whole", {})
