@@ -926,7 +926,11 @@ CELLS: list[tuple[str, str, Callable[[Any], str]]] = [  # header, row key, forma
     ("generation (ms)", "generate_ms", lambda v: f"{v:,.0f}"),
     ("peak (GiB)", "peak_gib", lambda v: f"{v:.2f}"),
     ("attention", "attention", str),
-    ("losses (logged steps)", "losses", lambda v: ", ".join(f"{loss:.4g}" for _, loss in v[-6:])),
+    (
+        "losses (logged steps)",
+        "losses",
+        lambda v: ", ".join("n/a" if loss is None else f"{loss:.4g}" for _, loss in v[-6:]),
+    ),
     ("launch (s)", "launch_s", lambda v: f"{v:.0f}"),
 ]
 
