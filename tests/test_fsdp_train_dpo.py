@@ -214,6 +214,16 @@ def test_responses_that_repeat_the_prompt_are_trained_without_it(chat_tokenizer)
     [got] = encoder.encode(_rows([repeated_no_system]), skipped, {}, 0)
     assert not skipped and all(np.array_equal(a, b) for a, b in zip(want, got))
     assert chat_tokenizer.decode(got[0]).count("What is 6 plus 6?") == 1
+    # an HH dialogue as the prompt string (Dahoas/rm-static on the hub): its turns, as data_hf.py reads them, not
+    # one user turn wrapping the literal "Human:" and "Assistant:" markers
+    hh = {"prompt": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: What is 6 plus 6?\n\nAssistant:",
+          "chosen": " 12.", "rejected": " 13."}  # fmt: skip
+    turns = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, user]}
+    turns |= {"chosen": standard["chosen"], "rejected": standard["rejected"]}
+    [want] = encoder.encode(_rows([turns]), skipped, {}, 0)
+    [got] = encoder.encode(_rows([hh]), skipped, {}, 0)
+    assert not skipped and all(np.array_equal(a, b) for a, b in zip(want, got))
+    assert "Human:" not in chat_tokenizer.decode(got[0])
 
 
 def test_pair_encoder_trains_the_responses_only_and_cuts_prompts_from_the_left(chat_tokenizer):

@@ -22,6 +22,8 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.chat import ChatEncoder, ChatFormatError, says_something
 from fsdp_lib.data.packing import best_fit_decreasing, document_starts
 from fsdp_lib.integrity import commit_files, staged, staged_writes
+from fsdp_lib.records.preference import prompt_turns
+from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 from fsdp_lib.runtime import raise_if_stopped
 
@@ -34,6 +36,18 @@ def as_turns(value: object, role: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     return list(value or [])
+
+
+def prompt_of(value: object) -> list[dict]:
+    """A pair's or example's prompt as turns: a string is one user turn, unless it is an Anthropic HH dialogue
+    ("\n\nHuman: ...\n\nAssistant:", Dahoas/rm-static's prompts, given straight to the trainer), whose turns are
+    read as data_hf.py reads them (one user turn, the template wrapped the literal markers)."""
+    if isinstance(value, str):
+        try:
+            return [{"role": role, "content": content} for role, content in prompt_turns(value, "prompt")]
+        except BadRecord:  # HH markers that do not form a dialogue: the string as it is, as before
+            return as_turns(value, "user")
+    return as_turns(value, "user")
 
 
 def response_turns(value: object, prompt: list[dict]) -> list[dict]:
@@ -62,8 +76,8 @@ class PairEncoder:
     max_tokens: int
 
     # of the sequences this class writes: part of the token cache key (2: no pair without its prompt; 3: responses
-    # without the prompt turns they repeat)
-    VERSION = 3
+    # without the prompt turns they repeat; 4: HH dialogue prompts read as turns)
+    VERSION = 4
     unit = "pairs"
     TOO_LONG, PROMPT_GONE = "too long", "prompt gone"  # why fit() cannot fit one
 
@@ -119,7 +133,7 @@ class PairEncoder:
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """(chosen ids, chosen mask, rejected ids, rejected mask) per kept pair of a row batch; `cut` adds up the
         pairs whose prompt lost tokens and the tokens each of their sequences lost."""
-        prompts = [as_turns(value, "user") for value in rows["prompt"]]
+        prompts = [prompt_of(value) for value in rows["prompt"]]
         rows = {
             "prompt": prompts,
             **{key: [response_turns(v, p) for v, p in zip(rows[key], prompts)] for key in ("chosen", "rejected")},

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_lib.data.chat import ChatFormatError
-from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, as_turns, count_cut, response_turns
+from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder, count_cut, prompt_of, response_turns
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 
 LABEL_TEXT = {"true": True, "false": False, "1": True, "0": False}
@@ -41,7 +41,7 @@ def as_label(value: object) -> bool | None:
 def row_examples(rows: dict[str, list], row: int) -> list[Example] | str:
     """The examples of one row of a paired or unpaired dataset, or why the row has none."""
     if all(c in rows for c in PREFERENCE_COLUMNS):
-        prompt = as_turns(rows["prompt"][row], "user")
+        prompt = prompt_of(rows["prompt"][row])
         chosen, rejected = (response_turns(rows[key][row], prompt) for key in ("chosen", "rejected"))
         if [_said(turn) for turn in chosen] == [_said(turn) for turn in rejected]:  # DPO skips them too
             return "chosen and rejected are the same: one text would be trained as desirable and undesirable"
@@ -49,7 +49,7 @@ def row_examples(rows: dict[str, list], row: int) -> list[Example] | str:
     label = as_label(rows["label"][row])
     if label is None:
         return "the label is not true or false (nor 1/0)"
-    prompt = as_turns(rows["prompt"][row], "user")
+    prompt = prompt_of(rows["prompt"][row])
     return [(prompt, response_turns(rows["completion"][row], prompt), label)]
 
 
@@ -65,7 +65,7 @@ class ExampleEncoder:
 
     pairs: PairEncoder
 
-    VERSION = 2  # of the sequences this class writes: part of the token cache key (2: repeated prompts stripped)
+    VERSION = 3  # of the sequences this class writes: part of the token cache key (2: repeated prompts stripped, 3: HH prompts)
     unit = "examples"
 
     @property

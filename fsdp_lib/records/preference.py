@@ -112,7 +112,7 @@ def _preference_turns(value: object, key: str, string_role: str) -> list[tuple[s
 PROMPT_KEYS = ("prompt", "conversations", "instruction", "question", "query", "input")
 
 
-def _prompt_turns(value: object, key: str) -> list[tuple[str, str]]:
+def prompt_turns(value: object, key: str) -> list[tuple[str, str]]:
     """A prompt's turns: a string is one user turn, unless it is an Anthropic HH dialogue ("\n\nHuman: ...
     \n\nAssistant:", as Dahoas/rm-static stores prompts), whose turns are read and the empty answer header dropped
     (kept as one user turn, the template wrapped the literal markers)."""
@@ -212,7 +212,7 @@ def parse_preference(record: object) -> PreferencePair | UnpairedExample:
         elif key == "instruction":
             given = [("user", alpaca_instruction(fields))]
         else:
-            given = _prompt_turns(fields[key], key)
+            given = prompt_turns(fields[key], key)
         prompt = with_system(fields, given)
         chosen, rejected = (
             _strip_prompt(_preference_turns(fields[key], key, "assistant"), [prompt, given])
@@ -248,7 +248,7 @@ def parse_unpaired(fields: dict) -> UnpairedExample:
         raise BadRecord("bad_label", f"'label' is {str(fields['label'])[:40]!r}; expected true or false")
     if "prompt" not in fields:
         raise BadRecord("missing_prompt", "an unpaired example (completion, label) without a 'prompt'")
-    given = _prompt_turns(fields["prompt"], "prompt")
+    given = prompt_turns(fields["prompt"], "prompt")
     prompt = with_system(fields, given)
     completion = _strip_prompt(_preference_turns(fields["completion"], "completion", "assistant"), [prompt, given])
     _check_prompt_and_responses(prompt, [("completion", completion)])
