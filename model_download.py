@@ -29,6 +29,7 @@ plan, weights, verify, download, dataset, tokenizer, scratch).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,9 +39,12 @@ from fsdp_lib.hub.dataset import download_dataset, report_dataset, verify_datase
 from fsdp_lib.hub.download import (
     cached_model_folder,
     check_download_target,
+    check_fetched,
     download_model,
     explained_hub_errors,
     hub_id_problem,
+    mark_complete,
+    refuse_unfinished,
 )
 from fsdp_lib.hub.presets import SIZE_FLAGS, SIZE_PRESETS, preset_parameter_count, size_problems
 from fsdp_lib.hub.scratch import InitRequest, create_model_folder
@@ -98,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--checksums",
         action="store_true",
-        help="also compare every file's bytes with the hub's checksums (SHA-256 of the weights), after a download"
-        " or with --verify-only: finds a file corrupted at its own size, at the cost of reading the whole model",
+        help="with --verify-only, also compare every file's bytes with the hub's checksums (SHA-256 of the weights;"
+        " a download always does): finds a file corrupted at its own size, at the cost of reading the whole model",
     )
     scratch = parser.add_argument_group("new model from scratch")
     scratch.add_argument(
@@ -185,10 +189,12 @@ def validate_args(args: argparse.Namespace) -> list[str]:
             "--revision applies to downloads and the cache: --verify-only --local-dir checks that folder as it is; "
             "drop --revision"
         )
-    if args.checksums and (args.init or args.dataset):
+    if args.checksums and args.init:
+        problems.append("--checksums compares a downloaded model's files with the hub's; --init has none to compare: "
+                        "drop --checksums")  # fmt: skip
+    elif args.checksums and args.dataset:
         problems.append(
-            f"--checksums compares a downloaded model's files with the hub's; {'--init' if args.init else '--dataset'}"
-            " has none to compare: drop --checksums"
+            "--checksums: a --dataset download compares every file with the hub's checksums anyway: drop it"
         )
     if args.verify_only and args.force_download:
         problems.append("--force-download fetches every file again, --verify-only fetches nothing: drop one of them")
@@ -243,26 +249,43 @@ def run_download(args: argparse.Namespace) -> int:
     if local_dir is not None:
         check_download_target(local_dir, args.model_name)
     with explained_hub_errors(args.model_name, args.revision):
-        folder = download_model(args.model_name, args.revision, local_dir, args.token, args.force_download)
-    source = {"model_name": args.model_name, "revision": args.revision, "commit": None if local_dir else folder.name}
+        folder, commit = download_model(
+            args.model_name, args.revision, local_dir, args.token, args.force_download, rerun_command(args)
+        )
+    check_fetched(folder, args.model_name)  # every byte against the hub's checksums, always after a download
+    source = {"model_name": args.model_name, "revision": args.revision, "commit": commit}
     # verify exactly as training will load it: by hub id from the cache, offline, or as a folder
     load_name, revision = (args.model_name, args.revision) if local_dir is None else (str(folder), None)
-    verify_and_record(folder, load_name, revision, source, True, args.checksums)
+    verify_and_record(folder, load_name, revision, source, True)
+    mark_complete(folder)
     return 0
+
+
+def rerun_command(args: argparse.Namespace) -> str:
+    """The command that finishes this download, for the marker an interrupted one leaves."""
+    words = ["python", "model_download.py"]
+    words += ["--dataset", args.dataset] if args.dataset else ["--model-name", args.model_name]
+    words += ["--revision", args.revision] if args.revision != "main" else []
+    words += ["--local-dir", str(Path(args.local_dir).resolve())] if args.local_dir else []
+    return shlex.join(words)
 
 
 def run_dataset_download(args: argparse.Namespace) -> int:
     with explained_hub_errors(args.dataset, args.revision, flag="--dataset"):
-        download_dataset(args.dataset, args.revision, args.token, args.force_download)
+        folder = download_dataset(args.dataset, args.revision, args.token, args.force_download, rerun_command(args))
+    check_fetched(folder, args.dataset)
     report_dataset(args.dataset, args.revision, verify_dataset(args.dataset, args.revision))
+    mark_complete(folder)
     return 0
 
 
 def run_verify_only(args: argparse.Namespace) -> int:
     if args.local_dir:
+        refuse_unfinished(Path(args.local_dir).resolve())
         reverify_folder(Path(args.local_dir).resolve(), args.model_name, args.checksums)
         return 0
     folder = cached_model_folder(args.model_name, args.revision)
+    refuse_unfinished(folder)
     source = {"model_name": args.model_name, "revision": args.revision, "commit": folder.name}
     verify_and_record(folder, args.model_name, args.revision, source, True, args.checksums)
     return 0

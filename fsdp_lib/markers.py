@@ -18,6 +18,9 @@ EXPERIMENT_STATE = "state.json"  # fsdp_train.py: the newest checkpoint of an ex
 # model_download.py: written into a model folder only after verification passes (its weight files and their sizes);
 # removed before any re-download
 VERIFICATION_RECORD = "model_download_verified.json"
+# model_download.py: written into a model folder (a --local-dir or a cache snapshot) or a dataset's cache snapshot
+# before the first file is fetched, removed when the download is complete and verified; holds the command to rerun
+INCOMPLETE_DOWNLOAD = ".model_download_incomplete"
 TOKEN_CACHE = ".token_cache"  # fsdp_train.py: tokenised datasets, under --save-dir beside the experiments
 STEP_DIR = re.compile(r"step_(\d+)")  # fsdp_train.py: a complete checkpoint, EXP/checkpoint/step_N
 # Everything fsdp_train.py writes in an experiment folder (besides its temporaries, named .NAME.tmp... or .NAME.old):
@@ -70,6 +73,18 @@ def unfinished_splits(folder: Path) -> Path | None:
         if isinstance(value, dict) and value.get("complete") is False:
             return manifest
     return None
+
+
+def unfinished_download(folder: Path) -> str | None:
+    """The command that finishes an interrupted model_download.py download into `folder` (a model folder or a cache
+    snapshot), or None when none was interrupted there: its files may be missing, cut short or from two commits."""
+    try:
+        value: Any = json.loads((folder / INCOMPLETE_DOWNLOAD).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "model_download.py (the same command as before)"
+    return str(value.get("command")) if isinstance(value, dict) else "model_download.py (the same command as before)"
 
 
 def copied_from(folder: Path) -> Path | None:

@@ -58,6 +58,7 @@ class FakeHub:
     requests: list[RequestRecord] = field(default_factory=list)
     drop_after: dict[str, int] = field(default_factory=dict)
     hang_after: dict[str, int] = field(default_factory=dict)
+    damage_once: set[str] = field(default_factory=set)  # sent once with its last byte changed (size and ETag right)
     stall_api: str = ""  # an API path holding this (e.g. "/tree/") is accepted and never answered, until release
     hanging: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -222,6 +223,9 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         with self.hub.lock:
             cut = self.hub.drop_after.pop(filename, None)
             stall = self.hub.hang_after.pop(filename, None)
+            if filename in self.hub.damage_once and body:  # a proxy or a bad disk: the bytes, not the size, are wrong
+                self.hub.damage_once.discard(filename)
+                body = body[:-1] + bytes([body[-1] ^ 0xFF])
         if cut is None and stall is None:
             self._send(status, body, headers)
             record.completed = True

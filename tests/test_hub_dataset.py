@@ -93,6 +93,7 @@ def test_download_reports_splits_rows_and_columns(hub: FakeHub, tmp_path: Path):
     assert "validation: 16 rows, columns text, id" in result.stdout
     snapshot = tmp_path / "hub" / "datasets--org--sums" / "snapshots" / hub.repos["datasets/org/sums"].commit
     assert (snapshot / "data" / "train-00000-of-00001.parquet").is_file()
+    assert "checksums: " in result.stdout and not (snapshot / ".model_download_incomplete").exists()
     # a rerun fetches nothing again: every file is complete in the cache
     gets = len(hub.file_gets("train-00000-of-00001.parquet"))
     assert run_cli(["--dataset", "org/sums"], tmp_path, hub.url).returncode == 0
@@ -139,6 +140,21 @@ def test_load_text_dataset_reads_a_cached_hub_dataset(offline_cache: Path):
     assert train["text"] == DOCS[:-16] and validation is not None and validation["text"] == DOCS[-16:]
     train, validation = load_text_dataset("org/chats")
     assert train["messages"][0] == CONVERSATION and validation is None
+
+
+def test_an_unfinished_dataset_download_is_refused(offline_cache: Path, hub: FakeHub):
+    """A --dataset download killed between shards left a snapshot whose fetched shards loaded: the run trained on
+    part of the data without a word. The marker the download keeps until it is checked says so, with the fix."""
+    snapshot = offline_cache / "hub" / "datasets--org--sums" / "snapshots" / hub.repos["datasets/org/sums"].commit
+    marker = snapshot / ".model_download_incomplete"
+    marker.write_text('{"command": "python model_download.py --dataset org/sums"}')
+    try:
+        with pytest.raises(ValueError, match=r"hub dataset org/sums: its download did not finish .*finish it with: "
+                           "python model_download.py --dataset org/sums"):  # fmt: skip
+            load_text_dataset("org/sums")
+    finally:
+        marker.unlink()
+    assert load_text_dataset("org/sums")[0] is not None
 
 
 def test_load_text_dataset_errors(offline_cache: Path):

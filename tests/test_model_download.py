@@ -256,17 +256,46 @@ def test_killed_download_never_looks_complete_and_a_rerun_finishes_it(hub: FakeH
     broken = run_cli(
         ["--model-name", REPO_ID, "--verify-only"], hf_home, f"http://127.0.0.1:{closed_port()}", offline=True
     )
-    assert broken.returncode == 1
-    assert f"shard {shard} listed in model.safetensors.index.json is missing" in broken.stderr
+    assert broken.returncode == 1  # the folder says its download did not finish, and how to finish it
+    unfinished = (
+        f"did not finish (.model_download_incomplete); finish it with: python model_download.py --model-name {REPO_ID}"
+    )
+    assert unfinished in broken.stderr
+    from fsdp_lib.model.hf_files import model_folder_problems
+
+    assert unfinished in model_folder_problems(snapshot)[0]  # the trainer refuses it too
 
     rerun = run_cli(["--model-name", REPO_ID], hf_home, hub.url)
     assert rerun.returncode == 0, rerun.stderr
     assert_same_files(snapshot, served_model)
-    assert read_verification_record(snapshot) is not None
+    assert read_verification_record(snapshot) is not None and not (snapshot / ".model_download_incomplete").exists()
     assert len(hub.file_gets(shard)) == 2
     for name in [*others, "config.json", "tokenizer.json"]:
         assert len(hub.file_gets(name)) == 1, f"{name} was fetched again"
     assert "partial file(s)" in rerun.stdout  # the killed run's .incomplete file is reported
+
+
+@pytest.mark.parametrize("where", ["cache", "local_dir"])
+def test_bytes_damaged_on_the_way_are_caught_removed_and_fetched_again(
+    hub: FakeHub, served_model: Path, tmp_path: Path, where: str
+):
+    """A shard served with one byte changed (its size and ETag right) passed the download's verification, which read
+    headers and sizes, and a rerun kept it: every download now checks every byte against the hub's checksums and
+    removes what differs, so the rerun it asks for fetches it again."""
+    hf_home = tmp_path / "hf_home"
+    shard = "model-00002-of-00003.safetensors"
+    hub.damage_once.add(shard)
+    local = ["--local-dir", str(tmp_path / "model")] if where == "local_dir" else []
+    damaged = run_cli(["--model-name", REPO_ID, *local], hf_home, hub.url)
+    assert damaged.returncode == 1 and "Traceback" not in damaged.stderr
+    assert f"{shard} of {REPO_ID} arrived with bytes that differ from the hub's checksum" in damaged.stderr
+    folder = tmp_path / "model" if local else snapshot_of(hf_home, hub)
+    assert not (folder / shard).exists() and (folder / ".model_download_incomplete").exists()
+    rerun = run_cli(["--model-name", REPO_ID, *local], hf_home, hub.url)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "checksums: " in rerun.stdout and not (folder / ".model_download_incomplete").exists()
+    assert_same_files(folder, served_model)
+    assert len(hub.file_gets(shard)) == 2
 
 
 @pytest.mark.slow
@@ -614,6 +643,7 @@ def test_free_space_is_checked_before_downloading(tmp_path: Path):
         ),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--num-heads", "64"], "head size 1, which is odd"),
         (["--init", "tiny", "--local-dir", "x", "--tokenizer", "t", "--checksums"], "--init has none to compare"),
+        (["--dataset", "org/sums", "--checksums"], "a --dataset download compares every file with the hub's checksums"),
         (["--verify-only", "--local-dir", "x", "--revision", "v1"], "checks that folder as it is; drop --revision"),
         ([], "pass --model-name"),
     ],

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lib.errors import name_sample
-from fsdp_lib.markers import VERIFICATION_RECORD
+from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, VERIFICATION_RECORD
 
 _ETAG = re.compile(r"[0-9a-f]{64}|[0-9a-f]{40}")  # SHA-256 (LFS) or git blob SHA-1
 _CHUNK = 16 << 20
@@ -24,6 +24,7 @@ class ChecksumReport:
     checked: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # files the hub's checksum is not known for
     problems: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)  # files whose bytes differ from the hub's, or whose blob is gone
 
     def summary(self) -> str:
         unknown = f"; no hub checksum for {name_sample(self.unknown)}" if self.unknown else ""
@@ -75,12 +76,13 @@ def check_against_hub(folder: Path) -> ChecksumReport:
         for path in folder.rglob("*")
         if (path.is_file() or path.is_symlink())
         and ".cache" not in path.relative_to(folder).parts
-        and path.name != VERIFICATION_RECORD
+        and path.name not in (VERIFICATION_RECORD, INCOMPLETE_DOWNLOAD)
     ]
     names = sorted(path.relative_to(folder).as_posix() for path in entries)
     for name in names:
         if not (folder / name).exists():
             report.problems.append(f"{name} is a link to a blob that is gone ({os.readlink(folder / name)})")
+            report.corrupt.append(name)
             continue
         etag = hub_etag(folder, name)
         if etag is None:
@@ -89,6 +91,7 @@ def check_against_hub(folder: Path) -> ChecksumReport:
             report.problems.append(
                 f"{name} differs from the hub's copy (checksum {etag[:12]}...): changed or corrupt on disk"
             )
+            report.corrupt.append(name)
         else:
             report.checked.append(name)
     if not report.checked and not report.problems:
@@ -101,3 +104,16 @@ def check_against_hub(folder: Path) -> ChecksumReport:
         )
         report.problems.append(f"no file of {folder} has a hub checksum ({why}): --checksums cannot check it")
     return report
+
+
+def discard(folder: Path, names: list[str]) -> None:
+    """Remove these files of a download, so that a rerun fetches them again: in a cache snapshot the link and its
+    blob (huggingface_hub skips a blob that exists), in a --local-dir the file and huggingface_hub's note of it
+    (which would say it is complete)."""
+    for name in names:
+        path = folder / name
+        if path.is_symlink():
+            path.resolve().unlink(missing_ok=True)
+        else:
+            (folder / ".cache" / "huggingface" / "download" / f"{name}.metadata").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)

@@ -15,8 +15,10 @@ from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.download import (
     HubSnapshot,
     bound_hub_requests,
+    cache_snapshot_folder,
     check_free_space,
     free_disk_bytes,
+    mark_incomplete,
     note_partial_files,
     offline_mode_message,
 )
@@ -38,8 +40,9 @@ print(json.dumps({name: {"rows": len(split), "columns": split.column_names} for 
 """
 
 
-def download_dataset(repo_id: str, revision: str, token: str | None, force: bool) -> Path:
-    """Fetch every file of a hub dataset repository into the HF_HOME cache; return its snapshot folder.
+def download_dataset(repo_id: str, revision: str, token: str | None, force: bool, rerun: str) -> Path:
+    """Fetch every file of a hub dataset repository into the HF_HOME cache; return its snapshot folder, marked
+    incomplete (mark_incomplete, with `rerun`) until the caller has checked and loaded it.
 
     The same machinery as download_model: a free-space check up front, complete files skipped on a rerun,
     interrupted files resumed by huggingface_hub."""
@@ -57,7 +60,10 @@ def download_dataset(repo_id: str, revision: str, token: str | None, force: bool
     target = Path(constants.HF_HUB_CACHE)
     check_free_space(needed, free_disk_bytes(target), target)
     log(f"dataset {repo_id} @ {revision} (commit {info.sha}): fetching {len(sizes)} file(s), {format_bytes(needed)}")
+    if info.sha:
+        mark_incomplete(cache_snapshot_folder(repo_id, "dataset", info.sha), rerun)
     folder = snapshot.fetch(sorted(sizes))
+    mark_incomplete(folder, rerun)
     note_partial_files(folder)
     return folder
 

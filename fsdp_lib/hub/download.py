@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
-from fsdp_lib.hub.checksums import download_note, hub_checksum_of
+from fsdp_lib.hub.checksums import check_against_hub, discard, download_note, hub_checksum_of
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import (
@@ -25,7 +25,7 @@ from fsdp_lib.hub.verify import (
     remove_verification_record,
     write_download_source,
 )
-from fsdp_lib.markers import WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind
+from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind, unfinished_download
 from fsdp_lib.model.hf_files import shards_from_index
 from fsdp_lib.model.memory_plan import format_bytes
 from fsdp_lib.offline import cached_snapshot
@@ -222,7 +222,10 @@ class HubSnapshot:
         folder = snapshot_download(
             self.repo_id,
             repo_type=self.repo_type,
-            revision=self.revision,
+            # a --local-dir is fetched at the commit the listing named: a branch that moves between the two fetches
+            # (or between a killed run and its rerun) mixed two commits' files in it; the cache keeps one snapshot
+            # folder per commit, and fetching by branch name keeps its refs/ entry, which loading by name reads
+            revision=self.commit if self.local_dir is not None else self.revision,
             local_dir=self.local_dir,
             token=self.token,
             allow_patterns=[glob_escape(name) for name in files],
@@ -248,8 +251,55 @@ class HubSnapshot:
         return isinstance(cached, str)
 
 
-def download_model(repo_id: str, revision: str, local_dir: Path | None, token: str | None, force: bool) -> Path:
-    """Fetch config, tokenizer and weights; return the folder holding them (cache snapshot or local_dir).
+def cache_snapshot_folder(repo_id: str, repo_type: str, commit: str) -> Path:
+    """Where huggingface_hub puts a commit's files in the HF_HOME cache."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}" / "snapshots" / commit
+
+
+def mark_incomplete(folder: Path, rerun: str) -> None:
+    """Say, before the first file is fetched, that `folder` is being downloaded, with the command that finishes it:
+    the trainer and --verify-only refuse it until mark_complete (a weight file cut short by a kill looked like a
+    folder without weights, which trained from random weights; a dataset's missing shards went unnoticed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{INCOMPLETE_DOWNLOAD}.tmp"
+    tmp.write_text(json.dumps({"command": rerun}) + "\n")
+    tmp.replace(folder / INCOMPLETE_DOWNLOAD)
+
+
+def mark_complete(folder: Path) -> None:
+    (folder / INCOMPLETE_DOWNLOAD).unlink(missing_ok=True)
+
+
+def refuse_unfinished(folder: Path) -> None:
+    """--verify-only: a folder whose download was interrupted is not checked as if whole (a mix of two commits' files
+    passed, and its new record made it look finished)."""
+    if rerun := unfinished_download(folder):
+        raise ToolError(f"the download into {folder} did not finish ({INCOMPLETE_DOWNLOAD}); finish it with: {rerun}")
+
+
+def check_fetched(folder: Path, repo_id: str) -> None:
+    """Every file of a finished download against the hub's checksums: huggingface_hub checks sizes only, so bytes
+    damaged on the way (a proxy, a bad disk) at the right size passed verification, and a rerun kept them. Damaged
+    files are removed, so that the rerun the message asks for fetches them again."""
+    report = check_against_hub(folder)
+    if report.corrupt:
+        discard(folder, report.corrupt)
+        raise ToolError(
+            f"{name_sample(report.corrupt)} of {repo_id} arrived with bytes that differ from the hub's checksum (a "
+            "damaged transfer, a proxy or a bad disk): removed; rerun the same command to fetch them again"
+        )
+    if report.problems:
+        raise ToolError("checksums: " + "; ".join(report.problems))
+    log(report.summary())
+
+
+def download_model(
+    repo_id: str, revision: str, local_dir: Path | None, token: str | None, force: bool, rerun: str
+) -> tuple[Path, str]:
+    """Fetch config, tokenizer and weights; return the folder holding them (cache snapshot or local_dir) and the
+    commit. The folder is marked incomplete (mark_incomplete, with `rerun`) until the caller has verified it.
 
     Files already complete are skipped, so rerunning after an interruption fetches only what is missing;
     a connection dropped mid-file is resumed with an HTTP Range request by huggingface_hub.
@@ -280,9 +330,12 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
         )
 
     if local_dir is not None:
-        write_download_source(local_dir, {"model_name": repo_id, "revision": revision})
+        write_download_source(local_dir, {"model_name": repo_id, "revision": revision, "commit": snapshot.commit})
+    if local_dir is not None or re.fullmatch(r"[0-9a-f]{40}", snapshot.commit):
+        mark_incomplete(local_dir or cache_snapshot_folder(repo_id, "model", snapshot.commit), rerun)
     log(f"{repo_id} @ {revision} (commit {info.sha}): fetching {len(plan.metadata_files)} config/tokenizer files")
     folder = snapshot.fetch(plan.metadata_files)
+    mark_incomplete(folder, rerun)  # (again: the listing named no commit, or the cache put it elsewhere)
     remove_verification_record(folder)  # from here until verification passes, the folder is not complete
     weights = plan.weight_files
     if plan.index_file:
@@ -298,7 +351,7 @@ def download_model(repo_id: str, revision: str, local_dir: Path | None, token: s
     if snapshot.fetch(weights) != folder:
         raise ToolError(f"{repo_id} @ {revision} moved to a new commit during the download; rerun")
     note_partial_files(folder)
-    return folder
+    return folder, snapshot.commit
 
 
 def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:

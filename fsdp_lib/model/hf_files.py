@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lib.errors import name_sample
-from fsdp_lib.markers import VERIFICATION_RECORD
+from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, VERIFICATION_RECORD, unfinished_download
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -82,6 +82,8 @@ def model_folder_problems(folder: Path, flag: str = "--model-name") -> list[str]
     """What in a model folder would stop a run part-way, found before any process group or tokenising: weight files
     missing, cut short or with a broken header (safetensors headers read against the file size), JSON files that do
     not parse, and a tokenizer with more ids than the model's embedding has rows. Each problem names the file."""
+    if rerun := unfinished_download(folder):  # files missing, cut short or of two commits: nothing else is certain
+        return [f"{flag} {folder}: its download did not finish ({INCOMPLETE_DOWNLOAD}); finish it with: {rerun}"]
     names, problems = hf_weight_files(folder)
     redownload = "fetch the model again (model_download.py verifies what it downloads)"
     problems = [f"{flag} {folder}: {problem}; {redownload}" for problem in problems]

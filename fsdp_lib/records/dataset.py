@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, unfinished_download
 from fsdp_lib.offline import download_dataset_command, hub_dataset_snapshot, is_hub_dataset_id, set_offline
 from fsdp_lib.records.schema import dataset_kind
 
@@ -139,7 +140,12 @@ def load_hub_dataset_dict(repo_id: str, revision: str | None = None) -> datasets
 
 
 def load_hub_dataset(repo_id: str, revision: str | None = None) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train, validation, else test, else None) of a cached hub dataset, offline."""
+    """(train, validation, else test, else None) of a cached hub dataset, offline; refused while its download by
+    model_download.py is unfinished (the shards it had fetched loaded, and the run trained on part of the data)."""
+    if rerun := unfinished_download(hub_dataset_snapshot(repo_id, revision)):
+        raise ValueError(
+            f"hub dataset {repo_id}: its download did not finish ({INCOMPLETE_DOWNLOAD}); finish it with: {rerun}"
+        )
     loaded = load_hub_dataset_dict(repo_id, revision)
     if "train" not in loaded:
         raise ValueError(f"hub dataset {repo_id} has the splits {sorted(loaded)} but no 'train' split")
