@@ -607,6 +607,13 @@ def test_hub_errors_map_to_actionable_messages():
     refused = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
     assert "cannot reach the hub" in explain_hub_error(refused, REPO_ID, "main")
     assert explain_hub_error(ValueError("a bug"), REPO_ID, "main") is None
+    # httpx's (huggingface_hub 2.x ships it as httpx2) other errors, by class name: a traceback before
+    too_many = type("TooManyRedirects", (Exception,), {})("Exceeded maximum allowed redirects.")
+    assert "with a redirect loop (Exceeded maximum" in explain_hub_error(too_many, REPO_ID, "main")
+    protocol = type("LocalProtocolError", (type("RequestError", (Exception,), {}),), {})("bad header")
+    assert "talking to the hub failed for org/tiny (LocalProtocolError: bad header)" in explain_hub_error(
+        protocol, REPO_ID, "main"
+    )
 
 
 def test_free_space_is_checked_before_downloading(tmp_path: Path):
@@ -862,19 +869,23 @@ def test_init_reuses_an_existing_tokenizer(tiny_model: Path, tmp_path: Path):
     )
 
 
-@pytest.mark.parametrize("kind", ["messages", "preference"])
+@pytest.mark.parametrize("kind", ["messages", "preference", "parts"])
 def test_tokenizer_trains_on_the_turns_of_a_chat_or_preference_dataset(kind: str, tmp_path: Path):
     """--tokenizer-from a conversation or preference dataset: the BPE learns the turns' contents (it used to fail on
-    the missing text column with a traceback)."""
+    the missing text column with a traceback), also given as a list of text parts, as the trainer reads them (a
+    TypeError traceback)."""
     import datasets
     from transformers import AutoTokenizer
 
-    def turns(i: int) -> list[dict[str, str]]:
-        return [{"role": "user", "content": f"Quelle est la capitale {i}?"}, {"role": "assistant", "content": "Vesk"}]
+    def turns(i: int) -> list[dict]:
+        said = [f"Quelle est la capitale {i}?", "Vesk"]
+        if kind == "parts":  # an Arrow column holds one type: every content a list of parts
+            said = [[{"type": "text", "text": text}] for text in said]
+        return [{"role": "user", "content": said[0]}, {"role": "assistant", "content": said[1]}]
 
     columns = (
         {"messages": [turns(i) for i in range(40)]}
-        if kind == "messages"
+        if kind in ("messages", "parts")
         else {
             name: [turns(i)[:1] if name == "prompt" else turns(i)[1:] for i in range(40)] for name in PREFERENCE_COLUMNS
         }

@@ -152,8 +152,15 @@ def explain_hub_error(exc: BaseException, repo_id: str, revision: str, flag: str
         return f"the connection dropped while downloading {repo_id} ({_first_line(exc)}); rerun to resume"
     if first(hub_errors.LocalEntryNotFoundError):
         return f"cannot reach the hub ({_first_line(exc)}); {OFFLINE_HINT}"
+    if "TooManyRedirects" in names:
+        return (
+            f"the hub (or a proxy) answered {repo_id}'s download with a redirect loop ({_first_line(exc)}); check "
+            "HF_ENDPOINT and proxies (HTTPS_PROXY), then rerun"
+        )
     if http_error is not None:
         return f"the hub answered HTTP {status} for {repo_id} ({_first_line(http_error)})"
+    if "HTTPError" in names or "RequestError" in names:  # httpx's other transport and protocol errors
+        return f"talking to the hub failed for {repo_id} ({type(exc).__name__}: {_first_line(exc)}); rerun to resume"
     return None
 
 

@@ -13,7 +13,9 @@ from typing import Any
 from fsdp_lib.hub.console import ToolError, log
 from fsdp_lib.hub.presets import SizePreset
 from fsdp_lib.markers import folder_kind
+from fsdp_lib.records.conversation import turn_content
 from fsdp_lib.records.dataset import load_text_dataset
+from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS, UNPAIRED_COLUMNS, dataset_kind
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -56,13 +58,22 @@ def iter_text_batches(dataset: Any, batch_size: int = TEXT_BATCH_SIZE) -> Iterat
         if kind == "text":
             yield [text for text in batch["text"] if text]
         else:  # turns, or a string (TRL's standard prompt and completion columns)
-            yield [
-                text
-                for column in columns
-                for turns in batch[column]
-                for text in ([turns] if isinstance(turns, str) else [turn["content"] for turn in turns or []])
-                if text
-            ]
+            yield [text for column in columns for turns in batch[column] for text in _texts(turns) if text]
+
+
+def _texts(turns: object) -> list[str]:
+    """The texts of a value of a turns column: a string itself; turns' contents as the trainer reads them (text parts
+    joined, a tool result's object as JSON); content that is no text (an image) is left out, not a traceback."""
+    if isinstance(turns, str):
+        return [turns]
+    texts = []
+    for number, turn in enumerate(turns or [], 1):
+        content = turn.get("content") if isinstance(turn, dict) else None
+        try:
+            texts.append(turn_content(str(turn.get("role")), content, f"turn {number}") if content is not None else "")
+        except BadRecord:
+            continue
+    return texts
 
 
 # The columns whose text a tokenizer is trained on, by dataset kind (fsdp_lib/records/schema.py).
