@@ -609,7 +609,7 @@ def test_hub_errors_map_to_actionable_messages():
     assert explain_hub_error(ValueError("a bug"), REPO_ID, "main") is None
     # httpx's (huggingface_hub 2.x ships it as httpx2) other errors, by class name: a traceback before
     too_many = type("TooManyRedirects", (Exception,), {})("Exceeded maximum allowed redirects.")
-    assert "with a redirect loop (Exceeded maximum" in explain_hub_error(too_many, REPO_ID, "main")
+    assert "with a redirect loop (TooManyRedirects: Exceeded maximum" in explain_hub_error(too_many, REPO_ID, "main")
     protocol = type("LocalProtocolError", (type("RequestError", (Exception,), {}),), {})("bad header")
     assert "talking to the hub failed for org/tiny (LocalProtocolError: bad header)" in explain_hub_error(
         protocol, REPO_ID, "main"

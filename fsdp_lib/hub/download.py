@@ -160,7 +160,7 @@ def explain_hub_error(exc: BaseException, repo_id: str, revision: str, flag: str
     if http_error is not None:
         return f"the hub answered HTTP {status} for {repo_id} ({_first_line(http_error)})"
     if "HTTPError" in names or "RequestError" in names:  # httpx's other transport and protocol errors
-        return f"talking to the hub failed for {repo_id} ({type(exc).__name__}: {_first_line(exc)}); rerun to resume"
+        return f"talking to the hub failed for {repo_id} ({_first_line(exc)}); rerun to resume"
     return None
 
 
