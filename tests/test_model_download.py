@@ -804,14 +804,23 @@ def test_overwrite_refuses_a_model_folder_that_holds_more_than_a_model(tiny_mode
     (target / "run.log").write_text("mine")
     (target / "notes.txt").write_text("mine too")
     (target / "eval_results.json").write_text("{}")  # JSON by name: a model save writes no such file
+    (target / "training_config.json").write_text("{}")  # ends in config.json, and is the user's
+    (target / "eval_results.bin").write_bytes(b"mine")  # a .bin that is no PyTorch weights file
+    (target / "original").mkdir()  # Meta's checkpoint folder holds weights and params.json, not a thesis
+    (target / "original" / "params.json").write_text("{}")
+    (target / "original" / "my_thesis.tex").write_text("mine")
     argv = ["--init", "tiny", "--tokenizer", str(tiny_model), "--local-dir", str(target), "--overwrite"]
     assert md.main(argv) == 1
     err = capsys.readouterr().err
-    assert "also holds ds/, eval_results.json, notes.txt, run.log, which --overwrite would delete with it" in err, err
+    assert (
+        "also holds ds/, eval_results.bin, eval_results.json, notes.txt, original/my_thesis.tex, run.log, "
+        "training_config.json, which --overwrite would delete with it" in err
+    ), err
     assert (target / "ds" / "data.arrow").read_bytes() == b"rows" and (target / "run.log").is_file()
     shutil.rmtree(target / "ds")
-    for name in ("run.log", "notes.txt", "eval_results.json"):
+    for name in ("run.log", "notes.txt", "eval_results.json", "training_config.json", "eval_results.bin"):
         (target / name).unlink()
+    (target / "original" / "my_thesis.tex").unlink()
     (target / "model.safetensors.index.json").write_text("{}")  # what a sharded save or a hub download holds
     (target / "quantize_config.json").write_text("{}")
     (target / "README.md").write_text("a model card")

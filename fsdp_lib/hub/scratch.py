@@ -91,7 +91,7 @@ def check_init_target(path: Path, overwrite: bool) -> None:
         )
     if foreign := not_model_files(path):
         raise ToolError(
-            f"--local-dir {path} is a model folder that also holds {name_sample(foreign)}, which --overwrite would"
+            f"--local-dir {path} is a model folder that also holds {name_sample(foreign, 10)}, which --overwrite would"
             " delete with it: move them out"
             " or pick a new folder"
         )
@@ -100,9 +100,15 @@ def check_init_target(path: Path, overwrite: bool) -> None:
 # What a model folder holds (hub downloads, save_pretrained, --init): anything else in it is the user's. JSON files
 # by name (a *config.json, a weight index, a tokenizer's files, our verification record), not by suffix: a user's
 # results.json beside the weights is theirs.
-_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".model", ".jinja", ".tiktoken", "config.json", ".index.json")
+_MODEL_FILE_SUFFIXES = (".safetensors", ".model", ".jinja", ".tiktoken", ".index.json")
 _MODEL_FILE_NAMES = (
     *TOKENIZER_FILES,
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "quantize_config.json",  # GPTQ
     VERIFICATION_RECORD,
     "params.json",  # Meta's original checkpoints
     "README.md",
@@ -110,6 +116,7 @@ _MODEL_FILE_NAMES = (
     ".gitattributes",
 )
 _MODEL_SUBFOLDERS = (".cache", "original")
+_ORIGINAL_FILES = (".pth", ".pt", ".safetensors", ".model", ".tiktoken", "params.json", ".chk")
 
 
 def not_model_files(folder: Path) -> list[str]:
@@ -119,9 +126,21 @@ def not_model_files(folder: Path) -> list[str]:
         if entry.is_dir() and not entry.is_symlink():
             if entry.name not in _MODEL_SUBFOLDERS:
                 foreign.append(f"{entry.name}/")
-        elif not (entry.name.endswith(_MODEL_FILE_SUFFIXES) or entry.name in _MODEL_FILE_NAMES):
+            elif entry.name == "original":  # Meta's checkpoints: weights, params.json, the tokenizer; nothing else
+                foreign += [
+                    f"original/{path.relative_to(entry).as_posix()}"
+                    for path in sorted(entry.rglob("*"))
+                    if path.is_file() and not path.name.endswith(_ORIGINAL_FILES)
+                ]
+        elif not _is_model_file(entry.name):
             foreign.append(entry.name)
     return foreign
+
+
+def _is_model_file(name: str) -> bool:
+    if name.endswith(".bin"):  # PyTorch weights and the Trainer's arguments; a user's results.bin is theirs
+        return name.startswith(("pytorch_model", "adapter_model", "training_args"))
+    return name.endswith(_MODEL_FILE_SUFFIXES) or name in _MODEL_FILE_NAMES
 
 
 def available_memory_bytes() -> int:
