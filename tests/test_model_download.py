@@ -406,6 +406,17 @@ def test_a_local_dir_knows_its_repository_and_keeps_files_edited_since(
     os.utime(config, (time.time() + 5, time.time() + 5))
     assert run_cli(download, hf_home, hub.url).returncode == 0
 
+    # a weight file cut short (an interrupted cp -p or rsync -t kept its time) is damage, not an edit: fetched again
+    # (every rerun said the hub had stopped answering, or that the user had changed it)
+    shard = folder / "model-00001-of-00003.safetensors"
+    stamp = shard.stat()
+    shard.write_bytes(shard.read_bytes()[:1000])
+    os.utime(shard, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    repaired = run_cli(download, hf_home, hub.url)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "model-00001-of-00003.safetensors: shorter than the hub's copy (cut short); fetched again" in repaired.stdout
+    assert_same_files(folder, served_model)
+
     # a first download that fetched nothing (refused, interrupted at once) does not claim its folder
     from fsdp_lib.hub.download import check_download_target
 

@@ -329,6 +329,11 @@ def download_model(
     target = local_dir or Path(constants.HF_HUB_CACHE)
     check_free_space(needed, free_disk_bytes(target), target)
     wanted = plan.metadata_files + weight_bound
+    if local_dir is not None and (cut := [name for name in weight_bound if _cut_short(local_dir / name, sizes[name])]):
+        # damage, not an edit: huggingface_hub's note says the file is complete, so it was skipped, and every rerun
+        # said the hub had stopped answering (or that the user had changed it)
+        discard(local_dir, cut)
+        log(f"{name_sample(cut)}: shorter than the hub's copy (cut short); fetched again")
     if local_dir is not None and not force and (edited := edited_since_download(local_dir, wanted)):
         raise ToolError(
             f"--local-dir {local_dir}: {name_sample(edited)} changed since downloaded (their bytes differ from the "
@@ -359,6 +364,13 @@ def download_model(
         raise ToolError(f"{repo_id} @ {revision} moved to a new commit during the download; rerun")
     note_partial_files(folder)
     return folder, snapshot.commit
+
+
+def _cut_short(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size < size
+    except OSError:
+        return False
 
 
 def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
