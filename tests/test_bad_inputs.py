@@ -799,7 +799,7 @@ def test_ctrl_c_during_the_tokenizers_training_stops_at_once(ctrl_c_raises) -> N
     reach the caller."""
     import threading
 
-    from fsdp_lib.hub.tokenizer import interruptible
+    from fsdp_lib.hub.console import interruptible
 
     started, release = threading.Event(), threading.Event()
 

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -296,6 +297,26 @@ def test_bytes_damaged_on_the_way_are_caught_removed_and_fetched_again(
     assert "checksums: " in rerun.stdout and not (folder / ".model_download_incomplete").exists()
     assert_same_files(folder, served_model)
     assert len(hub.file_gets(shard)) == 2
+
+
+def test_ctrl_c_during_a_stalled_file_stops_at_once(hub: FakeHub, served_model: Path, tmp_path: Path):
+    """Ctrl-C waited for huggingface_hub's pool to finish the files in flight (the read timeout on a stalled server,
+    minutes of a large shard on a slow link): it looked hung. The download now runs in a thread Ctrl-C leaves."""
+    shard = "model-00003-of-00003.safetensors"
+    hub.hang_after[shard] = 100
+    process = run_cli(["--model-name", REPO_ID], tmp_path / "hf_home", hub.url, background=True)
+    try:
+        assert hub.hanging.wait(timeout=120), "the download never reached the stalled shard"
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+        waited = time.monotonic() - started
+    finally:
+        process.kill()
+        hub.release.set()
+    assert process.returncode == 130 and "interrupted; rerun the same command to resume" in out, out + err
+    assert waited < 8, f"{waited:.1f} s after Ctrl-C"  # the stall lasts until release (60 s), the read timeout 10 s
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
 from fsdp_lib.hub.checksums import check_against_hub, discard, download_note, hub_checksum_of
-from fsdp_lib.hub.console import ToolError, log
+from fsdp_lib.hub.console import ToolError, interruptible, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import (
     DOWNLOAD_SOURCE,
@@ -226,7 +226,8 @@ class HubSnapshot:
         """Download these files (skipping complete ones) and return the folder holding them."""
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(
+        fetched: list[str] = []
+        interruptible(lambda: fetched.append(snapshot_download(
             self.repo_id,
             repo_type=self.repo_type,
             # a --local-dir is fetched at the commit the listing named: a branch that moves between the two fetches
@@ -237,7 +238,8 @@ class HubSnapshot:
             token=self.token,
             allow_patterns=[glob_escape(name) for name in files],
             force_download=self.force,
-        )
+        )))  # fmt: skip
+        folder = fetched[0]
         # huggingface_hub returns the folder as it is when the hub stops answering after the file list (its tree
         # listing timed out): the files it did not fetch are named here, not met later as a missing file.
         if missing := [name for name in files if not self.is_present(name)]:

@@ -5,12 +5,11 @@ from a folder or the cache, and saving it so that transformers 4.x and 5.x both 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_lib.hub.console import ToolError, log
+from fsdp_lib.hub.console import ToolError, interruptible, log
 from fsdp_lib.hub.presets import SizePreset
 from fsdp_lib.markers import folder_kind
 from fsdp_lib.records.conversation import turn_content
@@ -114,26 +113,6 @@ def train_bpe_tokenizer(
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,  # keeps decode(encode(s)) == s
     )
-
-
-def interruptible(work: Callable[[], None]) -> None:
-    """Run `work` (the Rust BPE trainer) in a worker thread while this one waits: Ctrl-C or SIGTERM raise here at
-    once, where inside the trainer's merges they waited for it to finish (5-9 s of a 56 MB corpus at a 32,000-token
-    vocabulary; minutes on a large one). The abandoned thread ends with the process."""
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
-            failure.append(exc)
-
-    worker = threading.Thread(target=run, name="bpe-trainer", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.1)
-    if failure:
-        raise failure[0]
 
 
 def build_tokenizer(
