@@ -642,6 +642,17 @@ def test_hub_errors_map_to_actionable_messages():
     # httpx's (huggingface_hub 2.x ships it as httpx2) other errors, by class name: a traceback before
     too_many = type("TooManyRedirects", (Exception,), {})("Exceeded maximum allowed redirects.")
     assert "with a redirect loop (TooManyRedirects: Exceeded maximum" in explain_hub_error(too_many, REPO_ID, "main")
+    # a listed file gone (the repository changed during the download): named, with the fix (was "HTTP 404 ... (404
+    # Client Error.)")
+    import httpx2  # huggingface_hub 2.x's HTTP client
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    request = httpx2.Request("GET", "http://hub/org/tiny/resolve/0123abc/model-00002-of-00003.safetensors")
+    gone = RemoteEntryNotFoundError("404 Client Error.", response=httpx2.Response(404, request=request))
+    assert explain_hub_error(gone, REPO_ID, "main") == (
+        "org/tiny: model-00002-of-00003.safetensors was listed but is not there any more (HTTP 404): the repository "
+        "changed during the download; rerun to fetch the new commit"
+    )
     protocol = type("LocalProtocolError", (type("RequestError", (Exception,), {}),), {})("bad header")
     assert "talking to the hub failed for org/tiny (LocalProtocolError: bad header)" in explain_hub_error(
         protocol, REPO_ID, "main"

@@ -137,6 +137,13 @@ def explain_hub_error(exc: BaseException, repo_id: str, revision: str, flag: str
             f"repository {repo_id} not found, or it is private or gated and you are not authorised: check"
             f" {flag}, and pass a token (HF_TOKEN=... or --token) if it is private or gated"
         )
+    if missing := first(hub_errors.RemoteEntryNotFoundError):
+        url = str(getattr(getattr(missing, "response", None), "url", "") or "")
+        name = url.rsplit("/resolve/", 1)[-1].split("/", 1)[-1] if "/resolve/" in url else "a file"
+        return (
+            f"{repo_id}: {name} was listed but is not there any more (HTTP 404): the repository changed during the "
+            "download; rerun to fetch the new commit"
+        )
     if status in (401, 403):
         return (
             f"not authorised to download {repo_id} (HTTP {status}): pass a valid token (HF_TOKEN=... or --token);"
