@@ -644,8 +644,12 @@ def test_hub_errors_map_to_actionable_messages():
     assert "with a redirect loop (TooManyRedirects: Exceeded maximum" in explain_hub_error(too_many, REPO_ID, "main")
     # a listed file gone (the repository changed during the download): named, with the fix (was "HTTP 404 ... (404
     # Client Error.)")
-    import httpx2  # huggingface_hub 2.x's HTTP client
     from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    try:
+        import httpx2  # huggingface_hub 2.x's HTTP client
+    except ImportError:  # 1.x: httpx
+        import httpx as httpx2
 
     request = httpx2.Request("GET", "http://hub/org/tiny/resolve/0123abc/model-00002-of-00003.safetensors")
     gone = RemoteEntryNotFoundError("404 Client Error.", response=httpx2.Response(404, request=request))
