@@ -59,7 +59,7 @@ from fsdp_lib.model.adapters import export_adapter, merged_state_dict
 from fsdp_lib.model.build import ModelBundle, build_model, dry_run, peft_problems
 from fsdp_lib.model.float8 import precompute_float8_scales
 from fsdp_lib.model.hf_files import model_folder_problems
-from fsdp_lib.model.hf_weights import export_hf_model, warn_stale_export
+from fsdp_lib.model.hf_weights import export_hf_model, export_step, warn_stale_export
 from fsdp_lib.noise import quiet_optional_imports
 from fsdp_lib.offline import resolve_model_dir
 from fsdp_lib.runtime import (
@@ -347,6 +347,11 @@ def export(bundle: ModelBundle, tokenizer: Any, cfg: TrainConfig, d: Dist, step:
     """outputs/EXP/final: a standard Hugging Face folder of the trained model, its tokenizer and chat template;
     with --peft a PEFT adapter folder instead (and with --export-merged on, outputs/EXP/final-merged)."""
     final = cfg.experiment_dir / "final"
+    if (held := export_step(final)) is not None and held > step:  # its checkpoint damaged or pruned: keep the newer
+        raise CheckpointError(
+            f"{final} holds the export of step {held}, newer than step {step}, the newest intact checkpoint: not "
+            f"replaced (it may be the only copy of step {held}). To export step {step} anyway, move {final} aside first"
+        )
     if bundle.peft is None:
         export_hf_model(bundle.model, tokenizer, final, d, bundle.export_dtype, bundle.model_dir, step)
         return

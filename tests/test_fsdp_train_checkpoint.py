@@ -479,6 +479,15 @@ def test_export_only_rewrites_final_from_the_newest_checkpoint(inputs, four_step
     # for byte
     assert "weights are not read" in said and "documents kept apart" not in said, said
     assert {f.name: f.read_bytes() for f in (tmp_path / "run" / "final").iterdir()} == own
+    # final/ holding a newer step than the newest intact checkpoint (its own was damaged, or pruned) is not replaced
+    # by the older export: it may be the only copy of that step
+    record = tmp_path / "run" / "final" / ".export.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "step": 6}))
+    kept = {f.name: f.read_bytes() for f in (tmp_path / "run" / "final").iterdir()}
+    proc = run_trainer([*args, "--export-only", "--seq-length", "16"], nproc=1)
+    said = output_of(proc)
+    assert proc.returncode != 0 and "holds the export of step 6, newer than step 4" in said, said
+    assert "Traceback" not in said and {f.name: f.read_bytes() for f in (tmp_path / "run" / "final").iterdir()} == kept
 
 
 def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
