@@ -444,7 +444,7 @@ _ConfigLoader.add_constructor("tag:yaml.org,2002:map", _mapping_without_repeats)
 def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str) -> Any:
     """YAML 1.1 reads on/off as booleans and 1e-4 as a string; map them back, and check types of the file's values."""
     f = {x.name: x for x in dataclasses.fields(TrainConfig)}[name]
-    if f.metadata.get("choices") == ON_OFF and isinstance(value, bool):
+    if isinstance(value, bool) and {"on", "off"} <= set(f.metadata.get("choices") or ()):  # fp8: on, auto/on/off
         return "on" if value else "off"
     if str(f.type) == "list[str]":
         values = value if isinstance(value, list) else [value]
@@ -478,6 +478,10 @@ def _normalise_yaml_value(name: str, value: Any, errors: list[str], source: str)
     return value
 
 
+# Flags that act on the launch they are given to, never kept in a run's config.yaml nor read from a --config file.
+ONE_LAUNCH_FLAGS = ("force_resume", "export_only", "dry_run")
+
+
 def load_config(argv: list[str] | None) -> TrainConfig:
     """Defaults < YAML file < command line; with --export-only, the experiment's own config.yaml (its run's
     settings) comes first, so `-e EXP --export-only` alone exports it. Raises ConfigError listing every problem."""
@@ -501,6 +505,11 @@ def load_config(argv: list[str] | None) -> TrainConfig:
             name = str(key).replace("-", "_")
             if name not in known:
                 errors.append(f"--config {config_file}: unknown key '{key}' (keys are the flag names, e.g. seq-length)")
+                continue
+            if name in ONE_LAUNCH_FLAGS:  # a run's config.yaml once kept them: reused, it forced every later resume
+                if value:
+                    errors.append(f"--config {config_file}: key '{key}' acts on one launch only: give --{name.replace('_', '-')} "
+                                  "on the command line")  # fmt: skip
                 continue
             values[name] = _normalise_yaml_value(name, value, errors, f"--config {config_file}")
     if args.get("export_only", values.get("export_only")):  # the run's own settings first, where it is now

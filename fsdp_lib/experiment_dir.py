@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from fsdp_lib.config import TrainConfig, packs_whole
+from fsdp_lib.config import ONE_LAUNCH_FLAGS, TrainConfig, packs_whole
 from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, folder_kind, step_dirs
 
@@ -120,7 +120,7 @@ def run_settings(cfg: TrainConfig) -> dict:
             return value
         return str(path.resolve()) + colon + function
 
-    settings = dataclasses.asdict(cfg)
+    settings = {key: value for key, value in dataclasses.asdict(cfg).items() if key not in ONE_LAUNCH_FLAGS}
     if cfg.global_batch_size > 0:  # the accumulation validate_config derived for this launch's process count: the
         settings["grad_accum_steps"] = 1  # file, reused with --config on another count, contradicted the batch
     for key in ("model_name", "chat_template", "sample_prompts", "adapter", "save_dir"):

@@ -110,6 +110,19 @@ def test_yaml_config_and_command_line_precedence(tmp_path):
     cfg_file.write_text("lr: fast\nwarmup-steps: 2.5\n")
     with pytest.raises(ConfigError, match="key 'lr' has value 'fast'; expected float"):
         load_config(["--config", str(cfg_file)])
+    # on/off read by YAML as a boolean for a flag with more choices than on and off (it said "has value True")
+    cfg_file.write_text("fp8: on\n")
+    assert load_config(["--config", str(cfg_file)]).fp8 == "on"
+    # a flag that acts on one launch: a run's config.yaml kept force_resume: true, and reused with --config it forced
+    # every later resume onto changed settings; false (older config.yaml files) is passed over
+    cfg_file.write_text("force-resume: true\n")
+    with pytest.raises(ConfigError, match="key 'force-resume' acts on one launch only: give --force-resume on the"):
+        load_config(["--config", str(cfg_file)])
+    cfg_file.write_text("force_resume: false\nexport_only: false\ndry_run: false\n")
+    assert not load_config(["--config", str(cfg_file)]).force_resume
+    from fsdp_lib.experiment_dir import run_settings
+
+    assert not {"force_resume", "export_only", "dry_run"} & set(run_settings(load_config(["--force-resume"])))
     # START:END values unquoted: YAML 1.1 would read 5:6 as the base-60 number 306
     cfg_file.write_text("profile-steps: 5:6\ndata-slice: 10:20\nmax-steps: 1_000\n")
     cfg = load_config(["--config", str(cfg_file)])
