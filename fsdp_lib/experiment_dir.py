@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+import yaml
+
 from fsdp_lib.config import ONE_LAUNCH_FLAGS, TrainConfig, packs_whole
 from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import EXPERIMENT_ENTRIES, EXPERIMENT_LOCK, EXPERIMENT_STATE, folder_kind, step_dirs
@@ -34,6 +36,12 @@ def experiment_dir_problems(cfg: TrainConfig) -> list[str]:
             f"--experiment-name {cfg.experiment_name}: {folder} exists and holds {name_sample(foreign)}, which "
             "fsdp_train.py did not write (a run replaces what it writes there): choose another --experiment-name or "
             "--save-dir"
+        ]
+    if (kind is None or kind.kind == "experiment") and (named := same_names_not_ours(folder)):
+        return [
+            f"--experiment-name {cfg.experiment_name}: {folder} holds {name_sample(named)} but no checkpoint, state or "
+            "export, and its config.yaml is not a run's settings of this experiment: another tool's files with the "
+            "names a run writes, which it would replace; choose another --experiment-name or --save-dir"
         ]
     exports = [folder / name for name in ("final", "final-merged")]
     if blocked := [path for path in exports if path.is_symlink() or (path.exists() and not path.is_dir())]:
@@ -246,6 +254,20 @@ def _train_on_hint(final: Path) -> str:
     if (final / "config.json").is_file():
         return f" (-m {final} trains on from its export)"
     return ""
+
+
+def same_names_not_ours(folder: Path) -> list[str]:
+    """Entries named as a run's (config.yaml, metrics.jsonl, tensorboard/, ...) in a folder that shows no run (no
+    lock, state, checkpoint or export) and whose config.yaml does not name this experiment: another tool's outputs,
+    which a run replaced by name ([] when they are a run's, or there are none)."""
+    present = sorted(name for name in EXPERIMENT_ENTRIES if (folder / name).exists())
+    if not present or any(name in present for name in (EXPERIMENT_LOCK, EXPERIMENT_STATE, "checkpoint", "final")):
+        return []
+    try:
+        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        saved = None
+    return [] if isinstance(saved, dict) and saved.get("experiment_name") == folder.name else present
 
 
 def foreign_entries(experiment: Path) -> list[str]:

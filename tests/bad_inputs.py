@@ -145,6 +145,10 @@ def make_user_folders(root: Path, model: Path) -> Path:
     lost = make_experiment(root / "outputs" / "lost")  # its checkpoints deleted to free the disk
     shutil.rmtree(lost / "checkpoint")
     make_raw(root / "outputs" / "notes")  # the user's own folder where an experiment would go
+    legacy = root / "outputs" / "legacy"  # another tool's run, with files named as a run's: they were replaced
+    legacy.mkdir()
+    (legacy / "config.yaml").write_text("model: my-old-model\nlr: 1e-4\n")
+    (legacy / "metrics.jsonl").write_text('{"step": 100, "loss": 1.23}\n')
     (root / "outputs" / "summary").write_text("a file where an experiment folder would go\n")
     make_dataset(root / "outputs" / "corpus", validation=False, n_docs=8)
     make_model_folder(root / "model")

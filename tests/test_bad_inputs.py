@@ -221,6 +221,12 @@ CASES = [
         "choose another --experiment-name or --save-dir",
     ),
     trainer_case(
+        "fsdp_train with an experiment named like another tool's run folder (config.yaml, metrics.jsonl)",
+        lambda r: trainer_flags(r, "legacy"),
+        "holds config.yaml, metrics.jsonl but no checkpoint, state or export, and its config.yaml is not a run's",
+        "choose another --experiment-name or --save-dir",
+    ),
+    trainer_case(
         "fsdp_train rerun on an experiment whose checkpoints were deleted (it would start over and replace final/)",
         lambda r: trainer_flags(r, "lost"),
         "--experiment-name lost",
@@ -1030,6 +1036,11 @@ def test_an_experiment_folder_s_own_temporaries_and_launch_logs_are_not_the_user
         (folder / name).write_text("")
     (folder / ".nfs000123").write_text("")
     assert foreign_entries(folder) == []
+    from fsdp_lib.experiment_dir import same_names_not_ours
+
+    assert same_names_not_ours(folder) == ["config.yaml"]  # an empty config.yaml is not a run's settings
+    (folder / "config.yaml").write_text("experiment_name: exp\nlr: 0.001\n")  # a run that stopped before step 1
+    assert same_names_not_ours(folder) == []
     (folder / "report.txt").write_text("mine")
     assert foreign_entries(folder) == ["report.txt"]
     (folder / "state.json").write_text('{"latest_checkpoint": "checkpoint/step_00000004", "step": 4}')
