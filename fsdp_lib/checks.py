@@ -36,8 +36,29 @@ def launch_world(cfg: TrainConfig) -> int:
 
 def validate_config(cfg: TrainConfig, world_size: int) -> list[str]:
     """Check everything that can be checked before any process group or model exists."""
-    problems = _flag_problems(cfg, world_size)
+    problems = _launcher_problems(cfg) + _flag_problems(cfg, world_size)
     return problems + _non_finite_problems(cfg, problems)
+
+
+def _launcher_problems(cfg: TrainConfig) -> list[str]:
+    """torchrun's variables set in part, by hand or left in a shell: WORLD_SIZE=2 alone trained as one process with
+    the accumulation of two (half the global batch asked for); RANK alone, or without MASTER_ADDR, a traceback. A
+    --dry-run takes WORLD_SIZE alone as the launch it plans."""
+    env = os.environ
+    if cfg.dry_run and "RANK" not in env:
+        return []
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        given, lacking = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        return [
+            f"{given}={env[given]} is set but {lacking} is not: torchrun sets both (and MASTER_ADDR, MASTER_PORT); "
+            f"launch with torchrun, or unset {given} to run one process"
+        ]
+    if "RANK" in env and (missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]):
+        return [
+            f"RANK and WORLD_SIZE are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            "torchrun sets them all; launch with torchrun, or unset RANK and WORLD_SIZE to run one process"
+        ]
+    return []
 
 
 def _flag_problems(cfg: TrainConfig, world_size: int) -> list[str]:

@@ -675,3 +675,25 @@ def test_token_stream_is_the_tokenizer_output_plus_eos(tmp_path, dataset_dir, sc
     assert any("t.docs: " in p and "were written" in p for p in recorded_problems(sums))
     sums.unlink()
     assert "no checksums were recorded" in recorded_problems(sums)[0]
+
+
+def test_torchrun_variables_set_in_part_are_refused_before_any_process_group(monkeypatch):
+    """WORLD_SIZE=2 left in a shell trained one process with the accumulation of two (half the global batch asked
+    for); RANK alone, or RANK and WORLD_SIZE without MASTER_ADDR, ended in a traceback."""
+    from fsdp_lib.checks import validate_config
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = TrainConfig(experiment_name="x", dataset_name=["d"], model_name="m")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    said = validate_config(cfg, 2)
+    assert said[0].startswith("WORLD_SIZE=2 is set but RANK is not: torchrun sets both"), said
+    assert not any("RANK" in p for p in validate_config(TrainConfig(**{**vars(cfg), "dry_run": True}), 2))  # plans 2
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "0")
+    assert validate_config(cfg, 1)[0].startswith("RANK=0 is set but WORLD_SIZE is not")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert validate_config(cfg, 2)[0].startswith("RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT are not")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert not any("torchrun sets" in p for p in validate_config(cfg, 2))
