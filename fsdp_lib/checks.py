@@ -21,7 +21,7 @@ from fsdp_lib.config import (
 from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, not_utf8, unreadable
 from fsdp_lib.experiment_dir import experiment_dir_problems, resume_refusal
-from fsdp_lib.markers import TOKEN_CACHE, folder_kind, step_dirs
+from fsdp_lib.markers import TOKEN_CACHE, WHOLE_FOLDER_KINDS, enclosing_folder, folder_kind, step_dirs
 from fsdp_lib.objective_flags import PREFERENCE_OBJECTIVES, changed_flags, grpo_problems, need, preference_problems
 from fsdp_lib.offline import hub_dataset_snapshot, is_hub_dataset_id, resolve_model_dir
 
@@ -180,12 +180,17 @@ def _required_problems(cfg: TrainConfig) -> list[str]:
         )
     elif cfg.experiment_name:
         problems += experiment_dir_problems(cfg)
-    return problems + _save_dir_problems(Path(cfg.save_dir))
+    return problems + _save_dir_problems(cfg.save_dir)
 
 
-def _save_dir_problems(save_dir: Path) -> list[str]:
-    """--save-dir holds experiments (and the token cache): not a file, and not a folder of another kind, which a
-    run would fill with checkpoints."""
+def _save_dir_problems(value: str) -> list[str]:
+    """--save-dir holds experiments (and the token cache): not a file, not a folder of another kind, which a run
+    would fill with checkpoints, and not inside one, whose tool replaces or prunes it whole."""
+    if not value.strip():  # Path("") is the current folder: experiments and the token cache went there
+        return ["--save-dir is empty (an unset shell variable?); give the folder for the experiments (default outputs)"]
+    save_dir = Path(value)
+    if inside := enclosing_folder(save_dir, WHOLE_FOLDER_KINDS):
+        return [f"--save-dir {save_dir} is {inside}, whose tool would delete or misread it; choose a folder of its own"]
     if save_dir.exists() and not save_dir.is_dir():
         return [f"--save-dir {save_dir}: a file, not a folder; choose a folder for the experiments (default outputs)"]
     if blocker := file_above(save_dir):

@@ -536,6 +536,15 @@ TRAINER_NAME_CASES = [
         "--save-dir that is an experiment", ("--save-dir", "@outputs/exp"), "is a training experiment", "--save-dir"
     ),
     flag_case("--save-dir that is split folders", ("--save-dir", "@splits"), "is split folders of organize_data.py"),
+    flag_case(  # the dataset's own tool replaces it whole; a checkpoint folder is pruned by its run
+        "--save-dir inside a dataset", ("--save-dir", "@dataset/outs"), "is inside", "a dataset", "a folder of its own"
+    ),
+    flag_case(
+        "--save-dir inside an experiment", ("--save-dir", "@outputs/exp/checkpoint"), "is inside", "training experiment"
+    ),
+    flag_case(
+        "--save-dir empty (an unset variable)", ("--save-dir", ""), "--save-dir is empty (an unset shell variable?)"
+    ),
 ]
 
 TRAINER_INPUT_CASES = [
