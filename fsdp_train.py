@@ -73,6 +73,7 @@ from fsdp_lib.runtime import (
     eagerly,
     evaluation_cut_short,
     log,
+    peer_lost,
     report_error,
     seed_everything,
     setup_distributed,
@@ -539,6 +540,14 @@ def main(argv: list[str] | None = None) -> int:
             return stopped_now(KeyboardInterrupt(signal.Signals(signum).name), cut)
         if isinstance(exc, (TrainError, FileNotFoundError)):
             return report_error(str(exc), 1)
+        if peer_lost(exc):  # its peers are gone: no teardown collective either
+            at_once = True
+            return report_error(
+                f"another process of this launch stopped (killed, or out of memory: torchrun's summary names which) "
+                f"while this one waited on it ({str(exc).splitlines()[0][:200]}); the checkpoints already written are "
+                "whole: rerun the same command to resume",
+                1,
+            )
         if isinstance(exc, WRITE_FAILURES):  # e.g. a read-only or full --save-dir: the OS error in words, with the path
             return report_error(
                 f"{explain_write_error(exc, cfg.experiment_dir.parent)}; fix it and rerun the same command", 1

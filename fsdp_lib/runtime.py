@@ -342,6 +342,16 @@ def clear_stop_request() -> None:
         sys.unraisablehook = _HOOKS.pop()
 
 
+# What gloo and NCCL say when the other end of a collective is gone (killed, out of memory): the survivor's error
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another process of the launch died: its cause is that
+    process's (torchrun's summary names it), and this one's traceback only buried it."""
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in PEER_LOST)
+
+
 def stopped_at_once() -> int | None:
     """The signal that stopped this process at once (before training, or a second Ctrl-C in it), or None: an error
     raised since, by a save or a collective it cut short or by a peer it stopped too, is that stop, not a fault."""
