@@ -249,11 +249,11 @@ def run_download(args: argparse.Namespace) -> int:
     if local_dir is not None:
         check_download_target(local_dir, args.model_name)
     with explained_hub_errors(args.model_name, args.revision):
-        folder, commit = download_model(
+        folder, snapshot = download_model(
             args.model_name, args.revision, local_dir, args.token, args.force_download, rerun_command(args)
         )
-    check_fetched(folder, args.model_name)  # every byte against the hub's checksums, always after a download
-    source = {"model_name": args.model_name, "revision": args.revision, "commit": commit}
+    check_fetched(snapshot, folder)  # what this run fetched, every byte against the hub's checksums
+    source = {"model_name": args.model_name, "revision": args.revision, "commit": snapshot.commit}
     # verify exactly as training will load it: by hub id from the cache, offline, or as a folder
     load_name, revision = (args.model_name, args.revision) if local_dir is None else (str(folder), None)
     verify_and_record(folder, load_name, revision, source, True)
@@ -272,8 +272,10 @@ def rerun_command(args: argparse.Namespace) -> str:
 
 def run_dataset_download(args: argparse.Namespace) -> int:
     with explained_hub_errors(args.dataset, args.revision, flag="--dataset"):
-        folder = download_dataset(args.dataset, args.revision, args.token, args.force_download, rerun_command(args))
-    check_fetched(folder, args.dataset)
+        folder, snapshot = download_dataset(
+            args.dataset, args.revision, args.token, args.force_download, rerun_command(args)
+        )
+    check_fetched(snapshot, folder)
     report_dataset(args.dataset, args.revision, verify_dataset(args.dataset, args.revision))
     mark_complete(folder)
     return 0

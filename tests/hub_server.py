@@ -186,10 +186,12 @@ class HubRequestHandler(BaseHTTPRequestHandler):
                 for name, data in sorted(repo.files.items())
             ]
         else:
-            siblings = [
+            siblings = [  # as the hub: a weight file (LFS) has its SHA-256 and the blob id of its pointer file
                 {"rfilename": name, "size": len(data), "blobId": _git_oid(data)}
+                | ({"lfs": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}}
+                   if name.endswith((".safetensors", ".bin", ".pt")) else {})
                 for name, data in sorted(repo.files.items())
-            ]
+            ]  # fmt: skip
             body = {"id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False, "siblings": siblings}
         self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
 

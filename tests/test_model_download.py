@@ -299,6 +299,52 @@ def test_bytes_damaged_on_the_way_are_caught_removed_and_fetched_again(
     assert len(hub.file_gets(shard)) == 2
 
 
+def test_a_rerun_that_fetches_nothing_never_marks_a_finished_download_unfinished(
+    hub: FakeHub, served_model: Path, tmp_path: Path
+):
+    """A rerun of a finished download wrote the unfinished-download marker before fetching nothing; interrupted (in
+    its verification, here), it left a model the trainer had trained from refused as unfinished."""
+    hf_home = tmp_path / "hf_home"
+    assert run_cli(["--model-name", REPO_ID], hf_home, hub.url).returncode == 0
+    snapshot = snapshot_of(hf_home, hub)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import fsdp_lib.hub.verify as verify\n"
+        "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+        "verify.verify_and_record = interrupted\n"
+    )
+    path = os.pathsep.join([str(shim), str(Path(md.__file__).parent)])
+    rerun = run_cli(["--model-name", REPO_ID], hf_home, hub.url, env_extra={"PYTHONPATH": path})
+    assert rerun.returncode == 130, rerun.stdout + rerun.stderr
+    assert not (snapshot / ".model_download_incomplete").exists()
+    from fsdp_lib.model.hf_files import model_folder_problems
+
+    assert model_folder_problems(snapshot) == []
+
+
+def test_only_what_a_download_fetched_is_checked_and_plain_files_use_the_listing(tmp_path: Path):
+    """Checksums come from the hub's listing (an LFS file's SHA-256, else its blob id), so a cache on a file system
+    without links (plain files, no blob names) is checked too (it failed every download); files the run did not
+    fetch, such as a user's edited README in a --local-dir, are neither read nor removed."""
+    import hashlib
+
+    from fsdp_lib.hub.download import HubSnapshot, check_fetched
+
+    weights, readme = b"weights" * 100, b"my own notes"
+    (tmp_path / "model.safetensors").write_bytes(weights)
+    (tmp_path / "README.md").write_bytes(readme)
+    sums = {"model.safetensors": hashlib.sha256(weights).hexdigest(), "README.md": "0" * 40}
+    snapshot = HubSnapshot(REPO_ID, "main", tmp_path, None, False, "c" * 40, {}, checksums=sums)
+    snapshot.fetched = ["model.safetensors"]
+    check_fetched(snapshot, tmp_path)
+    assert (tmp_path / "README.md").read_bytes() == readme
+    (tmp_path / "model.safetensors").write_bytes(weights[:-1] + b"!")
+    with pytest.raises(ToolError, match="model.safetensors of org/tiny arrived with bytes that differ"):
+        check_fetched(snapshot, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists() and (tmp_path / "README.md").exists()
+
+
 def test_ctrl_c_during_a_stalled_file_stops_at_once(hub: FakeHub, served_model: Path, tmp_path: Path):
     """Ctrl-C waited for huggingface_hub's pool to finish the files in flight (the read timeout on a stalled server,
     minutes of a large shard on a slow link): it looked hung. The download now runs in a thread Ctrl-C leaves."""

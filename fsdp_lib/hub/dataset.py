@@ -18,6 +18,7 @@ from fsdp_lib.hub.download import (
     cache_snapshot_folder,
     check_free_space,
     free_disk_bytes,
+    listed_checksums,
     mark_incomplete,
     note_partial_files,
     offline_mode_message,
@@ -40,9 +41,12 @@ print(json.dumps({name: {"rows": len(split), "columns": split.column_names} for 
 """
 
 
-def download_dataset(repo_id: str, revision: str, token: str | None, force: bool, rerun: str) -> Path:
+def download_dataset(
+    repo_id: str, revision: str, token: str | None, force: bool, rerun: str
+) -> tuple[Path, HubSnapshot]:
     """Fetch every file of a hub dataset repository into the HF_HOME cache; return its snapshot folder, marked
-    incomplete (mark_incomplete, with `rerun`) until the caller has checked and loaded it.
+    incomplete (mark_incomplete, with `rerun`) while files are fetched into it until the caller has checked and
+    loaded it, and the snapshot (what it fetched).
 
     The same machinery as download_model: a free-space check up front, complete files skipped on a rerun,
     interrupted files resumed by huggingface_hub."""
@@ -55,17 +59,21 @@ def download_dataset(repo_id: str, revision: str, token: str | None, force: bool
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
     if not sizes:
         raise ToolError(f"dataset repository {repo_id} @ {revision} has no files; check --dataset and --revision")
-    snapshot = HubSnapshot(repo_id, revision, None, token, force, info.sha or revision, sizes, repo_type="dataset")
+    snapshot = HubSnapshot(
+        repo_id, revision, None, token, force, info.sha or revision, sizes, "dataset", listed_checksums(info.siblings)
+    )
     needed = sum(size for name, size in sizes.items() if force or not snapshot.is_present(name))
     target = Path(constants.HF_HUB_CACHE)
     check_free_space(needed, free_disk_bytes(target), target)
     log(f"dataset {repo_id} @ {revision} (commit {info.sha}): fetching {len(sizes)} file(s), {format_bytes(needed)}")
-    if info.sha:
+    incomplete = bool(snapshot.to_fetch(sorted(sizes)))  # a rerun that fetches nothing leaves the folder as it was
+    if incomplete and info.sha:
         mark_incomplete(cache_snapshot_folder(repo_id, "dataset", info.sha), rerun)
     folder = snapshot.fetch(sorted(sizes))
-    mark_incomplete(folder, rerun)
+    if incomplete:
+        mark_incomplete(folder, rerun)
     note_partial_files(folder)
-    return folder
+    return folder, snapshot
 
 
 def verify_dataset(repo_id: str, revision: str) -> dict[str, dict[str, Any]]:

@@ -10,18 +10,19 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
-from fsdp_lib.hub.checksums import check_against_hub, discard, download_note, hub_checksum_of
+from fsdp_lib.hub.checksums import discard, download_note, hub_checksum_of, hub_etag
 from fsdp_lib.hub.console import ToolError, interruptible, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import (
     DOWNLOAD_SOURCE,
     VERIFICATION_RECORD,
     folder_source,
+    read_verification_record,
     remove_verification_record,
     write_download_source,
 )
@@ -228,11 +229,17 @@ class HubSnapshot:
     commit: str
     sizes: dict[str, int]
     repo_type: str = "model"
+    checksums: dict[str, str] = field(default_factory=dict)  # the listing's: an LFS file's SHA-256, else its blob id
+    fetched: list[str] = field(default_factory=list)  # what this run downloaded (complete files are skipped)
+
+    def to_fetch(self, files: list[str]) -> list[str]:
+        return [name for name in files if self.force or not self.is_present(name)]
 
     def fetch(self, files: list[str]) -> Path:
         """Download these files (skipping complete ones) and return the folder holding them."""
         from huggingface_hub import snapshot_download
 
+        new = self.to_fetch(files)
         fetched: list[str] = []
         interruptible(lambda: fetched.append(snapshot_download(
             self.repo_id,
@@ -255,6 +262,7 @@ class HubSnapshot:
                 f"rerun to resume (files already complete are kept); {OFFLINE_HINT}. With internet, check HF_ENDPOINT "
                 "and proxies"
             )
+        self.fetched += new
         return Path(folder)
 
     def is_present(self, name: str) -> bool:
@@ -295,27 +303,45 @@ def refuse_unfinished(folder: Path) -> None:
         raise ToolError(f"the download into {folder} did not finish ({INCOMPLETE_DOWNLOAD}); finish it with: {rerun}")
 
 
-def check_fetched(folder: Path, repo_id: str) -> None:
-    """Every file of a finished download against the hub's checksums: huggingface_hub checks sizes only, so bytes
-    damaged on the way (a proxy, a bad disk) at the right size passed verification, and a rerun kept them. Damaged
-    files are removed, so that the rerun the message asks for fetches them again."""
-    report = check_against_hub(folder)
-    if report.corrupt:
-        discard(folder, report.corrupt)
+def listed_checksums(siblings: list[Any]) -> dict[str, str]:
+    """The hub's checksum of each listed file: an LFS file's SHA-256, else the git blob id of a small file."""
+    checksums = {}
+    for sibling in siblings:
+        lfs = getattr(sibling, "lfs", None)
+        checksum = getattr(lfs, "sha256", None) if lfs is not None else getattr(sibling, "blob_id", None)
+        if isinstance(checksum, str):
+            checksums[sibling.rfilename] = checksum
+    return checksums
+
+
+def check_fetched(snapshot: HubSnapshot, folder: Path) -> None:
+    """The files this run downloaded against the hub's checksums: huggingface_hub checks sizes only, so bytes damaged
+    on the way (a proxy, a bad disk) at the right size passed verification, and a rerun kept them. Damaged files are
+    removed, so that the rerun the message asks for fetches them again. Files already there are not read again."""
+    corrupt, unknown = [], []
+    for name in snapshot.fetched:
+        expected = snapshot.checksums.get(name) or hub_etag(folder, name)
+        if expected is None or not re.fullmatch(r"[0-9a-f]{64}|[0-9a-f]{40}", expected):
+            unknown.append(name)
+        elif hub_checksum_of(folder / name, expected) != expected:
+            corrupt.append(name)
+    if corrupt:
+        discard(folder, corrupt)
         raise ToolError(
-            f"{name_sample(report.corrupt)} of {repo_id} arrived with bytes that differ from the hub's checksum (a "
+            f"{name_sample(corrupt)} of {snapshot.repo_id} arrived with bytes that differ from the hub's checksum (a "
             "damaged transfer, a proxy or a bad disk): removed; rerun the same command to fetch them again"
         )
-    if report.problems:
-        raise ToolError("checksums: " + "; ".join(report.problems))
-    log(report.summary())
+    if snapshot.fetched:
+        unlisted = f"; no hub checksum for {name_sample(unknown)}" if unknown else ""
+        log(f"checksums: {len(snapshot.fetched) - len(unknown)} fetched file(s) match the hub's{unlisted}")
 
 
 def download_model(
     repo_id: str, revision: str, local_dir: Path | None, token: str | None, force: bool, rerun: str
-) -> tuple[Path, str]:
+) -> tuple[Path, HubSnapshot]:
     """Fetch config, tokenizer and weights; return the folder holding them (cache snapshot or local_dir) and the
-    commit. The folder is marked incomplete (mark_incomplete, with `rerun`) until the caller has verified it.
+    snapshot (its commit, what it fetched). A folder this run fetches into, or one never verified, is marked
+    incomplete (mark_incomplete, with `rerun`) until the caller has verified it.
 
     Files already complete are skipped, so rerunning after an interruption fetches only what is missing;
     a connection dropped mid-file is resumed with an HTTP Range request by huggingface_hub.
@@ -327,7 +353,8 @@ def download_model(
     bound_hub_requests()
     info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True)
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
-    snapshot = HubSnapshot(repo_id, revision, local_dir, token, force, info.sha or revision, sizes)
+    checksums = listed_checksums(info.siblings or [])
+    snapshot = HubSnapshot(repo_id, revision, local_dir, token, force, info.sha or revision, sizes, checksums=checksums)
     try:
         plan = plan_download(sizes)
     except ToolError as exc:
@@ -338,7 +365,7 @@ def download_model(
     target = local_dir or Path(constants.HF_HUB_CACHE)
     check_free_space(needed, free_disk_bytes(target), target)
     wanted = plan.metadata_files + weight_bound
-    if local_dir is not None and (cut := [name for name in weight_bound if _cut_short(local_dir / name, sizes[name])]):
+    if local_dir is not None and (cut := [name for name in wanted if _cut_short(local_dir, name, sizes[name])]):
         # damage, not an edit: huggingface_hub's note says the file is complete, so it was skipped, and every rerun
         # said the hub had stopped answering (or that the user had changed it)
         discard(local_dir, cut)
@@ -352,11 +379,16 @@ def download_model(
 
     if local_dir is not None:
         write_download_source(local_dir, {"model_name": repo_id, "revision": revision, "commit": snapshot.commit})
-    if local_dir is not None or re.fullmatch(r"[0-9a-f]{40}", snapshot.commit):
-        mark_incomplete(local_dir or cache_snapshot_folder(repo_id, "model", snapshot.commit), rerun)
+    hashed = re.fullmatch(r"[0-9a-f]{40}", snapshot.commit)
+    expected = local_dir or (cache_snapshot_folder(repo_id, "model", snapshot.commit) if hashed else None)
+    # a rerun of a finished, verified download fetches nothing: interrupted, it must not leave the folder refused
+    incomplete = bool(snapshot.to_fetch(wanted)) or expected is None or read_verification_record(expected) is None
+    if incomplete and expected is not None:
+        mark_incomplete(expected, rerun)
     log(f"{repo_id} @ {revision} (commit {info.sha}): fetching {len(plan.metadata_files)} config/tokenizer files")
     folder = snapshot.fetch(plan.metadata_files)
-    mark_incomplete(folder, rerun)  # (again: the listing named no commit, or the cache put it elsewhere)
+    if incomplete:  # (again: the listing named no commit, or the cache put it elsewhere)
+        mark_incomplete(folder, rerun)
     remove_verification_record(folder)  # from here until verification passes, the folder is not complete
     weights = plan.weight_files
     if plan.index_file:
@@ -372,14 +404,21 @@ def download_model(
     if snapshot.fetch(weights) != folder:
         raise ToolError(f"{repo_id} @ {revision} moved to a new commit during the download; rerun")
     note_partial_files(folder)
-    return folder, snapshot.commit
+    return folder, snapshot
 
 
-def _cut_short(path: Path, size: int) -> bool:
+def _cut_short(local_dir: Path, name: str, size: int) -> bool:
+    """A file shorter than the hub's copy that nobody changed since its download (a weight file is never edited;
+    another file only if modified after huggingface_hub's note of it): an interrupted copy, not the user's edit."""
     try:
-        return path.stat().st_size < size
+        modified_at, actual = (local_dir / name).stat().st_mtime, (local_dir / name).stat().st_size
     except OSError:
         return False
+    if actual >= size:
+        return False
+    note = download_note(local_dir, name)
+    untouched = note is not None and note[1] is not None and modified_at - 1 <= note[1]
+    return name.endswith((".safetensors", ".bin")) or untouched
 
 
 def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
