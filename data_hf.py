@@ -56,6 +56,7 @@ from tqdm import tqdm
 from fsdp_lib.arguments import JoinRepeats, OneValueParser
 from fsdp_lib.convert.extraction import DATA_FORMATS, DEFAULT_MAX_CHARS, JSON_MODES, RECORD_FORMATS
 from fsdp_lib.convert.planning import (
+    NOT_TEXT_ENDINGS,
     Options,
     file_ending,
     find_input_files,
@@ -94,7 +95,6 @@ DEFAULT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".yaml", ".yml")
 MAX_MAX_CHARS = 100_000_000
 # Endings of files that are not text: a --data_folder file with one of these is refused, not read as text.
 GUESSED_ENCODINGS = ("cp1252", "latin-1")  # what a file that is not UTF-8 (and has no byte-order mark) is read as
-NOT_TEXT_ENDINGS = {".parquet", ".arrow", ".pdf", ".docx"}
 _DECOMPRESS = (
     "data_hf.py reads text files, not compressed ones; decompress them first (gunzip -k, unzstd, unxz -k, bunzip2 -k, "
     "unzip), then convert the folder"
@@ -358,6 +358,8 @@ def _no_files_message(args: argparse.Namespace, text_files: int, other_endings: 
     if not text_files:
         found = f"; it holds {endings_text(other_endings)}" if other_endings else ""
         fix = _DECOMPRESS if any(map(is_compressed, other_endings)) else "check the path or pass --extensions"
+        if other_endings and all(ending in NOT_TEXT_ENDINGS for ending in other_endings):
+            fix = "data_hf.py reads text files only: convert them to .jsonl or text first"
         return f"no files with the extensions {' '.join(args.extensions)} {where}{found}; {fix}"
     what = {"chat": "conversation", "preference": "preference", "prompts": "prompt"}[args.data_format]
     return (

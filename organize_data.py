@@ -6,7 +6,8 @@
     python organize_data.py --src-dir ./raw_text --dst-root ./splits --dry-run
 
 Every matching file under --src-dir (searched recursively; hidden files and folders, and folders a tool
-wrote such as a model or a dataset, are skipped, and symlinked folders are not followed) lands in exactly one of dst_root/split_00 ... split_NN under its
+wrote such as a model or a dataset, are skipped, and symlinked folders are not followed) lands in exactly
+one of dst_root/split_00 ... split_NN under its
 path relative to --src-dir, so same-named files from different folders never collide.
 dst_root/.organize_manifest.json records destination -> source and the settings used: rerunning the same
 command changes nothing (or finishes an interrupted run), and a different plan is refused unless --overwrite.

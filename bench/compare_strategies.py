@@ -1,5 +1,6 @@
 """Which sharding setting to train with: the same short fsdp_train.py run under each strategy (the
-DDP-vs-FSDP comparison users asked for), with tokens/s, peak memory per rank and final loss side by side, and a recommendation.
+DDP-vs-FSDP comparison users asked for), with tokens/s, peak memory per rank and final loss side by side, and a
+recommendation.
 
     python bench/compare_strategies.py -m models/llama-1b -d hf_datasets/my_corpus --nproc 8 --steps 20
     python bench/compare_strategies.py -m models/tiny -d hf_datasets/my_corpus --memory-budget-gb 20

@@ -611,7 +611,8 @@ def test_files_of_other_endings_are_counted_and_compressed_ones_named(tmp_path: 
     summary = summary_of(tmp_path / "out")
     assert summary["files_not_read_by_ending"] == {".jsonl.gz": 2, ".csv": 1, "": 1}
     note = "not read, their ending is not in --extensions: 2 .jsonl.gz files, 1 .csv file, 1 file without an ending"
-    assert summary["notes"][0].startswith(note) and "decompress them first" in summary["notes"][0]
+    assert summary["notes"][0].startswith(note) and "for .jsonl.gz, decompress them first" in summary["notes"][0]
+    assert "for .csv, pass --extensions to read them as text; for no ending, give them an ending" in summary["notes"][0]
     assert note in capsys.readouterr().out
     (data / "a.jsonl").unlink()
     (data / "notes.csv").unlink()
@@ -627,6 +628,12 @@ def test_files_of_other_endings_are_counted_and_compressed_ones_named(tmp_path: 
     assert convert(data / "b.jsonl.gz", tmp_path / "out4") == 1
     assert "is a file ending in .jsonl.gz, which --extensions does not list; data_hf.py reads text files, not" in (
         capsys.readouterr().err
+    )
+    # files that are no text (parquet): the fix is to convert them, not --extensions (which read them as binary)
+    parquet = write_files(tmp_path / "parquet", {"a.parquet": "PAR1"})
+    assert convert(parquet, tmp_path / "out6") == 1
+    assert (
+        "it holds 1 .parquet file; data_hf.py reads text files only: convert them to .jsonl" in capsys.readouterr().err
     )
     # two-part endings that are not compressed match as organize_data.py matches them
     write_files(data, {"d.notes.txt": "two-part ending"})

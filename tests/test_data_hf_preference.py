@@ -135,6 +135,10 @@ SHAPES = [
     # Orca DPO pairs (Intel/orca_dpo_pairs): system + question; sets that call the prompt a query or an input
     ("orca", {"system": "Be brief.", "question": Q, "chosen": GOOD, "rejected": BAD}, WITH_SYSTEM),
     ("query", {"query": Q, "chosen": GOOD, "rejected": BAD}, SIMPLE),
+    ("null-prompt", {"prompt": None, "question": Q, "chosen": GOOD, "rejected": BAD}, SIMPLE),  # passed over
+    # one "Human:" is text, not an HH dialogue (it lost the word)
+    ("human-word", {"prompt": "Human: what is 2+2?", "chosen": GOOD, "rejected": BAD},
+     PreferencePair(turns("user", "Human: what is 2+2?"), SIMPLE.chosen, SIMPLE.rejected)),
     ("input", {"input": Q, "chosen": GOOD, "rejected": BAD}, SIMPLE),
     # an HH dialogue as the prompt string (Dahoas/rm-static): its turns, the empty answer header dropped
     ("hh-prompt", {"prompt": f"\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: {Q}\n\nAssistant:", "chosen": f" {GOOD}",

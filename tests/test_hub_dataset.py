@@ -175,6 +175,7 @@ def test_known_shapes_without_the_trainer_s_columns_are_named_with_the_conversio
         "hh": ({"chosen": ["\n\nHuman: Hi\n\nAssistant: Hello."], "rejected": ["\n\nHuman: Hi\n\nAssistant: Go."]},
                "preference pairs without a 'prompt' column (an implicit prompt, as in Anthropic HH)"),
         "gsm8k": ({"question": ["What is 2+2?"], "answer": ["4"]}, "prompts (or exchanges) under another name"),
+        "orca": ({"system": [""], "question": ["2+2?"], "chosen": ["4"], "rejected": ["5"]}, "prompt is in 'question'"),
     }  # fmt: skip
     for name, (columns, what) in shapes.items():
         datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / name))

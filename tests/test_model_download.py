@@ -917,6 +917,7 @@ def test_overwrite_refuses_a_model_folder_that_holds_more_than_a_model(tiny_mode
     (target / "model.safetensors.index.json").write_text("{}")  # what a sharded save or a hub download holds
     (target / "quantize_config.json").write_text("{}")
     (target / "README.md").write_text("a model card")
+    (target / ".model_download_incomplete").write_text("{}")  # an interrupted download's marker is no user file
     assert md.main(argv) == 0, capsys.readouterr().err
 
 

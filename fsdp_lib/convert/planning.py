@@ -22,6 +22,8 @@ TASK_BYTES = 2 << 20
 TASK_FILES = 256
 # Endings of compressed files: data_hf.py reads text, so these are named (".jsonl.gz") and the fix is to decompress.
 COMPRESSED_ENDINGS = frozenset({".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".tar", ".tgz"})
+# Endings of files that are no text however they are read: the fix is to convert them first.
+NOT_TEXT_ENDINGS = frozenset({".parquet", ".arrow", ".pdf", ".docx"})
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,17 @@ def file_ending(name: str) -> str:
 def is_compressed(ending: str) -> bool:
     """Whether a file ending (".jsonl.gz", ".zst") is that of a compressed file."""
     return Path(f"x{ending}").suffix.lower() in COMPRESSED_ENDINGS
+
+
+def ending_fix(ending: str) -> str:
+    """What to do about files of an ending --extensions does not list."""
+    if is_compressed(ending):
+        return "decompress them first (gunzip -k, unzstd, ...)"
+    if ending in NOT_TEXT_ENDINGS:
+        return "convert them to .jsonl or text first (they are no text)"
+    if not ending:
+        return "give them an ending such as .txt"
+    return "pass --extensions to read them as text"
 
 
 def has_ending(name: str, extensions: Iterable[str]) -> bool:

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_lib.convert.planning import is_compressed
+from fsdp_lib.convert.planning import ending_fix
 from fsdp_lib.convert.publish import SUMMARY_NAME
 from fsdp_lib.convert.reading import note_no_text
 from fsdp_lib.convert.results import MAX_LISTED, REASONS, FileResult, Problem
@@ -214,9 +214,8 @@ def _ending_notes(other_endings: dict[str, int]) -> list[str]:
     """That files were passed over for their ending, so a corpus of .jsonl.gz files is not silently left out."""
     if not other_endings:
         return []
-    compressed = any(is_compressed(ending) for ending in other_endings)
-    fix = "decompress them first (gunzip -k, unzstd, ...)" if compressed else "pass --extensions to read them as text"
-    return [f"not read, their ending is not in --extensions: {endings_text(other_endings)}; to convert them, {fix}"]
+    fixes = "; ".join(dict.fromkeys(f"for {ending or 'no ending'}, {ending_fix(ending)}" for ending in other_endings))
+    return [f"not read, their ending is not in --extensions: {endings_text(other_endings)}; to convert them: {fixes}"]
 
 
 def _format_notes(tally: Tally, data_format: str, column: str) -> list[str]:

@@ -389,7 +389,8 @@ def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any,
     validation = None
     if val_split is not None and len(val_split):
         validation = load_prompts(val_split, tokenizer, longest, name, "validation", cfg.max_skipped_fraction)
-        validation = validation if len(validation) else None  # every one skipped: nothing to evaluate, no zeros
+        # every one skipped (with --max-skipped-fraction 1): nothing to evaluate, no zeros
+        validation = validation if len(validation) else None
     template = chat_template_hash(tokenizer) if prompts.conversational else "text"
     log(
         f"--objective grpo{' (auto: the dataset has a prompt column)' if cfg.objective == 'auto' else ''}: "

@@ -26,7 +26,7 @@ from fsdp_lib.hub.presets import (
 from fsdp_lib.hub.tokenizer import build_tokenizer, save_tokenizer
 from fsdp_lib.hub.verify import VerifiedModel, verify_model, write_verification_record
 from fsdp_lib.lock import FolderLock
-from fsdp_lib.markers import VERIFICATION_RECORD, folder_kind
+from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, VERIFICATION_RECORD, folder_kind
 from fsdp_lib.model.memory_plan import format_bytes, format_count
 
 MAX_SHARD_SIZE = "5GB"  # --with-weights shard size; also bounds the extra memory needed while saving
@@ -103,6 +103,7 @@ def check_init_target(path: Path, overwrite: bool) -> None:
 _MODEL_FILE_SUFFIXES = (".safetensors", ".model", ".jinja", ".tiktoken", ".index.json")
 _MODEL_FILE_NAMES = (
     *TOKENIZER_FILES,
+    INCOMPLETE_DOWNLOAD,  # an interrupted download's (--overwrite replaces such a folder too)
     "config.json",
     "generation_config.json",
     "adapter_config.json",

@@ -86,6 +86,10 @@ def _shape_hint(columns: list[str]) -> str | None:
     Pairs without a prompt column (TRL's implicit prompt, Anthropic HH strings) and question/problem prompts were
     told to pass --text-column, which would train one column as plain text."""
     names = {column.lower() for column in columns}
+    if {"chosen", "rejected"} <= names and (asked := sorted(names & {"question", "query", "input", "instruction"})):
+        return f"preference pairs whose prompt is in '{asked[0]}' (as in Orca DPO pairs): " + _AS_FILES.format(
+            "preference"
+        )
     if {"chosen", "rejected"} <= names:
         return (
             "preference pairs without a 'prompt' column (an implicit prompt, as in Anthropic HH): data_hf.py splits the "

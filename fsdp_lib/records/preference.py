@@ -109,14 +109,14 @@ def _preference_turns(value: object, key: str, string_role: str) -> list[tuple[s
 
 # The key of a pair's prompt, in order: TRL's, ShareGPT's, Alpaca's (+ input), and the question of Orca DPO pairs
 # (system, question, chosen, rejected) or of sets that call it a query or an input.
-PROMPT_KEYS = ("prompt", "conversations", "instruction", "question", "query", "input")
+PAIR_PROMPT_KEYS = ("prompt", "conversations", "instruction", "question", "query", "input")
 
 
 def prompt_turns(value: object, key: str) -> list[tuple[str, str]]:
     """A prompt's turns: a string is one user turn, unless it is an Anthropic HH dialogue ("\n\nHuman: ...
     \n\nAssistant:", as Dahoas/rm-static stores prompts), whose turns are read and the empty answer header dropped
     (kept as one user turn, the template wrapped the literal markers)."""
-    if isinstance(value, str) and _HH_TURN.match(value):
+    if isinstance(value, str) and _HH_TURN.match(value) and len(_HH_TURN.findall(value)) > 1:  # "Human: hi" is text
         turns = _hh_turns(value, key)
         return turns[:-1] if turns[-1] == ("assistant", "") else turns
     return _preference_turns(value, key, "user")
@@ -206,7 +206,7 @@ def parse_preference(record: object) -> PreferencePair | UnpairedExample:
     fields = _lower_keys(record, "the record")
     if "chosen" not in fields and "rejected" not in fields:
         return parse_unpaired(fields)
-    if key := next((key for key in PROMPT_KEYS if key in fields), None):
+    if key := next((key for key in PAIR_PROMPT_KEYS if fields.get(key) is not None), None):  # null: no prompt
         if key == "conversations":
             given = _preference_turns(fields["conversations"], "conversations", "user")
         elif key == "instruction":
