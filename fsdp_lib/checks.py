@@ -440,6 +440,8 @@ def _dataset_problems(name: str) -> list[str]:
         return [f"--dataset-name {path}: cannot be read ({why}); let the user who runs the trainer read it"]
     convert = f"convert raw files with: python data_hf.py --data_folder {path} --save_dir DATASET, then pass -d DATASET"
     if path.exists() and not path.is_dir():
+        if folder_kind(path.parent) is not None and folder_kind(path.parent).kind == "dataset":  # a file of one
+            return [f"--dataset-name {path}: a file of the dataset {path.parent}; pass the folder: -d {path.parent}"]
         return [f"--dataset-name {path}: a file, not a dataset folder; {convert}"]
     if not path.is_dir():
         return [f"--dataset-name {path}: no such folder; create it with data_hf.py --save_dir {path}"]

@@ -106,9 +106,13 @@ def _no_config(model_name: str, path: Path) -> str:
     kind = folder_kind(path)
     if kind is not None and kind.kind == "experiment":
         final = path / "final"
+        if (final / "adapter_config.json").is_file():  # a LoRA run's export is an adapter: it is no -m either
+            return f"--model-name {kind.describe(path)}, not a model; {_no_config(str(final), final)[len('--model-name ') :]}"
         return f"--model-name {kind.describe(path)}, not a model; its exported model is -m {final}" + (
             "" if (final / "config.json").is_file() else " (once exported: rerun it with --export-only)"
         )
+    if kind is not None and kind.kind == "token cache":
+        return f"--model-name {kind.describe(path)}, not a model: pass the model folder as -m (and the dataset as -d)"
     if kind is not None:
         return f"--model-name {kind.describe(path)}, not a model; pass it as -d if it is your data, and a model as -m"
     if (path / "adapter_config.json").is_file():  # a LoRA run's final/: the adapter, not a model

@@ -145,6 +145,7 @@ def make_user_folders(root: Path, model: Path) -> Path:
     lost = make_experiment(root / "outputs" / "lost")  # its checkpoints deleted to free the disk
     shutil.rmtree(lost / "checkpoint")
     make_raw(root / "outputs" / "notes")  # the user's own folder where an experiment would go
+    (root / "outputs" / ".token_cache" / "0123abcd").mkdir(parents=True)  # a run's token cache
     legacy = root / "outputs" / "legacy"  # another tool's run, with files named as a run's: they were replaced
     legacy.mkdir()
     (legacy / "config.yaml").write_text("model: my-old-model\nlr: 1e-4\n")

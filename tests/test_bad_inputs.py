@@ -561,6 +561,18 @@ TRAINER_INPUT_CASES = [
         "a file, not a dataset folder",
         "python data_hf.py --data_folder",
     ),
+    trainer_case(  # it said to convert the file with data_hf.py
+        "-d a file of a dataset",
+        run_flags(d="dataset/dataset_info.json"),
+        "a file of the dataset",
+        "pass the folder: -d",
+    ),
+    trainer_case(
+        "-m the token cache",
+        run_flags(m="outputs/.token_cache"),
+        "fsdp_train.py's token cache",
+        "pass the model folder as -m",
+    ),
     trainer_case(
         "-d raw files",
         run_flags(d="raw"),
@@ -1257,3 +1269,16 @@ def test_a_runs_config_yaml_reused_on_another_process_count_keeps_its_global_bat
     (tmp_path / "reuse.yaml").write_text(yaml.safe_dump(run_settings(cfg), sort_keys=False))
     again = load_config(["--config", str(tmp_path / "reuse.yaml")])
     assert _batch_problems(again, 2) == [] and again.grad_accum_steps == 2
+
+
+def test_a_lora_experiment_as_the_model_is_told_to_pass_its_base_and_adapter(tmp_path: Path) -> None:
+    """-m a LoRA run's experiment said "its exported model is -m EXP/final", itself an adapter that is refused."""
+    from fsdp_lib.offline import _no_config
+
+    exp = tmp_path / "lora1"
+    (exp / "final").mkdir(parents=True)
+    (exp / "run.lock").write_text("")
+    (exp / "final" / "adapter_config.json").write_text('{"base_model_name_or_path": "/models/base"}')
+    said = _no_config(str(exp), exp)
+    assert "is a training experiment of fsdp_train.py" in said and "its exported model" not in said, said
+    assert "is a LoRA adapter, not a model: pass its base, -m /models/base, with --peft lora --adapter" in said, said
