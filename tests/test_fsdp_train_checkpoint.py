@@ -779,3 +779,21 @@ def test_the_same_data_planned_otherwise_is_refused_by_its_block_count():
     older = {"fingerprint": {"dataset": "9a02", "data_format": "chat:1"}, "config": {}}  # before the count: not checked
     ckpt.fingerprint["data_format"] = "chat:1"
     ckpt.check_compatible(older, Path("step_4"), None)
+
+
+def test_writer_threads_still_failing_after_the_save_failed_print_no_traceback(capsys):
+    """A full disk failed the main thread's own checkpoint writes first: DCP's writer threads, not joined, failed
+    after the collecting hook was gone and printed a thread traceback above the run's one-line error."""
+    import threading
+
+    from fsdp_lib.train.checkpoint import _writer_thread_failures
+
+    def _write_files_from_queue() -> None:  # DCP's writer thread, slower to fail than the main thread
+        time.sleep(0.3)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="main thread"), _writer_thread_failures() as failed:
+        threading.Thread(target=_write_files_from_queue, name="Thread-9 (_write_files_from_queue)").start()
+        raise OSError(28, "main thread")
+    assert [str(exc) for exc in failed] == ["[Errno 28] No space left on device"]
+    assert "Traceback" not in capsys.readouterr().err

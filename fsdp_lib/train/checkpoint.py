@@ -215,7 +215,10 @@ def _writer_thread_failures() -> Iterator[list[BaseException]]:
     threading.excepthook = collect
     try:
         yield failed
-    finally:
+    finally:  # a failure of this thread's own writes leaves DCP's threads running: their failure is collected too
+        for thread in threading.enumerate():  # (it printed a thread traceback above the run's one-line error)
+            if thread.name.endswith("(_write_files_from_queue)") and thread is not threading.current_thread():
+                thread.join(timeout=300)
         threading.excepthook = previous
 
 
