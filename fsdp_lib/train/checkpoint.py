@@ -529,6 +529,7 @@ class Checkpointer:
                 "world_size": self.d.world_size,
                 "config": run_settings(self.cfg),  # as config.yaml has them: local paths absolute
                 "saved_at": dt.datetime.now().isoformat(timespec="seconds"),
+                "checksummed": True,  # its checksums.json missing later is damage, not an older version's checkpoint
             }
             write_json_atomic(tmp / "train_state.json", payload)
             checksums["train_state.json"] = file_checksum(tmp / "train_state.json")

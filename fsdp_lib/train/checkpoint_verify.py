@@ -52,6 +52,9 @@ def verify_checkpoint(path: Path, d: Dist) -> list[str]:
     try:
         recorded = json.loads((path / CHECKSUM_FILE).read_text())["files"]
     except FileNotFoundError:
+        if _written_with_checksums(path):  # lost since (a partial copy or sync): nothing vouches for its files
+            return broadcast_object([*misnamed, f"{path / CHECKSUM_FILE}: missing, though the checkpoint was written "
+                                                 "with it (a partial copy?)"], d)  # fmt: skip
         log(f"WARNING: {path} has no {CHECKSUM_FILE} (written by an older version); its files are not verified")
         return broadcast_object(misnamed, d)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -60,6 +63,14 @@ def verify_checkpoint(path: Path, d: Dist) -> list[str]:
     found: list[list[str] | None] = [None] * d.world_size
     dist.all_gather_object(found, checksum_problems(path, mine, recorded) + misnamed, group=d.cpu_group)
     return [problem for part in found for problem in part or []]
+
+
+def _written_with_checksums(path: Path) -> bool:
+    """Whether the checkpoint's train_state.json says it was saved with a checksums.json (this version's are)."""
+    try:
+        return json.loads((path / "train_state.json").read_text()).get("checksummed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _misnamed(path: Path) -> list[str]:
