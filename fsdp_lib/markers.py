@@ -87,17 +87,19 @@ def unfinished_download(folder: Path) -> str | None:
     return str(value.get("command")) if isinstance(value, dict) else "model_download.py (the same command as before)"
 
 
-def copied_from(folder: Path) -> Path | None:
-    """The --src-dir whose files split folders `folder` hold copies (or hard links) of, by their finished manifest,
-    while it still holds every one of them; None for other folders, unfinished splits, --mode move and a source
-    that lost files since (the copies are then the only ones). A folder that holds both the source and its splits
-    holds every file twice."""
+def copied_from(folder: Path, within: Path) -> Path | None:
+    """The --src-dir under `within` whose files split folders `folder` hold copies (or hard links) of, by their
+    finished manifest, while it still holds every one of them; None for other folders, a source elsewhere,
+    unfinished splits, --mode move and a source that lost files since (the copies are then the only ones). A folder
+    that holds both the source and its splits holds every file twice."""
     try:
         value: Any = json.loads((folder / SPLITS_MANIFEST).read_text(encoding="utf-8"))
         settings, files = value["settings"], value["files"]
         if value.get("complete") is not True or settings.get("mode") not in ("copy", "link"):
             return None
         source = Path(settings["src_dir"])
+        if not source.is_dir() or not source.resolve().is_relative_to(within.resolve()):
+            return None
         return source if all((source / entry["source"]).is_file() for entry in files.values()) else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None

@@ -182,8 +182,7 @@ def _tool_output(folder: Path) -> Problem | None:
 def _copy_of(folder: Path, root: Path) -> Problem | None:
     """Split folders holding copies of files that `root` also holds (organize_data.py --src-dir raw --dst-root
     splits, then data_hf.py on the folder above both): read once, from the source, not twice."""
-    source = copied_from(folder)
-    if source is None or not source.is_dir() or not source.resolve().is_relative_to(root.resolve()):
+    if (source := copied_from(folder, root)) is None:
         return None
     detail = (
         f"split folders of organize_data.py copying {source}, which --data_folder also holds; read once, from there"

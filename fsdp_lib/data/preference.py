@@ -22,7 +22,7 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.chat import ChatEncoder, ChatFormatError, says_something
 from fsdp_lib.data.packing import best_fit_decreasing, document_starts
 from fsdp_lib.integrity import commit_files, staged, staged_writes
-from fsdp_lib.records.preference import prompt_turns
+from fsdp_lib.records.preference import prompt_turns, repeated_prompt
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import PREFERENCE_COLUMNS
 from fsdp_lib.runtime import raise_if_stopped
@@ -55,11 +55,9 @@ def response_turns(value: object, prompt: list[dict]) -> list[dict]:
     conversations that start with the prompt (with or without its system turn), as data_hf.py strips them; kept,
     every sequence held the prompt twice."""
     response = as_turns(value, "assistant")
-    said = [(turn.get("role"), turn.get("content")) for turn in response]
-    for repeated in (prompt, prompt[1:] if prompt and prompt[0].get("role") == "system" else []):
-        if repeated and said[: len(repeated)] == [(turn.get("role"), turn.get("content")) for turn in repeated]:
-            return response[len(repeated) :]
-    return response
+    given, said = ([(turn.get("role"), turn.get("content")) for turn in turns] for turns in (prompt, response))
+    without_system = given[1:] if given and given[0][0] == "system" else []
+    return response[repeated_prompt(said, [given, without_system]) :]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 from fsdp_lib.errors import name_sample
 from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, VERIFICATION_RECORD
 
-_ETAG = re.compile(r"[0-9a-f]{64}|[0-9a-f]{40}")  # SHA-256 (LFS) or git blob SHA-1
+HUB_CHECKSUM = re.compile(r"[0-9a-f]{64}|[0-9a-f]{40}")  # SHA-256 (LFS) or git blob SHA-1
 _CHUNK = 16 << 20
 
 
@@ -24,7 +24,6 @@ class ChecksumReport:
     checked: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # files the hub's checksum is not known for
     problems: list[str] = field(default_factory=list)
-    corrupt: list[str] = field(default_factory=list)  # files whose bytes differ from the hub's, or whose blob is gone
 
     def summary(self) -> str:
         unknown = f"; no hub checksum for {name_sample(self.unknown)}" if self.unknown else ""
@@ -45,7 +44,7 @@ def download_note(local_dir: Path, name: str) -> tuple[str, float | None] | None
         downloaded_at: float | None = float(lines[2])
     except (IndexError, ValueError):
         downloaded_at = None
-    return (etag, downloaded_at) if _ETAG.fullmatch(etag) else None
+    return (etag, downloaded_at) if HUB_CHECKSUM.fullmatch(etag) else None
 
 
 def hub_etag(folder: Path, name: str) -> str | None:
@@ -53,7 +52,7 @@ def hub_etag(folder: Path, name: str) -> str | None:
     path = folder / name
     if path.is_symlink():  # a cache snapshot: snapshots/COMMIT/NAME -> ../../blobs/ETAG
         etag = Path(os.readlink(path)).name
-        return etag if _ETAG.fullmatch(etag) else None
+        return etag if HUB_CHECKSUM.fullmatch(etag) else None
     note = download_note(folder, name)
     return note[0] if note is not None else None
 
@@ -82,7 +81,6 @@ def check_against_hub(folder: Path) -> ChecksumReport:
     for name in names:
         if not (folder / name).exists():
             report.problems.append(f"{name} is a link to a blob that is gone ({os.readlink(folder / name)})")
-            report.corrupt.append(name)
             continue
         etag = hub_etag(folder, name)
         if etag is None:
@@ -91,7 +89,6 @@ def check_against_hub(folder: Path) -> ChecksumReport:
             report.problems.append(
                 f"{name} differs from the hub's copy (checksum {etag[:12]}...): changed or corrupt on disk"
             )
-            report.corrupt.append(name)
         else:
             report.checked.append(name)
     if not report.checked and not report.problems:

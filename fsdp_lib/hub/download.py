@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lib.errors import file_above, name_sample
-from fsdp_lib.hub.checksums import discard, download_note, hub_checksum_of, hub_etag
+from fsdp_lib.hub.checksums import HUB_CHECKSUM, discard, download_note, hub_checksum_of, hub_etag
 from fsdp_lib.hub.console import ToolError, interruptible, log
 from fsdp_lib.hub.plan import glob_escape, is_weight_file, plan_download
 from fsdp_lib.hub.verify import (
@@ -321,7 +321,7 @@ def check_fetched(snapshot: HubSnapshot, folder: Path) -> None:
     corrupt, unknown = [], []
     for name in snapshot.fetched:
         expected = snapshot.checksums.get(name) or hub_etag(folder, name)
-        if expected is None or not re.fullmatch(r"[0-9a-f]{64}|[0-9a-f]{40}", expected):
+        if expected is None or not HUB_CHECKSUM.fullmatch(expected):
             unknown.append(name)
         elif hub_checksum_of(folder / name, expected) != expected:
             corrupt.append(name)
@@ -411,14 +411,26 @@ def _cut_short(local_dir: Path, name: str, size: int) -> bool:
     """A file shorter than the hub's copy that nobody changed since its download (a weight file is never edited;
     another file only if modified after huggingface_hub's note of it): an interrupted copy, not the user's edit."""
     try:
-        modified_at, actual = (local_dir / name).stat().st_mtime, (local_dir / name).stat().st_size
+        if (local_dir / name).stat().st_size >= size:
+            return False
     except OSError:
         return False
-    if actual >= size:
-        return False
+    since = _since_download(local_dir, name)
+    return name.endswith((".safetensors", ".bin")) or (since is not None and not since[1])
+
+
+def _since_download(local_dir: Path, name: str) -> tuple[str, bool] | None:
+    """(the checksum huggingface_hub noted for local_dir/name, whether the file was modified after that note), or
+    None without the file or a note with a time; huggingface_hub's own 1 s tolerance for imprecise mtimes."""
     note = download_note(local_dir, name)
-    untouched = note is not None and note[1] is not None and modified_at - 1 <= note[1]
-    return name.endswith((".safetensors", ".bin")) or untouched
+    try:
+        modified_at = (local_dir / name).stat().st_mtime
+    except OSError:
+        return None
+    if note is None or note[1] is None:
+        return None
+    etag, downloaded_at = note
+    return etag, modified_at - 1 > downloaded_at
 
 
 def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
@@ -427,16 +439,8 @@ def edited_since_download(local_dir: Path, names: list[str]) -> list[str]:
     from the hub's checksum it noted (a copied folder has new times and the same bytes)."""
     edited = []
     for name in names:
-        note = download_note(local_dir, name)
-        try:
-            modified_at = (local_dir / name).stat().st_mtime
-        except OSError:
-            continue
-        if note is None or note[1] is None:
-            continue
-        etag, downloaded_at = note
-        # huggingface_hub's own tolerance for imprecise mtimes
-        if modified_at - 1 > downloaded_at and hub_checksum_of(local_dir / name, etag) != etag:
+        since = _since_download(local_dir, name)
+        if since is not None and since[1] and hub_checksum_of(local_dir / name, since[0]) != since[0]:
             edited.append(name)
     return edited
 

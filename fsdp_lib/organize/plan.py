@@ -262,8 +262,8 @@ def find_source_files(src_dir: Path, extensions: Sequence[str]) -> SourceScan:
                 continue
             rel_path = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_dir(follow_symlinks=False):
-                kind, source = folder_kind(Path(entry.path)), copied_from(Path(entry.path))
-                if source is not None and source.resolve().is_relative_to(src_dir.resolve()) and source.is_dir():
+                kind, source = folder_kind(Path(entry.path)), copied_from(Path(entry.path), src_dir)
+                if source is not None:
                     skipped.append(f"{rel_path}/ (split folders copying {source}, also under --src-dir: not twice)")
                 elif kind is None or kind.kind == "split folders":
                     pending.append(rel_path)

@@ -152,10 +152,13 @@ def _split_shared_prompt(
 def _strip_prompt(response: list[tuple[str, str]], prompts: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
     """A response without the prompt turns it repeats: UltraFeedback-style `chosen`/`rejected` are whole
     conversations that start with the prompt (with or without the top-level system turn)."""
-    for prompt in prompts:
-        if prompt and response[: len(prompt)] == prompt:
-            return response[len(prompt) :]
-    return response
+    return response[repeated_prompt(response, prompts) :]
+
+
+def repeated_prompt(response: list[tuple], prompts: list[list[tuple]]) -> int:
+    """How many leading (role, content) turns of `response` repeat the first of `prompts` it starts with (0: none);
+    data_hf.py and the trainer (a hub dataset given straight to it) strip them alike."""
+    return next((len(prompt) for prompt in prompts if prompt and response[: len(prompt)] == prompt), 0)
 
 
 def _check_pair(prompt: list[tuple[str, str]], chosen: list[tuple[str, str]], rejected: list[tuple[str, str]]) -> None:
