@@ -128,12 +128,20 @@ def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
 # --- Hub datasets, offline ----------------------------------------------------------------------------------
 
 
-def load_hub_dataset_dict(repo_id: str, revision: str | None = None) -> datasets.DatasetDict:
+def load_hub_dataset_dict(
+    repo_id: str, revision: str | None = None, finished_only: bool = False
+) -> datasets.DatasetDict:
     """Every split of a cached hub dataset, loaded from its snapshot folder with datasets' offline mode on: nothing
-    here may reach the network. Split names come from the file names (train, validation, test) or the card."""
+    here may reach the network. Split names come from the file names (train, validation, test) or the card.
+    `finished_only`: refused while its download by model_download.py is unfinished (the shards it had fetched
+    loaded, and a run trained on part of the data); the download's own check loads it before it is finished."""
     import datasets
 
     folder = hub_dataset_snapshot(repo_id, revision)
+    if finished_only and (rerun := unfinished_download(folder)):
+        raise ValueError(
+            f"hub dataset {repo_id}: its download did not finish ({INCOMPLETE_DOWNLOAD}); finish it with: {rerun}"
+        )
     saved = set_offline()
     try:
         return datasets.load_dataset(str(folder))
@@ -144,13 +152,8 @@ def load_hub_dataset_dict(repo_id: str, revision: str | None = None) -> datasets
 
 
 def load_hub_dataset(repo_id: str, revision: str | None = None) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train, validation, else test, else None) of a cached hub dataset, offline; refused while its download by
-    model_download.py is unfinished (the shards it had fetched loaded, and the run trained on part of the data)."""
-    if rerun := unfinished_download(hub_dataset_snapshot(repo_id, revision)):
-        raise ValueError(
-            f"hub dataset {repo_id}: its download did not finish ({INCOMPLETE_DOWNLOAD}); finish it with: {rerun}"
-        )
-    loaded = load_hub_dataset_dict(repo_id, revision)
+    """(train, validation, else test, else None) of a cached hub dataset, offline, its download finished."""
+    loaded = load_hub_dataset_dict(repo_id, revision, finished_only=True)
     if "train" not in loaded:
         raise ValueError(f"hub dataset {repo_id} has the splits {sorted(loaded)} but no 'train' split")
     return loaded["train"], loaded.get("validation", loaded.get("test"))
