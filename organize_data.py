@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace a different earlier split in --dst-root (never one made with --mode move)",
+        help="replace a different earlier split in --dst-root: deletes only the files it placed (never a split made "
+        "with --mode move; files you added to a split folder are refused by name)",
     )
     parser.add_argument(
         "--dry-run",

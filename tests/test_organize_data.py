@@ -665,17 +665,22 @@ def test_overwrite_never_deletes_a_moved_split(src: Path, tmp_path: Path, capsys
     assert snapshot(dst) == before
 
 
-def test_stray_file_in_a_split_is_refused_then_removed_by_overwrite(
+def test_stray_file_in_a_split_is_refused_never_deleted(
     src: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """A file the user put into a split folder is theirs: a rerun refuses it (it would be read as data), and so does
+    --overwrite, of the same plan or of another one, which deletes only the files a split placed."""
     dst = tmp_path / "splits"
-    argv = ("--src-dir", src, "--dst-root", dst, "--num-dirs", "2")
-    assert run(capsys, *argv)[0] == 0
-    write(dst / "split_01" / "dropped_in.txt", "would be read as data")
-    code, _, err = run(capsys, *argv)
-    assert code == 2 and "split_01/dropped_in.txt" in err and "--overwrite" in err
-    assert run(capsys, *argv, "--overwrite")[0] == 0
-    assert not (dst / "split_01" / "dropped_in.txt").exists()
+    argv = ("--src-dir", src, "--dst-root", dst)
+    assert run(capsys, *argv, "--num-dirs", "2")[0] == 0
+    write(dst / "split_01" / "dropped_in.txt", "my only copy")
+    before = snapshot(dst)
+    for extra in (("--num-dirs", "2"), ("--num-dirs", "2", "--overwrite"), ("--num-dirs", "3", "--overwrite")):
+        code, _, err = run(capsys, *argv, *extra)
+        assert code == 2 and "split_01/dropped_in.txt" in err and "Move them out" in err, (extra, err)
+        assert snapshot(dst) == before
+    (dst / "split_01" / "dropped_in.txt").rename(tmp_path / "kept.txt")
+    assert run(capsys, *argv, "--num-dirs", "3", "--overwrite")[0] == 0
     assert content_hashes(split_files(dst)) == content_hashes([src / n for n in expected_sources(src)])
 
 

@@ -27,7 +27,7 @@ from fsdp_lib.organize.plan import (
 @dataclass
 class DestinationState:
     resuming: bool  # dst_root already holds this exact plan (maybe unfinished)
-    to_delete: list[Path]  # earlier split folders (--overwrite), stray files in split folders, stale temp files
+    to_delete: list[Path]  # earlier split folders (--overwrite), or our stale temp files
 
 
 def read_manifest(dst_root: Path) -> dict | None:
@@ -128,6 +128,9 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
             "--overwrite: remove or rename it yourself, or choose another --dst-root"
         )
     problems = describe_mismatch(earlier, planned)
+    strays, stale = find_strays(dst_root, earlier if problems else planned)
+    if strays:
+        _refuse_strays(dst_root, strays, problems)
     if problems:
         if not overwrite:
             same_flags = earlier["settings"] == planned["settings"]  # the sources changed, not the flags
@@ -151,15 +154,22 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
                 f"files back first ({MANIFEST_NAME} maps every destination to its source path)"
             )
         return DestinationState(resuming=False, to_delete=[dst_root / name for name in split_dirs])
-    strays, stale = find_strays(dst_root, planned)
-    if strays and not overwrite:
-        shown = [p.relative_to(dst_root).as_posix() for p in strays]
-        raise OrganizeError(
-            f"--dst-root {dst_root} holds {len(strays)} file(s) in its split folders that are not part of the "
-            f"split in {MANIFEST_NAME}: {name_sample(shown, 3)}; the next tool would read them as data. Remove them, "
-            "or pass --overwrite to delete them"
-        )
-    return DestinationState(resuming=True, to_delete=strays + stale)
+    return DestinationState(resuming=True, to_delete=stale)
+
+
+def _refuse_strays(dst_root: Path, strays: list[Path], replacing: list[str]) -> None:
+    """Files in the split folders that no run of ours placed are the user's: never deleted, even by --overwrite."""
+    shown = [p.relative_to(dst_root).as_posix() for p in strays]
+    why = (
+        "--overwrite would replace the split folders, and organize_data.py deletes only the files it placed"
+        if replacing
+        else "the next tool would read them as data"
+    )
+    raise OrganizeError(
+        f"--dst-root {dst_root} holds {len(strays)} file(s) in its split folders that are not part of the split "
+        f"in {MANIFEST_NAME}: {name_sample(shown, 3)}; {why}. Move them out of the split folders (or delete them), "
+        "then rerun"
+    )
 
 
 def split_lock(dst_root: Path) -> FolderLock:
