@@ -1,7 +1,8 @@
 """The helper CLIs' argument parser (organize_data.py, data_hf.py, model_download.py): a flag given twice with two
 values is refused instead of keeping the last one in silence (`--data-folder a --data-folder b` read b alone), and
 a list flag given twice is joined (`--extensions txt --extensions json` reads both); fsdp_train.py's --config is
-StoreOnce too (its other flags keep argparse's last-wins: `$COMMAND --lr 1e-5` overrides); no torch."""
+StoreOnce too (its other flags keep argparse's last-wins: `$COMMAND --lr 1e-5` overrides); and the parsers of
+fsdp_train.py's text-valued flags (--data-slice, --profile-steps, --data-weights); no torch."""
 
 from __future__ import annotations
 
@@ -53,3 +54,32 @@ class JoinRepeats(argparse.Action):
         joined = [*given[self.dest][1], *values] if self.dest in given else list(values)
         given[self.dest] = (option_string, joined)
         setattr(namespace, self.dest, joined)
+
+
+# Parsers of fsdp_train.py flag values given as text (None where the text is malformed: checks.py says so).
+
+
+def parse_data_slice(text: str) -> tuple[int, int | None] | None:
+    """'START:END' -> (start, end or None); None when malformed."""
+    start, sep, end = (part.strip() for part in text.partition(":"))
+    if not sep or not all(part.isdecimal() for part in (start, end) if part):
+        return None
+    return int(start or 0), (int(end) if end else None)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """--profile-steps 'START:END' (or one step 'N') -> (START, END), 1 <= START <= END; None when malformed."""
+    start, sep, end = text.partition(":")
+    parts = (start, end) if sep else (start, start)
+    if not all(part.strip().isdecimal() for part in parts):
+        return None
+    first, last = (int(part) for part in parts)
+    return (first, last) if 1 <= first <= last else None
+
+
+def parse_data_weights(text: str) -> list[float] | None:
+    """--data-weights as numbers, or None when it does not parse."""
+    try:
+        return [float(item) for item in text.split(",")]
+    except ValueError:
+        return None

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 
+from fsdp_lib.arguments import parse_data_slice, parse_data_weights, parse_profile_steps
 from fsdp_lib.config import (
     LORA_FLAGS,
     TrainConfig,
-    parse_data_slice,
-    parse_data_weights,
-    parse_profile_steps,
+    saved_settings,
 )
 from fsdp_lib.context_degree import context_problems
 from fsdp_lib.errors import file_above, not_utf8, unreadable
@@ -152,8 +151,12 @@ def _saved_model_hint(cfg: TrainConfig) -> str:
     """Where an --export-only looked for the run's model: the experiment's config.yaml."""
     if not (cfg.export_only and cfg.experiment_name):
         return ""
-    saved = cfg.experiment_dir / "config.yaml"
-    return f" ({saved} names none)" if saved.is_file() else f" (no {saved} to take it from)"
+    saved, path = saved_settings(cfg.experiment_dir)
+    if saved:
+        return f" ({path} names none)"
+    if path.is_file():
+        return f" ({path} cannot be read as YAML settings, and no checkpoint keeps a copy of them)"
+    return f" (no {path} to take it from)"
 
 
 def _required_problems(cfg: TrainConfig) -> list[str]:

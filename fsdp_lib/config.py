@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 
 from fsdp_lib.arguments import StoreOnce
 from fsdp_lib.errors import ConfigError, not_utf8
+from fsdp_lib.markers import step_dirs
 
 ON_OFF = ("on", "off")
 
@@ -535,50 +537,39 @@ EXPORT_SETTINGS = (
 
 
 def saved_run_settings(folder: Path, errors: list[str], peft: str | None = None) -> dict[str, Any]:
-    """The EXPORT_SETTINGS of FOLDER/config.yaml (what the run wrote at its start), read as --config reads a file,
-    for an --export-only of that experiment; {} where there is none or it is not a mapping (the command line then
-    says everything, as for a training run). `--peft none` given: without the run's adapter settings."""
-    path = folder / "config.yaml"
-    try:
-        saved = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return {}
-    if not isinstance(saved, dict):
-        return {}
+    """The EXPORT_SETTINGS of the run in FOLDER (saved_settings), read as --config reads a file, for an --export-only
+    of that experiment; {} where there are none (the command line then says everything, as for a training run).
+    `--peft none` given: without the run's adapter settings."""
+    saved, path = saved_settings(folder)
     names = {str(key).replace("-", "_"): value for key, value in saved.items()}
     keys = [n for n in EXPORT_SETTINGS if n in names and not (peft == "none" and n in LORA_FLAGS)]
     return {n: _normalise_yaml_value(n, names[n], errors, str(path)) for n in keys}
 
 
+def saved_settings(folder: Path) -> tuple[dict[str, Any], Path]:
+    """A run's settings and the file they came from: FOLDER/config.yaml (written at the run's start) or, where that
+    is missing, damaged or not a mapping, the copy in its newest checkpoint's train_state.json; ({}, config.yaml)
+    where neither has them."""
+    path = folder / "config.yaml"
+    try:
+        saved = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        saved = None
+    if isinstance(saved, dict):
+        return saved, path
+    for step in reversed(step_dirs(folder / "checkpoint")):
+        try:
+            kept = json.loads((step / "train_state.json").read_text(encoding="utf-8")).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(kept, dict):
+            return kept, step / "train_state.json"
+    return {}, path
+
+
 LORA_FLAGS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "adapter", "lora_kernel", "export_merged",
 )  # fmt: skip
-
-
-def parse_data_slice(text: str) -> tuple[int, int | None] | None:
-    """'START:END' -> (start, end or None); None when malformed."""
-    start, sep, end = (part.strip() for part in text.partition(":"))
-    if not sep or not all(part.isdecimal() for part in (start, end) if part):
-        return None
-    return int(start or 0), (int(end) if end else None)
-
-
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-    """--profile-steps 'START:END' (or one step 'N') -> (START, END), 1 <= START <= END; None when malformed."""
-    start, sep, end = text.partition(":")
-    parts = (start, end) if sep else (start, start)
-    if not all(part.strip().isdecimal() for part in parts):
-        return None
-    first, last = (int(part) for part in parts)
-    return (first, last) if 1 <= first <= last else None
-
-
-def parse_data_weights(text: str) -> list[float] | None:
-    """--data-weights as numbers, or None when it does not parse."""
-    try:
-        return [float(item) for item in text.split(",")]
-    except ValueError:
-        return None
 
 
 def packs_whole(cfg: TrainConfig, conversations: bool) -> bool:

@@ -503,7 +503,7 @@ def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
     applied it (the file is checked then), a template other than the run's is warned about (it would be exported
     with the model), and a differing tokenizer or base is refused unless --force-resume."""
     from fsdp_lib.checks import validate_config
-    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.config import TrainConfig, load_config
     from fsdp_lib.data.chat import chat_template_hash, export_tokenizer
     from fsdp_lib.errors import CheckpointError, TrainError
     from fsdp_lib.train.checkpoint import Checkpointer
@@ -521,6 +521,18 @@ def test_export_only_checks_what_an_export_needs(inputs, tmp_path, capsys):
     ]
     (tmp_path / "run" / "config.yaml").write_text("seq-length: 64\n")
     assert validate_config(cfg, 2) == [f"--model-name/-m is required ({tmp_path / 'run' / 'config.yaml'} names none)"]
+    (tmp_path / "run" / "config.yaml").write_text("model_name: [cut short by a full disk\n")
+    assert validate_config(cfg, 2) == [
+        f"--model-name/-m is required ({tmp_path / 'run' / 'config.yaml'} cannot be read as YAML settings, and no "
+        "checkpoint keeps a copy of them)"
+    ]
+    # a damaged (or deleted) config.yaml: the run's settings come from the newest checkpoint's copy
+    kept = {"config": {"model_name": str(inputs[1]), "lora_rank": 4, "seq_length": 64}}
+    (tmp_path / "run" / "checkpoint" / "step_00000004" / "train_state.json").write_text(json.dumps(kept))
+    exported = load_config(["-e", "run", "--save-dir", str(tmp_path), "--export-only"])
+    assert (exported.model_name, exported.lora_rank, exported.seq_length) == (str(inputs[1]), 4, 1024)
+    (tmp_path / "run" / "config.yaml").unlink()
+    assert load_config(["-e", "run", "--save-dir", str(tmp_path), "--export-only"]).model_name == str(inputs[1])
     cfg.model_name = str(inputs[1])
     assert validate_config(cfg, 2) == []
     cfg.export_only = False  # a training run with the same flags is refused

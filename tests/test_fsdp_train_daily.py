@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_lib.arguments import parse_data_slice
 from fsdp_lib.checks import _batch_problems, validate_config
-from fsdp_lib.config import TrainConfig, load_config, parse_data_slice
+from fsdp_lib.config import TrainConfig, load_config
 from tests.fsdp_helpers import losses_by_step, output_of, run_trainer, trainer_args
 
 

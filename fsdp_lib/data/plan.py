@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_lib.config import TrainConfig, packs_whole, parse_data_slice, parse_data_weights
+from fsdp_lib.arguments import parse_data_slice, parse_data_weights
+from fsdp_lib.config import TrainConfig, packs_whole
 from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.cache import PackedBlocks, load_token_stream, tokenizer_hash
 from fsdp_lib.data.chat import (

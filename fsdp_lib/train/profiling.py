@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_lib.config import TrainConfig, parse_profile_steps
+from fsdp_lib.arguments import parse_profile_steps
+from fsdp_lib.config import TrainConfig
 from fsdp_lib.runtime import Dist, log
 
 PROFILE_DIR = "profile"
