@@ -149,6 +149,50 @@ def test_a_template_without_tool_support_is_refused_naming_the_flag(tool_models)
     assert "--chat-template" in message and "the tools offered" in message and "tool calls" in message
 
 
+@pytest.mark.parametrize("template", sorted(TRAINED))
+def test_tool_turns_of_a_dataset_made_elsewhere_train_as_data_hf_stores_them(template, tmp_path, tool_models):
+    """A `messages` dataset made without data_hf.py (save_to_disk, the hub) with glaive's function_call/observation
+    turns, or OpenAI's legacy function_call field and function role: the template rendered neither the call nor the
+    result (the answer trained without them) and uses_tools missed them, so the tool-support check never ran. They
+    are read as data_hf.py reads them: the same ids and the same mask; an unknown role is a counted skip."""
+    from datasets import Dataset, load_from_disk
+
+    glaive = [
+        {"role": "user", "content": "How warm is it in Oslo?"},
+        {"role": "function_call", "content": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})},
+        {"role": "observation", "content": json.dumps({"temp": 20})},
+        {"role": "assistant", "content": "It is 20 degrees in Oslo."},
+    ]
+    legacy = [
+        {"role": "user", "content": "How warm is it in Lima?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Lima"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": json.dumps({"temp": 25})},
+        {"role": "assistant", "content": "It is 25 degrees in Lima."},
+    ]
+    tools = json.dumps([WEATHER])
+    stored = load_from_disk(str(convert([{"messages": m, "tools": tools} for m in (glaive, legacy)], tmp_path)))
+    elsewhere = [glaive, legacy] if "Lima" not in stored[0]["messages"][0]["content"] else [legacy, glaive]
+    assert uses_tools(Dataset.from_list([{"messages": glaive}])) and uses_tools(
+        Dataset.from_list([{"messages": legacy}])
+    )
+    tokenizer = _tokenizer(tool_models[template])
+    skipped: dict[str, int] = {}
+    reference = ChatEncoder(tokenizer, "assistant").encode(stored["messages"], skipped, None, stored["tools"])
+    critic = [
+        {"role": "user", "content": "q"},
+        {"role": "critic", "content": "x"},
+        {"role": "assistant", "content": "a"},
+    ]
+    encoded = ChatEncoder(tokenizer, "assistant").encode([*elsewhere, critic], skipped, None, [tools, tools, None])
+    assert len(encoded) == 2 and [(list(i), list(m)) for i, m in encoded] == [(list(i), list(m)) for i, m in reference]
+    assert skipped == {"an unknown role (unknown_role; data_hf.py --format chat skips and counts these)": 1}
+    assert "20" in tokenizer.decode(encoded[0][0]) or "20" in tokenizer.decode(encoded[1][0])
+
+
 def test_plain_conversations_do_not_use_tools(tmp_path):
     plain = convert(tool_records(9)[2::3], tmp_path)
     from datasets import load_from_disk

@@ -18,7 +18,7 @@ from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.conversation import as_stored, is_trained_weight
 from fsdp_lib.records.reasons import BadRecord
-from fsdp_lib.records.schema import dataset_kind
+from fsdp_lib.records.schema import TOOL_CALL_ROLES, TOOL_RESULT_ROLES, dataset_kind
 from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
 from fsdp_lib.runtime import log
 
@@ -232,9 +232,8 @@ def _readable(
             unreadable[row] = ChatFormatError(f"unreadable tool use ({exc.detail[:120]})")
         except BadRecord as exc:
             readable = [], None
-            unreadable[row] = ChatFormatError(
-                f"content that is not text ({exc.reason}; data_hf.py --format chat skips and counts these)"
-            )
+            what = "an unknown role" if exc.reason == "unknown_role" else "content that is not text"
+            unreadable[row] = ChatFormatError(f"{what} ({exc.reason}; data_hf.py --format chat skips and counts these)")
         messages_of.append(readable[0])
         offered.append(readable[1])
     return messages_of, offered, unreadable
@@ -303,12 +302,16 @@ def uses_tools(split: Any) -> bool:
         if not len(turns) or not pa.types.is_struct(turns.type):
             continue
         names = {turns.type.field(i).name for i in range(turns.type.num_fields)}
-        if "role" in names and pc.any(pc.equal(turns.field("role"), "tool")).as_py():
-            return True
-        if "tool_calls" in names and turns.field("tool_calls").null_count < len(turns):
-            calls = turns.field("tool_calls")
-            if not pa.types.is_list(calls.type) or pc.any(pc.greater(pc.list_value_length(calls), 0)).as_py():
+        role_type = turns.field("role").type if "role" in names else None
+        if role_type is not None and (pa.types.is_string(role_type) or pa.types.is_large_string(role_type)):
+            roles = pc.utf8_lower(pc.utf8_trim_whitespace(turns.field("role")))
+            if pc.any(pc.is_in(roles, value_set=pa.array(TOOL_RESULT_ROLES + TOOL_CALL_ROLES))).as_py():
                 return True
+        for field in ("tool_calls", "function_call"):
+            if field in names and turns.field(field).null_count < len(turns):
+                calls = turns.field(field)
+                if not pa.types.is_list(calls.type) or pc.any(pc.greater(pc.list_value_length(calls), 0)).as_py():
+                    return True
     return False
 
 

@@ -227,18 +227,39 @@ def turn_content(role: str, content: object, where: str) -> str:
 
 
 def as_stored(messages: list[dict]) -> list[dict]:
-    """Turns as data_hf.py --format chat stores them, for a dataset made elsewhere (save_to_disk, the hub): a role
-    alias as its role (human -> user, gpt -> assistant; the assistant's turns are the trained ones), content given
-    as a list of parts as their text joined (a template would print the list's repr). Raises BadRecord for content
-    that is no text."""
+    """Turns as data_hf.py --format chat stores them, for a dataset made elsewhere (save_to_disk, the hub), read as
+    data_hf.py reads a file's: a role alias as its role (human -> user, gpt -> assistant; the assistant's turns are
+    the trained ones); a tool result's role (function, observation, ipython) as "tool", with the name and call id of
+    the call it answers where it has none; a call given as a turn of its own (glaive's function_call, the call as
+    its content) or as OpenAI's legacy `function_call` field as an assistant turn's `tool_calls`; content given as
+    a list of parts as their text joined (a template would print the list's repr). Raises BadRecord for an unknown
+    role or content that is no text, ToolFormatError for a call that cannot be read."""
+    unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
     for number, turn in enumerate(messages, 1):
+        where = f"turn {number}"
         role = turn.get("role")
-        if isinstance(role, str) and role not in ROLE_ALIASES.values():
-            turn["role"] = role = ROLE_ALIASES.get(role.strip().lower(), role)
+        name = role.strip().lower() if isinstance(role, str) else None
+        if name in TOOL_CALL_ROLES:
+            turn["tool_calls"] = _tool_calls_of(turn, name, "content", where)
+            turn["role"], turn["content"] = "assistant", ""
+        elif name in TOOL_RESULT_ROLES:
+            turn["role"] = "tool"
+            answered = _answered_call(unanswered, turn.get("tool_call_id"))
+            turn.setdefault("name", answered.get("function", {}).get("name"))
+            turn.setdefault("tool_call_id", answered.get("id"))
+            turn.update({key: None for key in ("name", "tool_call_id") if not isinstance(turn[key], str)})
+        elif name in ROLE_ALIASES:
+            turn["role"] = ROLE_ALIASES[name]
+            if turn["role"] == "assistant" and turn.get("function_call") and not turn.get("tool_calls"):
+                turn["tool_calls"] = normalize_calls(turn.pop("function_call"), f"the function_call of {where}")
+        else:
+            raise BadRecord("unknown_role", f"{where} has the role {role!r}")
+        if turn.get("tool_calls"):
+            unanswered = list(turn["tool_calls"])
         content = turn.get("content")
         if content is not None and not isinstance(content, str):
-            turn["content"] = turn_content(str(role), content, f"turn {number}")
-    return messages
+            turn["content"] = turn_content(turn["role"], content, where)
+    return [{key: value for key, value in turn.items() if value is not None} for turn in messages]
 
 
 def _is_text_part(part: object) -> bool:
