@@ -116,6 +116,37 @@ def test_datasets_made_elsewhere_train_as_data_hf_would_have_stored_them(templat
     assert "What is 1 plus 2?" in said and "'type'" not in said
 
 
+def test_a_template_without_a_generation_prompt_is_refused_where_its_header_would_train(chat_models, tmp_path):
+    """A template without an add_generation_prompt branch whose turns open with a header (a ChatML loop, Vicuna's
+    USER:/ASSISTANT:) trained the header as part of every reply. Refused, naming the fixes; a template that writes
+    the header after each user turn (Mistral's [/INST]) trains exactly the reply, as do the fixture templates and
+    configs/chatml.jinja."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data.chat import chat_encoder, check_generation_prompt
+    from fsdp_lib.errors import TrainError
+
+    for template in CHAT_TEMPLATE_NAMES:
+        check_generation_prompt(_tokenizer(chat_models[template]), "--dataset-name d")
+    tokenizer = _tokenizer(chat_models["qwen2.5"])
+    tokenizer.chat_template = (Path(__file__).parents[1] / "configs" / "chatml.jinja").read_text()
+    check_generation_prompt(tokenizer, "--dataset-name d")
+    loop = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+    vicuna = "{% for m in messages %}{{ m.role.upper() + ': ' + m.content + '\\n' }}{% endfor %}"
+    for template, header in ((loop, "'<|im_start|>assistant'"), (vicuna, "'ASSISTANT:'")):
+        tokenizer.chat_template = template
+        with pytest.raises(TrainError, match="--dataset-name d: the chat template renders no generation prompt") as err:
+            chat_encoder(TrainConfig(model_name="m"), tokenizer, ["messages"], dataset="d")
+        assert header in str(err.value) and "--chat-template" in str(err.value) and "--loss-on all" in str(err.value)
+        assert chat_encoder(TrainConfig(model_name="m", loss_on="all"), tokenizer, ["messages"], dataset="d")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'user' %}{{ 'USER: ' + m.content + '\\nASSISTANT:' }}"
+        "{% else %}{{ ' ' + m.content + '</s>' }}{% endif %}{% endfor %}"
+    )
+    encoder = chat_encoder(TrainConfig(model_name="m"), tokenizer, ["messages"], dataset="d")
+    [(ids, mask)] = encoder.encode([[{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yo."}]], {})
+    assert tokenizer.decode(np.asarray(ids)[mask == 1]) == " Yo.</s>"
+
+
 def test_loss_on_all_trains_every_token(chat_models):
     tokenizer = _tokenizer(chat_models["qwen2.5"])
     [(ids, mask)] = ChatEncoder(tokenizer, "all").encode(arithmetic_conversations(1), {})

@@ -107,7 +107,16 @@ def test_a_document_longer_than_a_block_is_cut_into_pieces_and_counted():
     assert "1 documents (33.3%) are longer than a block" in whole.describe("documents")
     assert "3 documents packed whole into" in whole.describe("documents")
     every = trained_pairs(whole, len(whole))
-    assert len(every) == (10 - 1) + (100 - 4) + (5 - 1), "all but the last of each piece: pieces train apart"
+    # every next-token pair of each document, the ones across a cut too (a piece's last token had no target: one
+    # trained token lost per cut)
+    assert every == sorted((1000 * d + k, 1000 * d + k + 1) for d, n in enumerate([10, 100, 5]) for k in range(n - 1))
+    assert whole.trained_tokens(list(range(len(whole)))) == len(every)
+    tokens, ends, trained = documents([10, 100, 5])  # answers (the second halves) only: the cut at 64 is in one
+    answers = WholeBlocks(tokens, 32, trained, ends, pad_id=0)
+    expected = sorted(
+        (1000 * d + k, 1000 * d + k + 1) for d, n in enumerate([10, 100, 5]) for k in range(n // 2 - 1, n - 1)
+    )
+    assert trained_pairs(answers, len(answers)) == expected
 
 
 def test_straddling_counts_documents_a_stream_cuts():

@@ -286,6 +286,32 @@ def check_tool_support(tokenizer: Any, where: str) -> None:
         )
 
 
+def check_generation_prompt(tokenizer: Any, where: str) -> None:
+    """Refuse a chat template without an add_generation_prompt branch whose assistant turns open with a header
+    (Vicuna's `ASSISTANT:`, a ChatML loop that writes `<|im_start|>assistant`): the trained span of a turn starts
+    where the generation prompt ends, so the header would carry loss, against --loss-on assistant's promise. A
+    template that writes the header after every user turn (the same render either way, nothing before the answer)
+    and one that refuses the probe pass."""
+    asked = [{"role": "user", "content": "probe question"}]
+    try:
+        prompt, plain = (
+            tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=g) for g in (True, False)
+        )
+        whole = tokenizer.apply_chat_template(
+            [*asked, {"role": "assistant", "content": "probe answer"}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
+        return
+    header = whole[len(prompt) :].partition("probe answer")[0] if whole.startswith(prompt) else ""
+    if prompt == plain and header.strip():
+        raise TrainError(
+            f"{where}: the chat template renders no generation prompt (add_generation_prompt changes nothing), so "
+            f"the assistant header {header.strip()!r} would be trained as part of every reply; pass --chat-template "
+            "FILE with a template that writes the header when add_generation_prompt is true (as the templates of "
+            "instruct models do), or --loss-on all to train every token"
+        )
+
+
 def uses_tools(split: Any) -> bool:
     """Whether a conversation split offers tools or has tool turns or tool calls, read from its Arrow columns
     (no rows decoded)."""
@@ -362,6 +388,8 @@ def chat_encoder(
         raise TrainError(f"--model-name {cfg.model_name}: chat training needs a fast (Rust) tokenizer, tokenizer.json")
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
+    if cfg.loss_on == "assistant" or pairs:
+        check_generation_prompt(tokenizer, f"--dataset-name {dataset}")
     return ChatEncoder(tokenizer, cfg.loss_on)
 
 

@@ -48,8 +48,8 @@ class WholeBlocks:
     """Blocks of seq_length tokens, each holding whole documents (best_fit_decreasing) and padding that carries no
     loss; the DataPlan treats it like cache.PackedBlocks (len, gather, trained_tokens). A document longer than a
     block is cut into pieces of seq_length, each packed like a document: the later pieces train without the start
-    of their document (counted: `split`). A document's last token has no target (the next one in its block is
-    another document's). The packing depends only on the documents' lengths and seq_length: the same at any
+    of their document (counted: `split`), and a piece's last token has the next piece's first as its target. A
+    document's last token has no target (the next one in its block is another document's). The packing depends only on the documents' lengths and seq_length: the same at any
     process count, so a resume finds every block as it was."""
 
     tokens: np.ndarray
@@ -69,6 +69,8 @@ class WholeBlocks:
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)  # each piece's document's first piece
         self.starts = np.repeat(starts, pieces) + L * (np.arange(int(pieces.sum()), dtype=np.int64) - first)
         self.lengths = np.minimum(L, np.repeat(ends, pieces) - self.starts)
+        # a piece whose document goes on: its last token's target is the next piece's first (not a lost target)
+        self.continues = self.starts + self.lengths < np.repeat(ends, pieces)
         # in data order (by each block's first piece), not the longest-first order they were opened in: the first
         # --eval-max-blocks validation blocks held the longest conversations
         packed = sorted(best_fit_decreasing(self.lengths, L), key=lambda block: block[0])
@@ -93,10 +95,11 @@ class WholeBlocks:
         for piece in self.block_items[self.block_ptr[i] : self.block_ptr[i + 1]].tolist():
             a, n = int(self.starts[piece]), int(self.lengths[piece])
             ids = np.asarray(self.tokens[a : a + n], dtype=np.int64)
-            targets = ids[1:]
+            reach = n + 1 if self.continues[piece] else n  # the targets: this piece's next tokens
+            targets = np.asarray(self.tokens[a + 1 : a + reach], dtype=np.int64)
             if self.trained is not None:
-                targets = np.where(np.asarray(self.trained[a + 1 : a + n]) != 0, targets, -100)
-            inputs[at : at + n], labels[at : at + n - 1] = ids, targets
+                targets = np.where(np.asarray(self.trained[a + 1 : a + reach]) != 0, targets, -100)
+            inputs[at : at + n], labels[at : at + reach - 1] = ids, targets
             positions[at : at + n] = np.arange(n)
             at += n
         positions[at:] = np.arange(L - at)  # the padding: a document of its own
