@@ -193,20 +193,54 @@ def chat_fine_tune(
     return args.chat_steps
 
 
+# What a demo workspace holds (an older demo left no marker): a folder with anything else is not the demo's to delete.
+WORKSPACE_MARKER = ".demo_workspace"
+WORKSPACE_ENTRIES = {WORKSPACE_MARKER, "raw", "chat", "splits", "hf_datasets", "models", "outputs"}
+
+
+def workspace_problem(ws: Path) -> str | None:
+    """Why the demo may not delete `ws` and start clean in it (None: it may): every run deletes its workspace, so
+    that must be a folder the demo made (its marker, or only the demo's entries), an empty one, or none."""
+    if not ws.exists() and not ws.is_symlink():
+        return None
+    if not ws.is_dir() or ws.is_symlink():
+        return "is not a folder; choose a new folder for --workspace"
+    if ws == REPO or REPO.is_relative_to(ws):
+        return "holds this repository; choose a new folder for --workspace"
+    entries = {entry.name for entry in ws.iterdir()}
+    if WORKSPACE_MARKER in entries or entries <= WORKSPACE_ENTRIES:
+        return None
+    shown = ", ".join(sorted(entries - WORKSPACE_ENTRIES)[:3])
+    return (
+        f"holds files the demo did not write ({shown}); every demo run deletes its workspace and starts clean, so "
+        "choose a new or empty folder for --workspace"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workspace", default="demo_workspace", help="folder for everything the demo writes")
+    parser.add_argument(
+        "--workspace",
+        default="demo_workspace",
+        help="folder for everything the demo writes, deleted at the start of each run (a folder the demo made, or a new or empty one)",
+    )
     parser.add_argument("--interrupt-at", type=int, default=200, help="step after which the demo sends SIGTERM")
     parser.add_argument("--max-steps", type=int, help="override configs/demo_tiny.yaml's max-steps (a quicker run)")
     parser.add_argument("--nproc", type=int, default=0, help="processes (0 = every GPU, else 2 on CPU)")
     parser.add_argument("--chat-steps", type=int, default=300, help="optimizer steps of the chat fine-tune")
     args = parser.parse_args(argv)
 
-    import torch
-
     ws = (REPO / args.workspace).resolve()
+    if problem := workspace_problem(ws):
+        print(f"demo.py: --workspace {ws} {problem}", file=sys.stderr)
+        return 2
     if ws.exists():
         shutil.rmtree(ws)  # the demo's own folder: every run starts clean
+    ws.mkdir(parents=True)
+    (ws / WORKSPACE_MARKER).write_text("made by scripts/demo.py: deleted and made again by every demo run\n")
+
+    import torch
+
     raw, splits, dataset, model = ws / "raw", ws / "splits", ws / "hf_datasets" / "demo", ws / "models" / "tiny"
     chat_raw, chat_dataset = ws / "chat", ws / "hf_datasets" / "demo_chat"
     outputs = ws / "outputs"

@@ -46,3 +46,31 @@ def test_demo_pipeline_runs_end_to_end(tmp_path):
     before, after = map(float, re.search(r"base \(the text model\) ([\d.]+) -> fine-tuned ([\d.]+)", out).groups())
     assert after < 0.6 * before, (before, after)
     assert (workspace / "outputs" / "demo_chat" / "final" / "model.safetensors.index.json").is_file()
+
+
+def test_the_demo_never_deletes_a_workspace_it_did_not_make(tmp_path):
+    """Every demo run deletes its --workspace to start clean: `--workspace outputs` deleted a user's experiments.
+    A folder with anything the demo does not write is refused (exit 2, nothing deleted); the demo's own (its
+    marker, or an older demo's entries alone) and an empty one are taken."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import demo
+
+    ws = tmp_path / "outputs"
+    (ws / "my_run" / "checkpoint").mkdir(parents=True)
+    (ws / "my_run" / "checkpoint" / "weights").write_text("precious")
+    proc = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--workspace", str(ws)], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "holds files the demo did not write (my_run)" in proc.stderr, proc.stderr
+    assert (ws / "my_run" / "checkpoint" / "weights").read_text() == "precious"
+    assert "holds this repository" in demo.workspace_problem(REPO_ROOT)
+    assert "holds this repository" in demo.workspace_problem(REPO_ROOT.parent)
+    (tmp_path / "file").write_text("x")
+    assert "not a folder" in demo.workspace_problem(tmp_path / "file")
+    for number, entries in enumerate(((), ("raw", "outputs"), (demo.WORKSPACE_MARKER, "notes.txt"))):
+        fresh = tmp_path / f"ws{number}"
+        fresh.mkdir()
+        for name in entries:
+            (fresh / name).mkdir()
+        assert demo.workspace_problem(fresh) is None
+    assert demo.workspace_problem(tmp_path / "new") is None
