@@ -1135,6 +1135,25 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     assert "kept in" in said and "model-q4_k_m.safetensors, notes, training_args.bin" in said
     assert "removed with the earlier export" in said and "model.safetensors, tokenizer.json (this export" in said
 
+    # A weights file a loader takes by its name (a model.safetensors the user saved there, an adapter) was kept
+    # beside the export, and transformers loaded it instead of the export's index: moved into not_exported/.
+    for name in ("model.safetensors", "adapter_model.safetensors", "adapter_config.json"):
+        (final / name).write_text("stale")
+    new.mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (new / name).write_text("newer")
+    replace_folder(new, final, 7)
+    said = capsys.readouterr().out
+    assert not (final / "model.safetensors").exists() and not (final / "adapter_config.json").exists()
+    assert sorted(p.name for p in (final / "not_exported").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "model.safetensors",
+    ]
+    assert "WARNING" in said and "model.safetensors" in said and "not_exported" in said
+    assert (final / "model-q4_k_m.safetensors").exists() and (final / "README.md").read_text() == "my card"
+    shutil.rmtree(final / "not_exported")
+
     # A kill between the swap's two renames left the earlier export (and the user's files) only in .final.old.
     os.rename(final, final.with_name(".final.old"))
     new.mkdir()

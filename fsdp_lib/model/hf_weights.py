@@ -412,6 +412,15 @@ _EXPORT_FILES = re.compile(
 )
 
 
+# The names transformers and peft load a model folder by (weights, a variant's, their index, an adapter and its
+# config): one the export did not write is moved into NOT_EXPORTED/, where no loader looks, instead of being kept
+# beside the export (a model.safetensors beside the export's index is what transformers loads).
+_LOADABLE = re.compile(
+    r"(model|pytorch_model)(\.\w+)?\.(safetensors|bin)(\.index\.json)?|adapter_model\.(safetensors|bin)|adapter_config\.json"
+)
+NOT_EXPORTED = "not_exported"
+
+
 def export_step(folder: Path) -> int | None:
     """The training step an export folder holds (its EXPORT_RECORD), or None for one without a record."""
     try:
@@ -467,9 +476,17 @@ def _carry_over(old: Path, new: Path) -> None:
             continue
         ours = entry.name in written if written is not None else bool(_EXPORT_FILES.fullmatch(entry.name))
         (dropped if ours else kept).append(entry)
+    loadable = [entry for entry in kept if _LOADABLE.fullmatch(entry.name)]
+    if loadable:  # beside the export, transformers or peft would load them instead of (or into) it
+        (new / NOT_EXPORTED).mkdir(exist_ok=True)
+        log(
+            f"WARNING: {new} held weight files that no export wrote ({', '.join(e.name for e in loadable)}), which "
+            f"transformers or peft would load instead of this export (e.g. a model.safetensors beside the index): "
+            f"moved into {new / NOT_EXPORTED}/"
+        )
     for entry in kept:
-        os.rename(entry, new / entry.name)
-    if kept:
+        os.rename(entry, new / (f"{NOT_EXPORTED}/{entry.name}" if entry in loadable else entry.name))
+    if kept := [entry for entry in kept if entry not in loadable]:
         log(f"kept in {new} what no export wrote: {', '.join(e.name for e in kept)}")
     if dropped:
         log(f"removed with the earlier export in {new}: {', '.join(e.name for e in dropped)} (this export has none)")
