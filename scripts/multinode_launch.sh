@@ -99,8 +99,11 @@ import sys
 import yaml
 
 path, key = sys.argv[1], sys.argv[2]
-with open(path) as f:
-    config = yaml.safe_load(f) or {}
+try:
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+    sys.exit(f"error: CONFIG={path} cannot be read as YAML: {' '.join(str(exc).split())}")
 if not isinstance(config, dict):
     sys.exit(f"error: {path}: expected a mapping of flag names to values, got {type(config).__name__}")
 value = config.get(key, config.get(key.replace("-", "_")))
@@ -114,12 +117,33 @@ find_batch_flag() {
   for arg in "$@"; do
     case $arg in
       -b | -b?* | --batch-size | --batch-size=* | --batch_size | --batch_size=* | \
-        --grad-accum-steps | --grad-accum-steps=* | --grad_accum_steps | --grad_accum_steps=*)
+        --grad-accum-steps | --grad-accum-steps=* | --grad_accum_steps | --grad_accum_steps=* | \
+        --global-batch-size | --global-batch-size=* | --global_batch_size | --global_batch_size=*)
         echo "$arg"
         return
         ;;
     esac
   done
+}
+
+# The --context-parallel degree of the run (the arguments' last, else CONFIG's, else 1): the processes of one
+# context group share each sequence, so the data-parallel ranks are the world over it.
+context_degree() {
+  local degree="" arg expect=0 name="--context-parallel"
+  for arg in "$@"; do
+    if ((expect)); then degree=$arg expect=0 && continue; fi
+    case $arg in
+      --context-parallel | --context_parallel) expect=1 ;;
+      --context-parallel=* | --context_parallel=*) degree=${arg#*=} ;;
+    esac
+  done
+  if [[ -z $degree && -n ${CONFIG:-} ]]; then
+    degree=$(config_value "$CONFIG" context-parallel) || exit 2
+    name="CONFIG $CONFIG's context-parallel"
+  fi
+  [[ -n $degree ]] || degree=1
+  [[ $degree =~ ^[0-9]+$ ]] && ((10#$degree > 0)) || die "$name $degree must be a positive integer"
+  echo "$((10#$degree))"
 }
 
 # grad_accum_steps = total / (micro x world), which must be a whole number >= 1 (the seed's arithmetic, checked).
@@ -212,9 +236,10 @@ add_batch_args() {
   fi
   if [[ -z $micro ]]; then
     [[ -n ${CONFIG:-} ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE"
-    micro=$(config_value "$CONFIG" batch-size)
+    micro=$(config_value "$CONFIG" batch-size) || exit 2
     [[ -n $micro ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE" \
       "(CONFIG $CONFIG has no batch-size)"
+    [[ $micro =~ ^[0-9]+$ ]] && ((10#$micro > 0)) || die "CONFIG $CONFIG's batch-size ($micro) must be a positive integer"
   fi
   require_positive_int MICRO_BATCH_SIZE "$micro"
   micro=$((10#$micro))
@@ -222,7 +247,15 @@ add_batch_args() {
   [[ -n $total ]] || return 0
   require_positive_int TOTAL_BATCH_SIZE "$total"
   total=$((10#$total))
-  derive_grad_accum_steps "$total" "$micro" "$((nnodes * nproc))" "$((nnodes * nproc)) processes ($nnodes nodes x $nproc)"
+  local world=$((nnodes * nproc)) degree groups
+  degree=$(context_degree "$@") || exit 2
+  groups="$world processes ($nnodes nodes x $nproc)"
+  if ((degree > 1)); then
+    ((world % degree == 0)) || die "--context-parallel $degree does not divide the $world processes" \
+      "($nnodes nodes x $nproc); choose a degree that divides NNODES x NPROC_PER_NODE"
+    groups="$((world / degree)) data-parallel groups ($world processes / --context-parallel $degree)"
+  fi
+  derive_grad_accum_steps "$total" "$micro" "$((world / degree))" "$groups"
   torchrun_cmd+=(--grad-accum-steps "$grad_accum_steps")
 }
 

@@ -317,7 +317,50 @@ def test_micro_batch_comes_from_the_config_when_not_given(fake_repo: Path, slurm
     assert flag_value(words, "--grad-accum-steps") == "2"  # 256 / (4 x 32)
 
 
-@pytest.mark.parametrize("conflicting", [["--grad-accum-steps", "3"], ["-b", "4"], ["--batch-size=4"], ["-b4"]])
+@pytest.mark.parametrize(
+    ("given", "config", "accum"),
+    [
+        (["--context-parallel", "4"], "", "8"),  # 256 / (4 x 32 / 4): 8 data-parallel groups
+        (["--context-parallel=8"], "", "16"),
+        ([], "context-parallel: 2\n", "4"),
+        (["--context_parallel", "1"], "context-parallel: 2\n", "2"),  # the command line's wins
+    ],
+)
+def test_total_batch_counts_data_parallel_groups_under_context_parallel(
+    fake_repo: Path, slurm_bin: Path, given: list[str], config: str, accum: str
+) -> None:
+    """With --context-parallel N the processes of one context group share each sequence: TOTAL_BATCH_SIZE=2 on 2
+    processes at CP 2 trained a global batch of 1 (the trainer's own log said so), silently."""
+    (fake_repo / "run.yaml").write_text("batch-size: 4\n" + config)
+    env = slurm_env(fake_repo, slurm_bin, DRY_RUN="1", TOTAL_BATCH_SIZE="256", CONFIG="run.yaml")
+    result = run_script(fake_repo / "scripts" / "slurm_submit.sh", env, *given)
+    assert result.returncode == 0, result.stderr
+    assert flag_value(torchrun_line(result.stdout), "--grad-accum-steps") == accum
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "expected"),
+    [
+        ("batch-size: 8\n\tlr: 1\n", [], "CONFIG=run.yaml cannot be read as YAML"),
+        ("batch-size: 8.0\n", [], "CONFIG run.yaml's batch-size (8.0) must be a positive integer"),
+        ("batch-size: 4\n", ["--context-parallel", "3"], "--context-parallel 3 does not divide the 32 processes"),
+        ("batch-size: 4\ncontext-parallel: two\n", [], "CONFIG run.yaml's context-parallel two must be a positive"),
+    ],
+)
+def test_launcher_config_problems_are_one_line(
+    fake_repo: Path, slurm_bin: Path, config: str, args: list[str], expected: str
+) -> None:
+    (fake_repo / "run.yaml").write_text(config)
+    env = slurm_env(fake_repo, slurm_bin, DRY_RUN="1", TOTAL_BATCH_SIZE="256", CONFIG="run.yaml")
+    result = run_script(fake_repo / "scripts" / "slurm_submit.sh", env, *args)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "conflicting",
+    [["--grad-accum-steps", "3"], ["-b", "4"], ["--batch-size=4"], ["-b4"], ["--global-batch-size", "64"]],
+)
 def test_batch_flags_in_arguments_conflict_with_total_batch(
     fake_repo: Path, slurm_bin: Path, conflicting: list[str]
 ) -> None:
