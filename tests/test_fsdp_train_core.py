@@ -624,6 +624,48 @@ def test_the_dry_runs_long_context_plan_counts_copied_key_value_heads():
     assert "each key/value head copied to 4 processes" in plans[4] and per_token[4] > per_token[2] > per_token[1]
 
 
+def test_the_planner_counts_ac_every_n_layers_and_the_shard_group(monkeypatch):
+    """--dry-run planned every layer checkpointed under --ac-every-n-layers 2 (the 7B configs': 0.56 MB/token
+    where half the layers keep all they save, ~3.1 MB), and the state sharded over every process under --sharding
+    none (each GPU holds it all), hybrid (its shard group) and grad-op (every layer's weights kept unsharded)."""
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.model.build import sharding_group_size
+    from fsdp_lib.model.memory_plan import activation_bytes_per_token, checkpointed_layers, offloaded_bytes_per_token
+
+    mistral = (4096, 14336, 32, 1024)
+    every, half = (activation_bytes_per_token(*mistral, every_n=n) for n in (1, 2))
+    saved = (6 * 4096 + 2 * 1024 + 4 * 14336) * 2  # what one layer keeps for backward, per token
+    assert half - every == 15 * saved - 16 * 4096 * 2 and 2.9e6 < half < 3.0e6  # 16 layers kept, no recompute on top
+    assert (
+        every
+        < half
+        < activation_bytes_per_token(*mistral, every_n=32)
+        < activation_bytes_per_token(*mistral, checkpointing=False)
+    )
+    assert [checkpointed_layers(32, n) for n in (1, 2, 3, 32, 64)] == [32, 16, 11, 1, 1]
+    assert offloaded_bytes_per_token(*mistral, every_n=2) == (16 * 4096 * 2 + 16 * saved)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for sharding, size, expected in (("full", 0, 32), ("grad-op", 0, 32), ("none", 0, 1), ("hybrid", 4, 4),
+                                     ("hybrid", 0, 32)):  # fmt: skip
+        assert sharding_group_size(TrainConfig(sharding=sharding, hybrid_shard_size=size), 32) == expected
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert sharding_group_size(TrainConfig(sharding="hybrid"), 32) == 8
+
+
+def test_the_dry_run_states_the_shard_group_s_model_state(tmp_path, dataset_dir, scratch_model, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    states = {}
+    for sharding in ("full", "none", "grad-op"):
+        args = [*io_args("dry", dataset_dir, scratch_model, tmp_path), "--seq-length", "64", "--dry-run"]
+        assert ft.main([*args, "--sharding", sharding]) == 0
+        out = capsys.readouterr().out
+        states[sharding] = re.search(r"this run's model state per GPU: ([\d.]+ \w+) \((.*)\)$", out, re.M).groups()
+    assert "sharded over the 8 processes" in states["full"][1]
+    assert "--sharding none shards over 1 of the 8 processes" in states["none"][1]
+    assert "kept unsharded from forward to backward" in states["grad-op"][1]
+    assert len({value for value, _ in states.values()}) == 3
+
+
 def test_hub_id_resolves_from_the_offline_cache(tmp_path, dataset_dir, scratch_model):
     """-m org/name is looked up in HF_HOME's hub cache (the layout model_download.py fills), never online."""
     import shutil

@@ -62,6 +62,7 @@ from fsdp_lib.model.loss import (
 from fsdp_lib.model.memory_plan import (
     COMPUTE_BYTES,
     activation_bytes_per_token,
+    format_bytes,
     format_long_context_plan,
     format_memory_plan,
     format_peft_memory_plan,
@@ -461,17 +462,29 @@ def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float, co
     checkpointing, offload = cfg.activation_checkpointing == "on", cfg.activation_offload == "on"
     shapes = (hidden, intermediate, layers, kv_heads * head_dim)
     values = COMPUTE_BYTES[compute]
+    every = cfg.ac_every_n_layers
     per_token = activation_bytes_per_token(
-        *shapes, checkpointing, cfg.context_parallel, values, offload, cfg.tiled_mlp, kv_copies
+        *shapes, checkpointing, cfg.context_parallel, values, offload, cfg.tiled_mlp, kv_copies, every
     )
-    host = offloaded_bytes_per_token(*shapes, checkpointing, values, cfg.tiled_mlp, kv_copies) if offload else 0
+    host = offloaded_bytes_per_token(*shapes, checkpointing, values, cfg.tiled_mlp, kv_copies, every) if offload else 0
     vocab = model.get_input_embeddings().num_embeddings
     chunk = loss_chunk_tokens(cfg.loss_chunk_tokens, vocab) or cfg.seq_length * cfg.batch_size
     fixed = min(chunk, cfg.seq_length * cfg.batch_size) * vocab * 4
     return format_long_context_plan(
         per_token, state_bytes, fixed, cfg.seq_length, cfg.batch_size, cfg.context_parallel, host, cfg.tiled_mlp,
-        kv_copies, getattr(config, "max_position_embeddings", None),
+        kv_copies, getattr(config, "max_position_embeddings", None), every if checkpointing else 1,
     )  # fmt: skip
+
+
+def sharding_group_size(cfg: TrainConfig, world_size: int) -> int:
+    """The processes one FSDP shard group spans, over which the model state is divided (runtime.py's mesh): one
+    with --sharding none, --hybrid-shard-size (else the processes per node, LOCAL_WORLD_SIZE where torchrun set it)
+    with hybrid, every process otherwise."""
+    if cfg.sharding == "none":
+        return 1
+    if cfg.sharding == "hybrid":
+        return min(world_size, cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return world_size
 
 
 def dry_run(cfg: TrainConfig, world_size: int) -> int:
@@ -499,7 +512,8 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
             f"planned for {world_size} processes, one context group of --context-parallel {world_size} (no torchrun "
             f"here); WORLD_SIZE=32 python fsdp_train.py ... --dry-run plans a launch of 32"
         )
-    sizes = sorted({1, 2, 4, 8, world_size})
+    shard_size = sharding_group_size(cfg, world_size)
+    sizes = sorted({1, 2, 4, 8, world_size, shard_size})
     # --precision auto is bf16 on the GPU a run trains on: planned as such, also on a login node without one
     compute = "bf16" if cfg.precision == "auto" else cfg.precision
     values = COMPUTE_BYTES[compute]
@@ -513,10 +527,22 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
     peft_rows = peft_memory_plan(num_params, linear, adapters, sizes, largest, values)
     log(f"this run: --peft {cfg.peft}\n" + format_peft_memory_plan(rows, peft_rows, cfg.lora_rank, compute))
     if cfg.peft == "none":
-        state = next(r for r in rows if r["world_size"] == world_size and r["cpu_offload"] == (cfg.cpu_offload == "on"))
+        state = next(r for r in rows if r["world_size"] == shard_size and r["cpu_offload"] == (cfg.cpu_offload == "on"))
     else:
-        state = next(r for r in peft_rows if r["world_size"] == world_size and r["mode"] == cfg.peft)
-    log(long_context_plan(model, cfg, float(state["gpu_total_bytes"]), compute))
+        state = next(r for r in peft_rows if r["world_size"] == shard_size and r["mode"] == cfg.peft)
+    state_bytes = float(state["gpu_total_bytes"]) + (num_params * values if cfg.sharding == "grad-op" else 0)
+    log(
+        f"this run's model state per GPU: {format_bytes(state_bytes)} (the table's row for {shard_size} GPU(s): "
+        + (
+            f"--sharding {cfg.sharding} shards over {shard_size} of the {world_size} processes"
+            if shard_size != world_size
+            else f"sharded over the {world_size} processes"
+        )
+        + (f"; + every layer's {compute} weights, kept unsharded from forward to backward by --sharding grad-op"
+           if cfg.sharding == "grad-op" else "")
+        + ")"
+    )  # fmt: skip
+    log(long_context_plan(model, cfg, state_bytes, compute))
     log(resume_outlook(cfg.experiment_dir))
     log("dry run: nothing was trained")
     return 0

@@ -171,6 +171,7 @@ def activation_bytes_per_token(
     offload: bool = False,
     mlp_tiles: int = 1,
     kv_copies: int = 1,
+    every_n: int = 1,
 ) -> int:
     """Activation bytes per token a GPU holds at the peak of a step, with varlen attention (nothing grows with
     the sequence squared; the dense document mask would add T x T bytes per row).
@@ -198,14 +199,19 @@ def activation_bytes_per_token(
 
     kv_copies: --context-parallel above the key/value heads copies each head to degree / kv-heads processes before
     the all-to-all (varlen.py), so the k and v that attention saves, and their all-to-all copies, are kv_copies x
-    kv_dim per token of this process's part."""
+    kv_dim per token of this process's part. every_n (--ac-every-n-layers): only every Nth layer is checkpointed
+    (checkpointed_layers); the others keep all they save, as without checkpointing."""
     kv_dim *= kv_copies
     transient = 4 * intermediate // mlp_tiles if mlp_tiles > 1 else 0
     one_layer = _saved_per_layer(hidden, intermediate, kv_dim, mlp_tiles) * compute_bytes
+    wrapped = checkpointed_layers(layers, every_n) if checkpointing else 0
     if offload:
         kept = one_layer + (hidden * compute_bytes if checkpointing else 0)
     else:
-        kept = layers * hidden * compute_bytes + one_layer if checkpointing else layers * one_layer
+        # the peak: backward's start (every layer left out holds its saved tensors), or the recompute of the last
+        # checkpointed layer (the layers left out below it, and the recomputed one)
+        below_last = (wrapped - 1) * (every_n - 1) + 1 if wrapped else 0
+        kept = wrapped * hidden * compute_bytes + max(layers - wrapped, below_last) * one_layer
     ulysses = 2 * (2 * hidden + 2 * kv_dim) * compute_bytes if context_parallel > 1 else 0
     backward = (2 * intermediate // max(1, mlp_tiles) + BACKWARD_ATTENTION_GRADIENTS * hidden) * compute_bytes
     return kept + transient * compute_bytes + 6 * hidden + ulysses + backward
@@ -213,13 +219,18 @@ def activation_bytes_per_token(
 
 def offloaded_bytes_per_token(
     hidden: int, intermediate: int, layers: int, kv_dim: int, checkpointing: bool = True, compute_bytes: int = 2,
-    mlp_tiles: int = 1, kv_copies: int = 1,
+    mlp_tiles: int = 1, kv_copies: int = 1, every_n: int = 1,
 ) -> int:  # fmt: skip
-    """Host memory per token that --activation-offload fills: every layer's saved tensors (with checkpointing,
-    every layer's input; kv_copies as in activation_bytes_per_token)."""
-    if checkpointing:
-        return layers * hidden * compute_bytes
-    return layers * _saved_per_layer(hidden, intermediate, kv_dim * kv_copies, mlp_tiles) * compute_bytes
+    """Host memory per token that --activation-offload fills: every layer's saved tensors (a checkpointed layer's:
+    its input; kv_copies and every_n as in activation_bytes_per_token)."""
+    wrapped = checkpointed_layers(layers, every_n) if checkpointing else 0
+    saved = _saved_per_layer(hidden, intermediate, kv_dim * kv_copies, mlp_tiles)
+    return (wrapped * hidden + (layers - wrapped) * saved) * compute_bytes
+
+
+def checkpointed_layers(layers: int, every_n: int) -> int:
+    """How many of `layers` decoder layers --ac-every-n-layers N checkpoints: the 1st, the (N+1)th, ... (build.py)."""
+    return -(-layers // max(1, every_n))
 
 
 def _saved_per_layer(hidden: int, intermediate: int, kv_dim: int, mlp_tiles: int) -> int:
@@ -251,11 +262,13 @@ def format_long_context_plan(
     mlp_tiles: int = 1,
     kv_copies: int = 1,
     position_limit: int | None = None,
+    every_n: int = 1,
 ) -> str:
     """The activation line of --dry-run and the longest sequence per GPU size, with the rule; a length beyond the
     model's positions (`position_limit`, its max_position_embeddings) is shown capped there."""
     tokens = micro_batch * seq_length // context_parallel
-    extras = [f"--tiled-mlp {mlp_tiles}"] if mlp_tiles > 1 else []
+    extras = [f"--ac-every-n-layers {every_n}"] if every_n > 1 else []
+    extras += [f"--tiled-mlp {mlp_tiles}"] if mlp_tiles > 1 else []
     extras += ["--activation-offload on"] if offloaded_per_token else []
     lines = [
         f"activations per GPU: {format_bytes(per_token)}/token x {tokens:,} tokens (--seq-length {seq_length:,} x "
@@ -263,7 +276,9 @@ def format_long_context_plan(
         f"{format_bytes(fixed_bytes)} for one loss chunk's fp32 logits; "
         f"with the model state ({format_bytes(state_bytes)}): {format_bytes(state_bytes + fixed_bytes + per_token * tokens)}",
         "  rule (activation_bytes_per_token): checkpointed layer inputs + one layer's saved tensors at a time + the "
-        "loss's hidden-state gradient (+ the all-to-all copies with --context-parallel"
+        "loss's hidden-state gradient ("
+        + (f"the layers --ac-every-n-layers {every_n} leaves out keep all they save; " if every_n > 1 else "")
+        + "+ the all-to-all copies with --context-parallel"
         + (f", each key/value head copied to {kv_copies} processes" if kv_copies > 1 else "")
         + (", one MLP tile's intermediate with --tiled-mlp" if mlp_tiles > 1 else "")
         + (", the layers' saved tensors in host memory with --activation-offload" if offloaded_per_token else "")
