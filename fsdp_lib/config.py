@@ -334,7 +334,7 @@ class TrainConfig:
     force_resume: bool = _opt(False, "resume even if model/data/batch/seed/tokenizer changed since the checkpoint")
     export_dtype: str = _opt(
         "auto",
-        "dtype of the exported model (auto = the model's original dtype)",
+        "dtype of the exported model (auto = the model's original dtype; a trained value fp16 cannot hold stops the export)",
         choices=("auto", "bf16", "fp16", "fp32"),
     )
     export_only: bool = _opt(

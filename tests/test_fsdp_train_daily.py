@@ -82,3 +82,29 @@ def test_data_slice_and_export_dtype(inputs, tmp_path):
     assert config.get("dtype", config.get("torch_dtype")) == "float32"  # the model itself ships in bf16
     empty = run_trainer(trainer_args("sl2", *inputs, tmp_path) + ["--data-slice", "500:", "--max-steps", "1"], nproc=1)
     assert empty.returncode != 0 and "selects none" in output_of(empty)
+
+
+def test_an_export_dtype_that_overflows_is_refused_and_the_checkpoint_exports_in_another(inputs, tmp_path):
+    """A trained value beyond fp16's 65,504 became inf in the exported folder, and the log said only 'exported
+    (torch.float16)'. Refused before anything is written, naming the tensor; --export-only in bf16 then works."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dataset, model = inputs
+    big = tmp_path / "big_model"
+    shutil.copytree(model, big)
+    for path in big.glob("*.safetensors"):
+        weights = load_file(path)
+        name = next(k for k in weights if k.endswith("input_layernorm.weight"))
+        weights[name][0] = 1e5
+        save_file(weights, path, metadata={"format": "pt"})
+    args = trainer_args("fp16", dataset, big, tmp_path) + ["--max-steps", "1", "--eval-at-start", "off"]
+    result = run_trainer([*args, "--export-dtype", "fp16"], nproc=1)
+    out = output_of(result)
+    assert result.returncode != 0 and "--export-dtype float16: 1 trained value(s) exceed its range (65,504)" in out, out
+    assert "input_layernorm.weight (1)" in out and "--export-only --export-dtype bf16" in out and "Traceback" not in out
+    assert not (tmp_path / "fp16" / "final").exists()
+    again = run_trainer([*args, "--export-only", "--export-dtype", "bf16"], nproc=1)
+    assert again.returncode == 0, output_of(again)
+    assert (tmp_path / "fp16" / "final" / "config.json").is_file()

@@ -358,7 +358,10 @@ def export_hf_model(
 
     tied = _tied_parameter_names(model)
     state = get_model_state_dict(model) if state is None else state
-    state = {k: high_precision(v).to(dtype) for k, v in state.items() if k not in tied}  # --fp8: not the wrapper
+    source = {k: high_precision(v) for k, v in state.items() if k not in tied}  # --fp8: not the wrapper
+    state = {k: v.to(dtype) for k, v in source.items()}
+    _refuse_overflow(source, state, dtype, d)
+    del source
     state, converted_by_layer = split_export_layout(model, state)
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
     file_no = 1
@@ -386,6 +389,27 @@ def export_hf_model(
         replace_folder(tmp, out_dir, step)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
     dist.barrier(group=d.cpu_group)
+
+
+def _refuse_overflow(source: dict[str, Any], cast: dict[str, Any], dtype: torch.dtype, d: Dist) -> None:
+    """Stop an export whose --export-dtype cannot hold a trained value (fp16 tops out at 65,504): the folder would
+    carry inf weights, silently. Counted over every rank's shards, before anything is written."""
+    if dtype.is_floating_point and torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        return
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - a DTensor's shard, or a tensor
+    counts = torch.tensor(
+        [int((torch.isinf(local(cast[k])) & torch.isfinite(local(v))).sum()) for k, v in source.items()],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(counts, group=d.cpu_group)
+    if counts.sum():
+        names = [f"{name} ({int(n):,})" for name, n in zip(source, counts.tolist()) if n]
+        raise TrainError(
+            f"--export-dtype {str(dtype).removeprefix('torch.')}: {int(counts.sum()):,} trained value(s) exceed its "
+            f"range ({torch.finfo(dtype).max:,.0f}) and would be exported as inf, in {', '.join(names[:3])}"
+            f"{' and more' if len(names) > 3 else ''}; export with --export-only --export-dtype bf16 (or fp32): the "
+            "checkpoint is intact"
+        )
 
 
 class _ExportWriter(dcp.HuggingFaceStorageWriter):
