@@ -1,5 +1,6 @@
 """Files that must be what was written: their size and CRC-32 are recorded when they are written and checked before
-they are used (training checkpoints, the token cache). No torch: a file-level concern."""
+they are used (training checkpoints, the token cache); and written files given the mode the user's umask asks for
+(safetensors' save_file makes them 0600). No torch: a file-level concern."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fsdp_lib.processes import process_alive
+
+
+def umask_mode(*paths: Path) -> None:
+    """Give files the mode a plain open() would have (0666 less the umask): safetensors' save_file, and with it
+    save_pretrained, creates weight files 0600, which another account (a serving one, a colleague) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
 
 
 def file_checksum(path: Path) -> dict:

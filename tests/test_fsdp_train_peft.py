@@ -78,6 +78,9 @@ def test_lora_on_two_processes_equals_peft_on_the_unsharded_model(peft_inputs, l
 
     exported = load_file(str(lora_run / "final" / "adapter_model.safetensors"))
     assert len(exported) == len(expected["adapters"]) == 2 * 2 * 3  # A and B of 3 targets in 2 layers
+    # readable as the export's other files are (safetensors' save_file made it 0600: no serving account read it)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (lora_run / "final").iterdir() if p.is_file()}
+    assert modes["adapter_model.safetensors"] == modes["adapter_config.json"], modes
     for key, value in expected["adapters"].items():
         want, got = torch.tensor(value), exported[f"base_model.model.{key}"]
         # per tensor, relative to its norm: AdamW's first steps move each weight by about lr x sign(gradient), so

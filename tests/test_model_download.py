@@ -819,6 +819,9 @@ def test_bad_sizes_write_nothing(tiny_model: Path, tmp_path: Path, capsys):
 
 
 def test_tiny_init_loads_offline_and_round_trips_text(tiny_model: Path):
+    # every file as readable as config.json (save_pretrained's safetensors wrote the weights 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny_model.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
     tokenizer = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
     config = model.config

@@ -25,6 +25,7 @@ from fsdp_lib.hub.presets import (
 )
 from fsdp_lib.hub.tokenizer import build_tokenizer, save_tokenizer
 from fsdp_lib.hub.verify import VerifiedModel, verify_model, write_verification_record
+from fsdp_lib.integrity import umask_mode
 from fsdp_lib.lock import FolderLock
 from fsdp_lib.markers import INCOMPLETE_DOWNLOAD, VERIFICATION_RECORD, folder_kind
 from fsdp_lib.model.memory_plan import format_bytes, format_count
@@ -201,6 +202,7 @@ def save_model_files(config: Any, folder: Path, with_weights: bool, dtype_name: 
     torch.manual_seed(seed)  # transformers' _init_weights draws from torch's global generator
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name))
     model.save_pretrained(folder, max_shard_size=MAX_SHARD_SIZE)
+    umask_mode(*folder.glob("*.safetensors"))
 
 
 def create_model_folder(request: InitRequest, target: Path, overwrite: bool) -> VerifiedModel:

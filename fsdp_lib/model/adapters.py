@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.integrity import umask_mode
 from fsdp_lib.model.anatomy import adaptable_modules, clean_fqn, default_targets
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.hf_weights import copy_into_shard, is_adapter_name, replace_folder
@@ -313,6 +314,7 @@ def export_adapter(
         tmp.mkdir(parents=True)
         named = {f"base_model.model.{k}": v.float().contiguous() for k, v in tensors.items()}
         save_file(named, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        umask_mode(tmp / "adapter_model.safetensors")
         saved = config.to_dict()
         saved["inference_mode"] = True
         saved["target_modules"] = target_names(config)

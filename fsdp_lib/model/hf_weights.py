@@ -23,6 +23,7 @@ import torch.nn as nn
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.faults import fault_point
+from fsdp_lib.integrity import umask_mode
 from fsdp_lib.model.anatomy import clean_fqn
 from fsdp_lib.model.float8 import high_precision
 from fsdp_lib.model.hf_files import hf_weight_files, read_safetensors_header
@@ -556,6 +557,7 @@ def _write_converted(model: nn.Module, groups: list[dict[str, Any]], folder: Pat
         written_bytes += sum(v.numel() * v.element_size() for v in pending.values())
         name = f"model-converted-{len(set(written.values())) + 1:05d}.safetensors"
         save_file({k: v.contiguous() for k, v in pending.items()}, str(folder / name), metadata={"format": "pt"})
+        umask_mode(folder / name)
         written.update(dict.fromkeys(pending, name))
         pending.clear()
 
