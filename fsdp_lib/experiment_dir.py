@@ -247,6 +247,54 @@ def objective_name(fingerprint: object) -> str:
     return str(fingerprint.get("objective") or ("kto" if fingerprint.get("loss") == "kto" else "dpo"))
 
 
+# The flags behind the entries of a DPO, KTO or GRPO resume fingerprint ("beta" and "loss" by objective, below).
+_OBJECTIVE_FLAGS = {
+    "label_smoothing": "--dpo-label-smoothing", "sft_weight": "--sft-weight", "simpo_gamma": "--simpo-gamma",
+    "reference": "--reference", "desirable_weight": "--kto-desirable-weight",
+    "undesirable_weight": "--kto-undesirable-weight", "num_generations": "--num-generations",
+    "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+    "epsilon": "--epsilon / --epsilon-high", "rewards": "--reward / --reward-weights",
+    "num_iterations": "--num-iterations",
+    "reference_weights": "the frozen reference's weights (--model-name's files, read again by a resume; they changed "
+    "since the run started)",
+}  # fmt: skip
+_REFERENCE_SHOWN = {"copy": "live", "adapters-off": "live (the model with its adapters off)", "none": "none"}
+
+
+def objective_difference(was: dict, now: dict) -> str:
+    """The entries in which two objective fingerprints of one --objective differ, each as the flag behind it, with
+    the values as typed (--reference live, not 'copy'; --num-iterations 1 where an earlier run left it out)."""
+    grpo = objective_name(was) == "grpo"
+    flags = {
+        **_OBJECTIVE_FLAGS,
+        "beta": "--grpo-beta" if grpo else "--dpo-beta",
+        "loss": "--grpo-loss" if grpo else "--dpo-loss",
+    }
+
+    def shown(key: str, value: object) -> object:
+        if key == "num_iterations" and value is None:
+            return 1
+        if key == "reference" and isinstance(value, str):
+            if value.startswith("precomputed-"):  # the key of the starting weights, adapter, precision and attention
+                return f"precomputed (of other starting weights, --adapter, --precision or --attn-implementation: {value[12:]})"
+            return _REFERENCE_SHOWN.get(value, value)
+        return value
+
+    return "; ".join(
+        f"{flags.get(k, k)}: checkpoint {shown(k, was.get(k))!r} vs now {shown(k, now.get(k))!r}"
+        for k in sorted(set(was) | set(now), key=str)
+        if was.get(k) != now.get(k)
+    )
+
+
+def without_reference_weights(saved: object, now: object) -> bool:
+    """Whether two objective fingerprints agree once the live reference's weights identity, which a checkpoint of an
+    older version lacks, is left out of the current one."""
+    if not (isinstance(saved, dict) and isinstance(now, dict)) or "reference_weights" in saved:
+        return False
+    return saved == {k: v for k, v in now.items() if k != "reference_weights"}
+
+
 def _train_on_hint(final: Path) -> str:
     """How to go on from an experiment's export: a model folder (-m), an adapter (--adapter), or nothing."""
     if (final / "adapter_config.json").is_file():

@@ -297,6 +297,32 @@ def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
     cfg.data_weights = "3,1"
     both = said("data_format", "mixture[text; chat:aa]:w", "mixture[text; chat:bb]:w", {"data_weights": "1,1"})
     assert both.startswith("--data-weights: checkpoint '1,1' vs now '3,1'; the chat template: checkpoint aa"), both
+    # the objectives' settings (objective.num_generations, objective.reference 'copy', ...)
+    grpo = {"objective": "grpo", "num_generations": 4, "beta": 0.0, "reference": "none", "epsilon": [0.2, 0.2]}
+    changed = {**grpo, "num_generations": 2, "beta": 0.1, "reference": "copy", "num_iterations": 2}
+    assert said("objective", grpo, changed) == (
+        "--grpo-beta: checkpoint 0.0 vs now 0.1; --num-generations: checkpoint 4 vs now 2; --num-iterations: "
+        "checkpoint 1 vs now 2; --reference: checkpoint 'none' vs now 'live'"
+    )
+    dpo = {"loss": "sigmoid", "beta": 0.1, "reference": "precomputed-aa"}
+    precomputed = said("objective", dpo, {**dpo, "beta": 0.2, "reference": "precomputed-bb"})
+    assert precomputed.startswith("--dpo-beta: checkpoint 0.1 vs now 0.2; --reference: checkpoint 'precomputed (of")
+    assert "--precision or --attn-implementation: aa)'" in precomputed
+    live = {"loss": "kto", "beta": 0.1, "reference": "copy", "reference_weights": "w1"}
+    weights = said("objective", live, {**live, "reference_weights": "w2"})
+    assert weights.startswith("the frozen reference's weights (--model-name's files, read again by a resume;"), weights
+
+
+def test_a_live_reference_resumes_only_from_the_weights_it_started_with():
+    """--reference live (and GRPO's KL copy) is read from the model folder again by a resume: new weights there
+    made another reference, silently. Its weights' identity is pinned; a checkpoint of an older version, which has
+    none, still resumes."""
+    from fsdp_lib.experiment_dir import without_reference_weights
+
+    live = {"loss": "sigmoid", "beta": 0.1, "reference": "copy"}
+    assert without_reference_weights(live, {**live, "reference_weights": "w"})  # an older checkpoint
+    assert not without_reference_weights({**live, "reference_weights": "v"}, {**live, "reference_weights": "w"})
+    assert not without_reference_weights(live, {**live, "beta": 0.2, "reference_weights": "w"})
 
 
 def test_a_forced_resume_onto_fewer_blocks_goes_on_at_the_next_epoch():

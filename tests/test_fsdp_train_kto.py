@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from fsdp_lib.data.chat import ChatEncoder
 from fsdp_lib.data.preference import DESIRABLE, UNDESIRABLE, PairEncoder
@@ -246,6 +248,16 @@ def test_kill9_rerun_on_one_process_continues_the_run(fact_run, tmp_path):
     expected, got = losses_by_step(baseline), losses_by_step(tmp_path / "facts")
     for step in range(1, 17):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    # the live reference is read from -m again by every resume: other weights there would be another reference
+    model = Path(args[args.index("-m") + 1])
+    changed = tmp_path / "model_retrained"
+    shutil.copytree(model, changed)
+    for path in changed.glob("*.safetensors"):
+        weights = load_file(path)
+        save_file({k: v * 1.01 for k, v in weights.items()}, path, metadata={"format": "pt"})
+    args[args.index("-m") + 1] = str(changed)
+    refused = run_trainer([*args, "--grad-accum-steps", "2", "--max-steps", "20"], nproc=1)
+    assert refused.returncode != 0 and "the frozen reference's weights (--model-name's files" in output_of(refused)
 
 
 @pytest.mark.slow

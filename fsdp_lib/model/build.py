@@ -348,7 +348,7 @@ def build_model(
             initialised = f" (the shards initialised for the start-up checks, {time.perf_counter() - start:.1f}s)"
         log(
             f"{'--export-only' if cfg.export_only else 'resuming'}: every weight comes from the checkpoint; "
-            f"{model_dir}'s weights are not read{initialised}"
+            f"{model_dir}'s weights are not read for it (a live frozen reference, where one is kept, is){initialised}"
         )
     elif files:
         start = time.perf_counter()

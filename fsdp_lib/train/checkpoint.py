@@ -37,9 +37,11 @@ from fsdp_lib.experiment_dir import (
     PEFT_NAMES,
     RESUME_REFUSED_FIX,
     format_difference,
+    objective_difference,
     objective_name,
     packing_refusal,
     run_settings,
+    without_reference_weights,
 )
 from fsdp_lib.faults import fault_point, save_delay
 from fsdp_lib.integrity import file_checksum
@@ -305,6 +307,8 @@ class Checkpointer:
         changed = [k for k in pinned if k in saved and saved[k] != self.fingerprint.get(k)]
         if "model" in changed and saved["model"] == config_fingerprint(model_config, with_path=True):
             changed.remove("model")  # written by an older version, whose model fingerprint included the path
+        if "objective" in changed and without_reference_weights(saved["objective"], self.fingerprint["objective"]):
+            changed.remove("objective")  # an older version kept no identity of a live reference's weights
         if "epoch_blocks" in changed and {"dataset", "data_format", "seq_length", "tokenizer"} & set(changed):
             changed.remove("epoch_blocks")  # what the named change does to the data, not a change of its own
         return changed
@@ -347,6 +351,8 @@ class Checkpointer:
             ]
             why = "; ".join(shaping) or "the same -d: its files changed since the checkpoint"
             return f"{key}: checkpoint {was!r} vs now {now!r} ({why})"
+        if key == "objective" and isinstance(was, dict) and isinstance(now, dict):
+            return objective_difference(was, now)
         if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
             parts = [
                 f"{PEFT_NAMES.get(k, f'{key}.{k}') if key == 'peft' else f'{key}.{k}'}: checkpoint {was.get(k)!r} vs "

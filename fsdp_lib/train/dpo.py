@@ -386,7 +386,7 @@ def build_dpo(
     }
     if cfg.dpo_loss == "simpo":  # only then: the fingerprints of earlier runs stay as they were
         fingerprint["simpo_gamma"] = cfg.simpo_gamma
-    return DPOObjective(cfg, bundle.train_forward, mode, frozen), fingerprint
+    return DPOObjective(cfg, bundle.train_forward, mode, frozen), reference_weights(fingerprint, mode, bundle)
 
 
 def prepare_reference(
@@ -414,6 +414,13 @@ def prepare_reference(
     if mode == "copy":
         frozen = frozen_copy(cfg, precision, d)
     return mode, frozen, mode
+
+
+def reference_weights(fingerprint: dict, mode: str, bundle: ModelBundle) -> dict:
+    """A live frozen reference ("copy") is read from the model folder again by every resume: its weights' identity
+    joins the resume fingerprint, so a folder whose weights changed since the run started is refused (the reference
+    would be another model, silently)."""
+    return {**fingerprint, "reference_weights": weights_identity(bundle.model_dir)} if mode == "copy" else fingerprint
 
 
 def disable_dropout(model: nn.Module) -> int:

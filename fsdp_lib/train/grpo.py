@@ -38,6 +38,7 @@ from fsdp_lib.train.dpo import (
     disable_dropout,
     frozen_copy,
     reference_token_log_probs,
+    reference_weights,
     sequence_lengths,
     sequence_sums,
 )
@@ -544,6 +545,7 @@ def build_grpo(
     }
     if cfg.num_iterations > 1:  # only then: the fingerprints of earlier runs stay as they were
         fingerprint["num_iterations"] = cfg.num_iterations
+    fingerprint = reference_weights(fingerprint, reference, bundle)
     prompts = data.train.blocks
     assert isinstance(prompts, PromptSet)
     objective = GRPOObjective(cfg, bundle.train_forward, rewards, data.tokenizer, prompts, d, reference, frozen, keep)

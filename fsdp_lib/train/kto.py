@@ -31,6 +31,7 @@ from fsdp_lib.train.dpo import (
     context_share,
     empty_batch,
     prepare_reference,
+    reference_weights,
     sequence_lengths,
     sequence_totals,
     throughput_record,
@@ -242,4 +243,4 @@ def build_kto(
         "undesirable_weight": cfg.kto_undesirable_weight,
         "reference": reference,
     }
-    return KTOObjective(cfg, bundle.train_forward, mode, d.device, frozen), fingerprint
+    return KTOObjective(cfg, bundle.train_forward, mode, d.device, frozen), reference_weights(fingerprint, mode, bundle)
