@@ -745,6 +745,9 @@ def without_nulls(rows: list[list[dict]]) -> list[list[dict]]:
         ({"instruction": "Say hi.", "input": "", "output": "hi"}, turns("user", "Say hi.", "assistant", "hi")),
         ({"instruction": "Say hi.", "output": "hi", "system": "Be kind."},
          turns("system", "Be kind.", "user", "Say hi.", "assistant", "hi")),
+        ({"instruction": "And 2 plus 2?", "input": "", "output": "4", "history": [["1 plus 1?", "2"]],  # LLaMA-Factory
+          "system": "You add."},  # multi-turn Alpaca: its earlier exchanges were dropped
+         turns("system", "You add.", "user", "1 plus 1?", "assistant", "2", "user", "And 2 plus 2?", "assistant", "4")),
         ({"prompt": "The sky is", "completion": " blue."}, turns("user", "The sky is", "assistant", " blue.")),
         ({"prompt": "p", "response": "r"}, turns("user", "p", "assistant", "r")),
         ({"question": "Why?", "answer": "Because.", "system": ""}, turns("user", "Why?", "assistant", "Because.")),
@@ -776,6 +779,8 @@ BAD_RECORDS = [
                    {"role": "assistant", "content": "a cat"}]}, "non_text_content"),
     ({"instruction": 7, "output": "a"}, "non_string_content"),
     ({"instruction": "i", "input": ["x"], "output": "a"}, "non_string_content"),
+    ({"instruction": "i", "output": "a", "history": [["only the question"]]}, "bad_message"),
+    ({"instruction": "i", "output": "a", "history": "q1 a1"}, "bad_message"),
     ({"question": "q", "answer": "a", "system": {"text": "s"}}, "non_string_content"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
                    {"role": "assistant", "content": "a"}]}, "misplaced_system_turn"),

@@ -303,10 +303,27 @@ def alpaca_instruction(record: dict) -> str:
     return user
 
 
+def _alpaca_history(record: dict) -> list[tuple[str, str]]:
+    """The earlier exchanges of a multi-turn Alpaca record (LLaMA-Factory's `history`: [[instruction, response],
+    ...]), as the turns before its instruction; [] where it has none."""
+    history = record.get("history")
+    if history is None:
+        return []
+    if not isinstance(history, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(isinstance(text, str) for text in pair) for pair in history
+    ):
+        raise BadRecord("bad_message", "'history' is not a list of [instruction, response] string pairs")
+    return [turn for asked, answered in history for turn in (("user", asked), ("assistant", answered))]
+
+
 def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
     """The user and assistant turns of the single-exchange shapes (Alpaca, prompt/completion, question/answer)."""
     if shape == "alpaca":
-        return [("user", alpaca_instruction(record)), ("assistant", _text_field(record, "output"))]
+        return [
+            *_alpaca_history(record),
+            ("user", alpaca_instruction(record)),
+            ("assistant", _text_field(record, "output")),
+        ]
     if shape == "prompt":
         answer_key = "completion" if "completion" in record else "response"
         return [("user", _text_field(record, "prompt")), ("assistant", _text_field(record, answer_key))]
