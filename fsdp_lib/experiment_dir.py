@@ -207,7 +207,7 @@ def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: 
             how += f"; --context-parallel {degree} then, {cfg.context_parallel} now"
         changed.append(
             f"the global batch: checkpoint {saved['global_batch_size']!r} vs now {batch} ({how}; "
-            f"--global-batch-size {saved['global_batch_size']} keeps it on any process count)"
+            f"{keep_batch_hint(int(saved['global_batch_size']), max(1, data_world), cfg.batch_size)})"
         )
     if (
         cfg.objective != "auto"
@@ -293,6 +293,17 @@ def without_reference_weights(saved: object, now: object) -> bool:
     if not (isinstance(saved, dict) and isinstance(now, dict)) or "reference_weights" in saved:
         return False
     return saved == {k: v for k, v in now.items() if k != "reference_weights"}
+
+
+def keep_batch_hint(batch: int, ranks: int, micro: int) -> str:
+    """How a launch of `ranks` data-parallel processes at -b `micro` keeps a run's global batch: --global-batch-size
+    where -b divides it over them, else with the largest -b that does (or that none does)."""
+    if batch % (ranks * micro) == 0:
+        return f"--global-batch-size {batch} keeps it on any process count that divides it"
+    fits = [b for b in range(min(micro, batch // ranks), 0, -1) if batch % (ranks * b) == 0]
+    if fits:
+        return f"--global-batch-size {batch} -b {fits[0]} keeps it on {ranks} data-parallel processes"
+    return f"{batch} sequences do not split over {ranks} data-parallel processes: resume on a count that divides it"
 
 
 def _train_on_hint(final: Path) -> str:

@@ -1228,7 +1228,13 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
     # another process count: the global batch, with the flag that keeps it
     (problem,) = resume_refusal(TrainConfig(**same), 2)
     assert "the global batch: checkpoint 8 vs now 4 (2 processes x -b 2 x --grad-accum-steps 1; " in problem
-    assert "--global-batch-size 8 keeps it on any process count)" in problem
+    assert "--global-batch-size 8 keeps it on any process count that divides it)" in problem
+    # where -b does not divide the batch over the processes, --global-batch-size alone was advised and then refused
+    odd = {**same, "batch_size": 3}
+    assert (
+        "--global-batch-size 8 -b 2 keeps it on 2 data-parallel processes" in resume_refusal(TrainConfig(**odd), 2)[0]
+    )
+    assert "8 sequences do not split over 3 data-parallel processes" in resume_refusal(TrainConfig(**odd), 3)[0]
     assert resume_refusal(TrainConfig(**same, global_batch_size=8, grad_accum_steps=2), 2) == []
     assert resume_refusal(TrainConfig(**same), None) == []  # a --dry-run without torchrun: the count is not known
     from fsdp_lib.checks import validate_config

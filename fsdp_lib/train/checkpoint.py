@@ -37,6 +37,7 @@ from fsdp_lib.experiment_dir import (
     PEFT_NAMES,
     RESUME_REFUSED_FIX,
     format_difference,
+    keep_batch_hint,
     objective_difference,
     objective_name,
     packing_refusal,
@@ -342,7 +343,8 @@ class Checkpointer:
                 "with the version that wrote it, or pass --force-resume to go on from about there"
             )
         if key == "global_batch_size":  # processes x batch x accumulation: another process count, most often
-            return f"{key}: checkpoint {was!r} vs now {now!r} (--global-batch-size {was} keeps it on any process count)"
+            ranks = max(1, self.d.world_size // max(1, self.d.context_size)) if self.d is not None else 1
+            return f"{key}: checkpoint {was!r} vs now {now!r} ({keep_batch_hint(int(was), ranks, self.cfg.batch_size)})"
         if key == "dataset":  # the same -d: what else shapes the data, or the files themselves
             shaping = [
                 f"--{k.replace('_', '-')}: checkpoint {config[k]!r} vs now {getattr(self.cfg, k)!r}"
