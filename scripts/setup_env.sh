@@ -10,13 +10,32 @@ stamp="$venv/.installed"
 # The stamp: the torch spec, then each requirements file under a "== NAME ==" line. A stamp that holds more files
 # than asked for covers the request (make demo after make test installs nothing).
 want="$(printf '%s\n' "$torch_spec"; for f in requirements.txt "$@"; do printf '== %s ==\n' "$f"; cat "$f"; done)"
-if [ -f "$stamp" ] && [ -x "$venv/bin/python" ]; then
+die() { echo "[setup] error: $*" >&2; exit 2; }
+# A venv that runs, with pip (a venv made without ensurepip has none; one whose base Python was removed does not run).
+working() { "$venv/bin/python" -c 'import sys' >/dev/null 2>&1 && "$venv/bin/python" -m pip --version >/dev/null 2>&1; }
+# The core packages are where the stamp says (found, not imported: no torch import on every make).
+installed() {
+  "$venv/bin/python" -c 'import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ("torch", "transformers", "datasets", "yaml", "tqdm")))' >/dev/null 2>&1
+}
+if [ -f "$stamp" ] && working && installed; then
   have="$(cat "$stamp")"
   case "$have" in
     "$want" | "$want"$'\n== '*) exit 0 ;;
   esac
 fi
-[ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
+if [ -e "$venv" ] && ! working; then
+  echo "[setup] $venv does not work (its python does not run, or it has no pip): making it again"
+  rm -f "$stamp"
+fi
+if [ ! -e "$venv" ] || ! working; then
+  command -v "$python_bin" >/dev/null 2>&1 || die "no $python_bin found: install Python 3.10 or newer, or set PYTHON=/path/to/python3"
+  "$python_bin" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || die "$python_bin is Python $("$python_bin" -c 'import platform; print(platform.python_version())'); torch $torch_spec needs 3.10 or newer: set PYTHON=/path/to/python3.1x"
+  "$python_bin" -m venv --clear "$venv" \
+    || die "$python_bin could not create $venv (on Debian/Ubuntu: apt install python3-venv), then rerun"
+  working || die "$venv has no pip ($python_bin's venv module made it without ensurepip: on Debian/Ubuntu apt install python3-venv), then rerun"
+fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip \
   || echo "[setup] could not upgrade pip (offline?); going on with $("$venv/bin/python" -m pip --version)"
 echo "[setup] installing $torch_spec (first, so requirements.txt cannot pull another build)"

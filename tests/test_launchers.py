@@ -632,3 +632,42 @@ def test_setup_env_installs_once_for_test_and_demo_and_again_when_requirements_c
     assert setup("requirements-dev.txt").returncode == 0 and installs() == 0
     (tmp_path / "requirements.txt").write_text((REPO_ROOT / "requirements.txt").read_text() + "rich\n")
     assert setup().returncode == 0 and installs() == 2
+
+
+def test_setup_env_mends_a_broken_venv_and_names_a_missing_or_old_python(tmp_path: Path) -> None:
+    """A .venv whose base Python was removed (a dangling bin/python), one without pip (a venv made where
+    python3-venv is missing) or one whose packages are gone under a valid stamp failed on every make with
+    'No such file or directory' or a traceback; no Python, or one older than 3.10, went on to pip's errors."""
+    (tmp_path / "requirements.txt").write_text((REPO_ROOT / "requirements.txt").read_text())
+    calls, marker = tmp_path / "calls", tmp_path / "packages_gone"
+    venv_python = (
+        f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *find_spec*) [ -e {marker} ] && exit 1;; esac\nexit 0\n'
+    )
+    base = tmp_path / "python3"  # a base Python whose `-m venv --clear DIR` writes the recording venv python
+    base.write_text(
+        '#!/bin/sh\ncase "$1" in -c) exit "${OLD:-0}";; esac\n'
+        f'mkdir -p "$4/bin" && cat > "$4/bin/python" <<"EOF"\n{venv_python}EOF\nchmod +x "$4/bin/python"\n'
+    )
+    base.chmod(0o755)
+
+    def setup(python: Path | str = base, **env: str) -> subprocess.CompletedProcess:
+        argv = ["bash", str(REPO_ROOT / "scripts" / "setup_env.sh"), "torch==2.13.0"]
+        environment = {**os.environ, "PYTHON": str(python), **env}
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=environment)
+
+    def installs() -> int:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        calls.unlink(missing_ok=True)
+        return sum("install --quiet" in line and "--upgrade pip" not in line for line in lines)
+
+    missing = setup(tmp_path / "nowhere" / "python3")
+    assert missing.returncode == 2 and "install Python 3.10 or newer, or set PYTHON" in missing.stderr
+    old = setup(OLD="1")
+    assert old.returncode == 2 and "needs 3.10 or newer" in old.stderr and not (tmp_path / ".venv").exists()
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(tmp_path / "removed_python")  # the base Python is gone
+    mended = setup()
+    assert mended.returncode == 0 and "does not work" in mended.stdout and installs() == 2, mended.stderr
+    assert setup().returncode == 0 and installs() == 0  # installed: nothing to do
+    marker.write_text("")  # the stamp says installed, the packages are gone
+    assert setup().returncode == 0 and installs() == 2
