@@ -750,6 +750,8 @@ def without_nulls(rows: list[list[dict]]) -> list[list[dict]]:
          turns("system", "You add.", "user", "1 plus 1?", "assistant", "2", "user", "And 2 plus 2?", "assistant", "4")),
         ({"prompt": "The sky is", "completion": " blue."}, turns("user", "The sky is", "assistant", " blue.")),
         ({"prompt": "p", "response": "r"}, turns("user", "p", "assistant", "r")),
+        ({"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],  # TRL's conversational
+          "completion": [{"role": "assistant", "content": "a"}]}, turns("system", "S", "user", "q", "assistant", "a")),
         ({"question": "Why?", "answer": "Because.", "system": ""}, turns("user", "Why?", "assistant", "Because.")),
         (
             {"system": "Top.", "messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]},
@@ -951,6 +953,14 @@ def test_parse_conversation_rejects_bad_records_with_their_reason(record: object
     with pytest.raises(BadRecord) as caught:
         parse_conversation(record)
     assert caught.value.reason == reason and reason in REASONS
+
+
+def test_a_yaml_boolean_or_number_in_a_text_field_says_to_quote_it() -> None:
+    """`content: no` in a YAML conversation is the boolean False: the skip said only 'has bool content'."""
+    for record in ({"messages": [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": False}]},
+                   {"instruction": "Pick one.", "output": 1.0}):  # fmt: skip
+        with pytest.raises(BadRecord, match="YAML reads an unquoted yes, no, on, off or number so: quote it"):
+            parse_conversation(record)
 
 
 CHAT_FEATURES = Features(

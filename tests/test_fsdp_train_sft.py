@@ -101,14 +101,16 @@ def test_datasets_made_elsewhere_train_as_data_hf_would_have_stored_them(templat
     ]
     all_out = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello.", "weight": 0}]
     halved = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello.", "weight": 0.5}]
+    null = [{"role": "user", "content": None}, {"role": "assistant", "content": "Hello."}]  # the template raised
     skipped: dict[str, int] = {}
     encoder = ChatEncoder(tokenizer, "assistant")
-    encoded = encoder.encode([parts, aliases, empty_first, image, weighted, all_out, halved], skipped)
+    encoded = encoder.encode([parts, aliases, empty_first, image, weighted, all_out, halved, null], skipped)
     span = ASSISTANT_SPANS[template]
     expected = [span("It is\n3."), span("3."), span("3."), span("3.")]
     assert [tokenizer.decode(np.asarray(ids)[mask == 1]) for ids, mask in encoded] == expected
     assert skipped == {
         "content that is not text (non_text_content; data_hf.py --format chat skips and counts these)": 1,
+        "content that is not text (non_string_content; data_hf.py --format chat skips and counts these)": 1,
         "every assistant turn has weight 0: nothing to train": 1,
         "a turn weight other than 0 or 1 (0.5; OpenAI's format)": 1,
     }

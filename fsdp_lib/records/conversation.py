@@ -57,7 +57,7 @@ def conversation_shape(record: object) -> str | None:
 def _text_field(record: dict, key: str) -> str:
     value = record[key]
     if not isinstance(value, str):
-        raise BadRecord("non_string_content", f"{key!r} is {type(value).__name__}, not a string")
+        raise BadRecord("non_string_content", f"{key!r} is {type(value).__name__}, not a string{_yaml_hint(value)}")
     return value
 
 
@@ -256,6 +256,8 @@ def as_stored(messages: list[dict]) -> list[dict]:
             raise BadRecord("unknown_role", f"{where} has the role {role!r}")
         if turn.get("tool_calls"):
             unanswered = list(turn["tool_calls"])
+        elif turn.get("content") is None:  # null: a template fails on it ('dict object' has no attribute 'content')
+            raise BadRecord("non_string_content", f"{where} has no content")
         content = turn.get("content")
         if content is not None and not isinstance(content, str):
             turn["content"] = turn_content(turn["role"], content, where)
@@ -269,6 +271,15 @@ def _is_text_part(part: object) -> bool:
 TEXT_PART_TYPES = ("text", "input_text", "output_text")  # OpenAI's chat and responses APIs name text parts so
 
 
+def _yaml_hint(value: object) -> str:
+    """Why a text field may have come out a boolean or a number: YAML reads an unquoted yes/no/on/off or 1.0 so."""
+    return (
+        " (YAML reads an unquoted yes, no, on, off or number so: quote it)"
+        if isinstance(value, (bool, int, float))
+        else ""
+    )
+
+
 def _content_text(content: object, where: str) -> str:
     """A turn's content: a string, or a list of parts (OpenAI/HF multimodal style) whose text parts,
     {"type": "text", "text": ...} or with "value" instead of "text" (or plain strings), are joined with a newline.
@@ -276,7 +287,7 @@ def _content_text(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content")
+        raise BadRecord("non_string_content", f"{where} has {type(content).__name__} content{_yaml_hint(content)}")
     texts = []
     for number, part in enumerate(content, 1):
         if isinstance(part, str):
@@ -326,6 +337,9 @@ def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
         ]
     if shape == "prompt":
         answer_key = "completion" if "completion" in record else "response"
+        if isinstance(record["prompt"], list) and isinstance(record[answer_key], list):  # TRL's conversational shape
+            prompt = turns_of_list(record["prompt"], "prompt", tools_allowed=True)
+            return prompt + turns_of_list(record[answer_key], answer_key, tools_allowed=True)
         return [("user", _text_field(record, "prompt")), ("assistant", _text_field(record, answer_key))]
     return [("user", _text_field(record, "question")), ("assistant", _text_field(record, "answer"))]
 
