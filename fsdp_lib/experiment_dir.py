@@ -261,9 +261,10 @@ _OBJECTIVE_FLAGS = {
 _REFERENCE_SHOWN = {"copy": "live", "adapters-off": "live (the model with its adapters off)", "none": "none"}
 
 
-def objective_difference(was: dict, now: dict) -> str:
+def objective_difference(was: dict, now: dict, notes: dict[str, str] | None = None) -> str:
     """The entries in which two objective fingerprints of one --objective differ, each as the flag behind it, with
-    the values as typed (--reference live, not 'copy'; --num-iterations 1 where an earlier run left it out)."""
+    the values as typed (--reference live, not 'copy'; --num-iterations 1 where an earlier run left it out), and
+    after an entry its note from `notes` (the reward functions whose file changed)."""
     grpo = objective_name(was) == "grpo"
     flags = {
         **_OBJECTIVE_FLAGS,
@@ -281,7 +282,7 @@ def objective_difference(was: dict, now: dict) -> str:
         return value
 
     return "; ".join(
-        f"{flags.get(k, k)}: checkpoint {shown(k, was.get(k))!r} vs now {shown(k, now.get(k))!r}"
+        f"{flags.get(k, k)}: checkpoint {shown(k, was.get(k))!r} vs now {shown(k, now.get(k))!r}{(notes or {}).get(k, '')}"
         for k in sorted(set(was) | set(now), key=str)
         if was.get(k) != now.get(k)
     )

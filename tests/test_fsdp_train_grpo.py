@@ -636,7 +636,7 @@ def test_a_resume_refused_for_an_edited_reward_file_names_that_function(tmp_path
     now = {**saved, "rewards": [["r.py:score:bbbb", 1.0], ["accuracy", 0.5]]}
     ckpt = Checkpointer(TrainConfig(experiment_name="x", save_dir=str(tmp_path)), None, {"objective": now})
     said = ckpt._difference("objective", {"fingerprint": {"objective": saved}, "config": {}})
-    assert said.startswith("objective.rewards: checkpoint [['r.py:score:aaaa', 1.0]") and "beta" not in said, said
+    assert said.startswith("--reward / --reward-weights: checkpoint [['r.py:score:aaaa', 1.0]") and "beta" not in said
     assert said.endswith("(the file of --reward r.py:score changed)"), said
     weights = {**saved, "rewards": [["r.py:score:aaaa", 2.0], ["accuracy", 0.5]]}
     ckpt.fingerprint = {"objective": weights}

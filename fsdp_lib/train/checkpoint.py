@@ -354,7 +354,7 @@ class Checkpointer:
             why = "; ".join(shaping) or "the same -d: its files changed since the checkpoint"
             return f"{key}: checkpoint {was!r} vs now {now!r} ({why})"
         if key == "objective" and isinstance(was, dict) and isinstance(now, dict):
-            return objective_difference(was, now)
+            return objective_difference(was, now, {"rewards": edited_rewards(was.get("rewards"), now.get("rewards"))})
         if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
             parts = [
                 f"{PEFT_NAMES.get(k, f'{key}.{k}') if key == 'peft' else f'{key}.{k}'}: checkpoint {was.get(k)!r} vs "
