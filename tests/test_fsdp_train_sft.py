@@ -149,6 +149,36 @@ def test_a_template_without_a_generation_prompt_is_refused_where_its_header_woul
     assert tokenizer.decode(np.asarray(ids)[mask == 1]) == " Yo.</s>"
 
 
+def test_the_end_of_turn_token_is_a_stop_of_the_exported_generation_config(chat_models, tmp_path):
+    """A model fine-tuned with a template whose turns end in a special token other than EOS: the export's
+    generation_config.json lists that token among eos_token_id (written from the model's config where none was)."""
+    from types import SimpleNamespace
+
+    from fsdp_lib.data.chat import add_end_of_turn_stop, end_of_turn_id
+
+    ends = {"llama3": "<|eot_id|>", "qwen2.5": "<|im_end|>", "gemma": "<end_of_turn>", "mistral": None}
+    for template, token in ends.items():
+        tokenizer = _tokenizer(chat_models[template])
+        expected = tokenizer.convert_tokens_to_ids(token) if token else None
+        assert end_of_turn_id(tokenizer) == expected, template
+    tokenizer = _tokenizer(chat_models["qwen2.5"])
+    stop = end_of_turn_id(tokenizer)
+    config = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    add_end_of_turn_stop(tmp_path, tokenizer, config)  # no generation_config.json: one from the model's config
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {
+        "bos_token_id": 1,
+        "eos_token_id": [2, stop],
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop], "temperature": 0.6}))
+    add_end_of_turn_stop(tmp_path, tokenizer, config)  # already a stop: left as it was
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {
+        "eos_token_id": [2, stop],
+        "temperature": 0.6,
+    }
+    tokenizer.chat_template = None
+    assert end_of_turn_id(tokenizer) is None
+
+
 def test_loss_on_all_trains_every_token(chat_models):
     tokenizer = _tokenizer(chat_models["qwen2.5"])
     [(ids, mask)] = ChatEncoder(tokenizer, "all").encode(arithmetic_conversations(1), {})
@@ -454,6 +484,11 @@ def test_chat_data_without_a_template_names_the_flag(tmp_path, chat_dataset):
     final = tmp_path / "nt" / "final"
     exported = {f.name: f.read_bytes() for f in final.iterdir()}
     assert "start_header_id" in str(exported.get("chat_template.jinja")) + str(exported["tokenizer_config.json"])
+    # generate() stops at the template's end of turn: <|eot_id|> joins the EOS (the base talked on past its reply)
+    from transformers import AutoTokenizer
+
+    eot = AutoTokenizer.from_pretrained(final).convert_tokens_to_ids("<|eot_id|>")
+    assert eot in json.loads(exported["generation_config.json"])["eos_token_id"]
     # the checkpoint keeps the template: `-e nt --export-only` writes the same export with the file gone
     Path(template).unlink()
     shutil.rmtree(final)

@@ -434,3 +434,42 @@ def export_tokenizer(cfg: TrainConfig, model_dir: Path, saved: dict) -> Any:
             "did not learn; pass the run's --chat-template FILE and export again"
         )
     return tokenizer
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The token the chat template closes an assistant turn with, where that is one special token other than EOS
+    (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>); None otherwise (no template, a template
+    that ends turns with EOS, or with plain text)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turns = [{"role": "user", "content": "probe question"}, {"role": "assistant", "content": "probe answer"}]
+    try:
+        tail = tokenizer.apply_chat_template(turns, tokenize=False).rpartition("probe answer")[2].strip()
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: nothing to add
+        return None
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    if not ids or ids[0] == tokenizer.eos_token_id or ids[0] not in tokenizer.all_special_ids:
+        return None
+    return int(ids[0])
+
+
+def add_end_of_turn_stop(folder: Path, tokenizer: Any, model_config: Any) -> None:
+    """Make generate() stop at the end of a reply: the template's end-of-turn token (end_of_turn_id) joins the
+    eos_token_id of FOLDER/generation_config.json (one is written from the model's config where the folder has
+    none). A base model fine-tuned with ChatML whose EOS is another token otherwise talks on past its turn."""
+    stop = end_of_turn_id(tokenizer)
+    if stop is None:
+        return
+    path = folder / "generation_config.json"
+    kept = {"bos_token_id": model_config.bos_token_id, "eos_token_id": model_config.eos_token_id}
+    settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else kept
+    eos = settings.get("eos_token_id")
+    ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+    if stop in ids:
+        return
+    settings["eos_token_id"] = [*ids, stop]
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    log(
+        f"generation_config.json: eos_token_id {ids} + {stop} ({tokenizer.convert_ids_to_tokens(stop)}, the chat "
+        "template's end of turn), so generate() stops at the end of a reply"
+    )

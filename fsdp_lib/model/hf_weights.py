@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from fsdp_lib.config import TrainConfig
+from fsdp_lib.data.chat import add_end_of_turn_stop
 from fsdp_lib.errors import TrainError
 from fsdp_lib.faults import fault_point
 from fsdp_lib.integrity import umask_mode
@@ -386,6 +387,7 @@ def export_hf_model(
         config.save_pretrained(tmp)
         if (source_dir / "generation_config.json").is_file():
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
+        add_end_of_turn_stop(tmp, tokenizer, config)
         tokenizer.save_pretrained(tmp)
         replace_folder(tmp, out_dir, step)
         log(f"exported Hugging Face model ({dtype}) to {out_dir}")
