@@ -79,8 +79,6 @@ def _flag_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     problems += grpo_problems(cfg)
     problems += context_problems(cfg, world_size)
     problems += _batch_problems(cfg, world_size // max(1, cfg.context_parallel))
-    if parse_data_slice(cfg.data_slice or "x") == (0, None):  # "0:" or ":" is every row: the same run as no slice
-        cfg.data_slice = ""
     # what the checkpoint's flags alone show, before data or model; the process count under torchrun, or of a run
     # without it (one process); a --dry-run without torchrun would compare one process's global batch with the run's
     problems += resume_refusal(cfg, world_size if "WORLD_SIZE" in os.environ or not cfg.dry_run else None)

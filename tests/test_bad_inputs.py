@@ -1260,9 +1260,6 @@ def test_a_resume_the_flags_alone_refuse_is_refused_before_any_data_is_read(tmp_
         (problem,) = resume_refusal(TrainConfig(**(same | change)), 4)
         assert f"step_00000004: {said}. These change the math" in problem, problem
     assert resume_refusal(TrainConfig(**same, objective="lm"), 4) == []
-    # a slice of every row is the run without one ("--data-slice: checkpoint '' vs now '0:'" was refused)
-    whole = TrainConfig(**(same | {"data_slice": "0:", "dataset_name": ["d"], "model_name": "m"}))
-    assert not any("--data-slice" in p for p in validate_config(whole, 1)) and whole.data_slice == ""
     # a chat run from before whole packing (its data format without the marker), resumed with the default
     fingerprint["data_format"] = "chat:9f1e:loss-on-assistant:document-masking-on"
     (step / "train_state.json").write_text(json.dumps({"fingerprint": fingerprint, "config": config}))
