@@ -193,14 +193,14 @@ def chat_fine_tune(
     return args.chat_steps
 
 
-# What a demo workspace holds (an older demo left no marker): a folder with anything else is not the demo's to delete.
+# The demo's mark on its workspace: a folder without it (and not empty) is not the demo's to delete.
 WORKSPACE_MARKER = ".demo_workspace"
-WORKSPACE_ENTRIES = {WORKSPACE_MARKER, "raw", "chat", "splits", "hf_datasets", "models", "outputs"}
 
 
 def workspace_problem(ws: Path) -> str | None:
     """Why the demo may not delete `ws` and start clean in it (None: it may): every run deletes its workspace, so
-    that must be a folder the demo made (its marker, or only the demo's entries), an empty one, or none."""
+    that must be a folder the demo made (its marker), an empty one, or none. Names alone prove nothing: a project
+    folder holds raw/, hf_datasets/, models/ and outputs/ too."""
     if not ws.exists() and not ws.is_symlink():
         return None
     if not ws.is_dir() or ws.is_symlink():
@@ -208,12 +208,12 @@ def workspace_problem(ws: Path) -> str | None:
     if ws == REPO or REPO.is_relative_to(ws):
         return "holds this repository; choose a new folder for --workspace"
     entries = {entry.name for entry in ws.iterdir()}
-    if WORKSPACE_MARKER in entries or entries <= WORKSPACE_ENTRIES:
+    if WORKSPACE_MARKER in entries or not entries:
         return None
-    shown = ", ".join(sorted(entries - WORKSPACE_ENTRIES)[:3])
+    shown = ", ".join(sorted(entries)[:3])
     return (
-        f"holds files the demo did not write ({shown}); every demo run deletes its workspace and starts clean, so "
-        "choose a new or empty folder for --workspace"
+        f"holds files the demo did not mark as its own ({shown}); every demo run deletes its workspace and starts "
+        "clean, so choose a new or empty folder for --workspace (a workspace of an older demo: make clean-demo)"
     )
 
 

@@ -51,7 +51,7 @@ def test_demo_pipeline_runs_end_to_end(tmp_path):
 def test_the_demo_never_deletes_a_workspace_it_did_not_make(tmp_path):
     """Every demo run deletes its --workspace to start clean: `--workspace outputs` deleted a user's experiments.
     A folder with anything the demo does not write is refused (exit 2, nothing deleted); the demo's own (its
-    marker, or an older demo's entries alone) and an empty one are taken."""
+    marker) and an empty one are taken; the demo's folder names alone are not enough (a project has them too)."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     import demo
 
@@ -61,16 +61,17 @@ def test_the_demo_never_deletes_a_workspace_it_did_not_make(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/demo.py", "--workspace", str(ws)], cwd=REPO_ROOT, capture_output=True, text=True
     )
-    assert proc.returncode == 2 and "holds files the demo did not write (my_run)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "holds files the demo did not mark as its own (my_run)" in proc.stderr, proc.stderr
     assert (ws / "my_run" / "checkpoint" / "weights").read_text() == "precious"
     assert "holds this repository" in demo.workspace_problem(REPO_ROOT)
     assert "holds this repository" in demo.workspace_problem(REPO_ROOT.parent)
     (tmp_path / "file").write_text("x")
     assert "not a folder" in demo.workspace_problem(tmp_path / "file")
-    for number, entries in enumerate(((), ("raw", "outputs"), (demo.WORKSPACE_MARKER, "notes.txt"))):
+    for number, entries in enumerate(((), ("raw", "outputs"), (demo.WORKSPACE_MARKER, "raw", "outputs"))):
         fresh = tmp_path / f"ws{number}"
         fresh.mkdir()
         for name in entries:
             (fresh / name).mkdir()
-        assert demo.workspace_problem(fresh) is None
+        # a project's raw/, hf_datasets/, models/, outputs/ without the demo's mark are not the demo's
+        assert (demo.workspace_problem(fresh) is None) == (number != 1)
     assert demo.workspace_problem(tmp_path / "new") is None
