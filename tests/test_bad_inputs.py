@@ -1152,6 +1152,19 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     ]
     assert "WARNING" in said and "model.safetensors" in said and "not_exported" in said
     assert (final / "model-q4_k_m.safetensors").exists() and (final / "README.md").read_text() == "my card"
+    # the next export with another such file: the earlier not_exported/ is carried and the file joins it (the two
+    # collided: ENOTEMPTY, then the first one was deleted with the old folder)
+    (final / "model.safetensors").write_text("staler")
+    new.mkdir()
+    (new / "config.json").write_text("newest")
+    replace_folder(new, final, 8)
+    assert sorted(p.name for p in (final / "not_exported").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "model.safetensors",
+        "model.safetensors.1",
+    ]
+    assert (final / "not_exported" / "model.safetensors.1").read_text() == "staler"
     shutil.rmtree(final / "not_exported")
 
     # A kill between the swap's two renames left the earlier export (and the user's files) only in .final.old.

@@ -360,10 +360,8 @@ def export_hf_model(
 
     tied = _tied_parameter_names(model)
     state = get_model_state_dict(model) if state is None else state
-    source = {k: high_precision(v) for k, v in state.items() if k not in tied}  # --fp8: not the wrapper
-    state = {k: v.to(dtype) for k, v in source.items()}
-    _refuse_overflow(source, state, dtype, d)
-    del source
+    state = {k: high_precision(v).to(dtype) for k, v in state.items() if k not in tied}  # --fp8: not the wrapper
+    _refuse_overflow(state, dtype, d)
     state, converted_by_layer = split_export_layout(model, state)
     index, size, max_bytes = {}, 0, 4 * 2**30  # shards of at most ~4 GiB, like save_pretrained's default
     file_no = 1
@@ -394,19 +392,17 @@ def export_hf_model(
     dist.barrier(group=d.cpu_group)
 
 
-def _refuse_overflow(source: dict[str, Any], cast: dict[str, Any], dtype: torch.dtype, d: Dist) -> None:
+def _refuse_overflow(cast: dict[str, Any], dtype: torch.dtype, d: Dist) -> None:
     """Stop an export whose --export-dtype cannot hold a trained value (fp16 tops out at 65,504): the folder would
-    carry inf weights, silently. Counted over every rank's shards, before anything is written."""
+    carry inf weights, silently. The values not finite once cast (a merged LoRA export arrives cast already) are
+    counted over every rank's shards, before anything is written; a dtype with fp32's range is not checked."""
     if dtype.is_floating_point and torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
         return
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - a DTensor's shard, or a tensor
-    counts = torch.tensor(
-        [int((torch.isinf(local(cast[k])) & torch.isfinite(local(v))).sum()) for k, v in source.items()],
-        dtype=torch.int64,
-    )
+    counts = torch.tensor([int((~torch.isfinite(local(v))).sum()) for v in cast.values()], dtype=torch.int64)
     dist.all_reduce(counts, group=d.cpu_group)
     if counts.sum():
-        names = [f"{name} ({int(n):,})" for name, n in zip(source, counts.tolist()) if n]
+        names = [f"{name} ({int(n):,})" for name, n in zip(cast, counts.tolist()) if n]
         raise TrainError(
             f"--export-dtype {str(dtype).removeprefix('torch.')}: {int(counts.sum()):,} trained value(s) exceed its "
             f"range ({torch.finfo(dtype).max:,.0f}) and would be exported as inf, in {', '.join(names[:3])}"
@@ -504,16 +500,23 @@ def _carry_over(old: Path, new: Path) -> None:
         ours = entry.name in written if written is not None else bool(_EXPORT_FILES.fullmatch(entry.name))
         (dropped if ours else kept).append(entry)
     loadable = [entry for entry in kept if _LOADABLE.fullmatch(entry.name)]
+    kept = [entry for entry in kept if entry not in loadable]
+    for entry in kept:  # an earlier not_exported/ among them: carried first, the new arrivals join it
+        os.rename(entry, new / entry.name)
     if loadable:  # beside the export, transformers or peft would load them instead of (or into) it
-        (new / NOT_EXPORTED).mkdir(exist_ok=True)
+        aside = new / NOT_EXPORTED
+        aside.mkdir(exist_ok=True)
+        for entry in loadable:
+            target, number = aside / entry.name, 1
+            while target.exists() or target.is_symlink():  # never over one moved aside by an earlier export
+                target, number = aside / f"{entry.name}.{number}", number + 1
+            os.rename(entry, target)
         log(
             f"WARNING: {new} held weight files that no export wrote ({', '.join(e.name for e in loadable)}), which "
             f"transformers or peft would load instead of this export (e.g. a model.safetensors beside the index): "
-            f"moved into {new / NOT_EXPORTED}/"
+            f"moved into {aside}/"
         )
-    for entry in kept:
-        os.rename(entry, new / (f"{NOT_EXPORTED}/{entry.name}" if entry in loadable else entry.name))
-    if kept := [entry for entry in kept if entry not in loadable]:
+    if kept:
         log(f"kept in {new} what no export wrote: {', '.join(e.name for e in kept)}")
     if dropped:
         log(f"removed with the earlier export in {new}: {', '.join(e.name for e in dropped)} (this export has none)")
