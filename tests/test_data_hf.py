@@ -955,11 +955,20 @@ def test_parse_conversation_rejects_bad_records_with_their_reason(record: object
     assert caught.value.reason == reason and reason in REASONS
 
 
+def test_a_conversational_prompt_s_assistant_turns_are_context_not_trained() -> None:
+    """TRL's conversational prompt/completion: only the completion is trained (a prompt's assistant turn has weight 0)."""
+    record = {"prompt": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                         {"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}  # fmt: skip
+    turns = list(parse_conversation(record))
+    assert [turn[:2] for turn in turns] == [("user", "1+1?"), ("assistant", "2"), ("user", "2+2?"), ("assistant", "4")]
+    assert turns[1].weight == "0" and len(turns[3]) == 2  # the completion: trained as usual
+
+
 def test_a_yaml_boolean_or_number_in_a_text_field_says_to_quote_it() -> None:
     """`content: no` in a YAML conversation is the boolean False: the skip said only 'has bool content'."""
     for record in ({"messages": [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": False}]},
                    {"instruction": "Pick one.", "output": 1.0}):  # fmt: skip
-        with pytest.raises(BadRecord, match="YAML reads an unquoted yes, no, on, off or number so: quote it"):
+        with pytest.raises(BadRecord, match="from a YAML file. it reads an unquoted yes, no, on, off or number so"):
             parse_conversation(record)
 
 

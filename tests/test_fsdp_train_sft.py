@@ -118,7 +118,7 @@ def test_datasets_made_elsewhere_train_as_data_hf_would_have_stored_them(templat
     assert "What is 1 plus 2?" in said and "'type'" not in said
 
 
-def test_a_template_without_a_generation_prompt_is_refused_where_its_header_would_train(chat_models, tmp_path):
+def test_a_template_without_a_generation_prompt_is_refused_where_its_header_would_train(chat_models, tmp_path, capsys):
     """A template without an add_generation_prompt branch whose turns open with a header (a ChatML loop, Vicuna's
     USER:/ASSISTANT:) trained the header as part of every reply. Refused, naming the fixes; a template that writes
     the header after each user turn (Mistral's [/INST]) trains exactly the reply, as do the fixture templates and
@@ -140,6 +140,12 @@ def test_a_template_without_a_generation_prompt_is_refused_where_its_header_woul
             chat_encoder(TrainConfig(model_name="m"), tokenizer, ["messages"], dataset="d")
         assert header in str(err.value) and "--chat-template" in str(err.value) and "--loss-on all" in str(err.value)
         assert chat_encoder(TrainConfig(model_name="m", loss_on="all"), tokenizer, ["messages"], dataset="d")
+        with pytest.raises(TrainError) as err:  # preference pairs: --loss-on does not apply to them
+            check_generation_prompt(tokenizer, "--dataset-name d", pairs=True)
+        assert "--loss-on" not in str(err.value)
+        # a run that began so (before this check) resumes with a warning: either fix would change its data
+        check_generation_prompt(tokenizer, "--dataset-name d", resuming=True)
+        assert "WARNING: --dataset-name d: the chat template renders no generation prompt" in capsys.readouterr().out
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m.role == 'user' %}{{ 'USER: ' + m.content + '\\nASSISTANT:' }}"
         "{% else %}{{ ' ' + m.content + '</s>' }}{% endif %}{% endfor %}"

@@ -16,6 +16,7 @@ import numpy as np
 from fsdp_lib.checks import chat_template_problems
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
+from fsdp_lib.markers import step_dirs
 from fsdp_lib.records.conversation import as_stored, is_trained_weight
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import TOOL_CALL_ROLES, TOOL_RESULT_ROLES, dataset_kind
@@ -232,7 +233,8 @@ def _readable(
             unreadable[row] = ChatFormatError(f"unreadable tool use ({exc.detail[:120]})")
         except BadRecord as exc:
             readable = [], None
-            what = "an unknown role" if exc.reason == "unknown_role" else "content that is not text"
+            what = {"unknown_role": "an unknown role", "non_string_content": "content that is not text",
+                    "non_text_content": "content that is not text"}.get(exc.reason, "a turn that cannot be read")  # fmt: skip
             unreadable[row] = ChatFormatError(f"{what} ({exc.reason}; data_hf.py --format chat skips and counts these)")
         messages_of.append(readable[0])
         offered.append(readable[1])
@@ -286,12 +288,13 @@ def check_tool_support(tokenizer: Any, where: str) -> None:
         )
 
 
-def check_generation_prompt(tokenizer: Any, where: str) -> None:
+def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, resuming: bool = False) -> None:
     """Refuse a chat template without an add_generation_prompt branch whose assistant turns open with a header
     (Vicuna's `ASSISTANT:`, a ChatML loop that writes `<|im_start|>assistant`): the trained span of a turn starts
     where the generation prompt ends, so the header would carry loss, against --loss-on assistant's promise. A
     template that writes the header after every user turn (the same render either way, nothing before the answer)
-    and one that refuses the probe pass."""
+    and one that refuses the probe pass. A run resuming a checkpoint is warned, not stopped: it trained so from its
+    start, and either fix changes its data, which a resume refuses."""
     asked = [{"role": "user", "content": "probe question"}]
     try:
         prompt, plain = (
@@ -304,12 +307,16 @@ def check_generation_prompt(tokenizer: Any, where: str) -> None:
         return
     header = whole[len(prompt) :].partition("probe answer")[0] if whole.startswith(prompt) else ""
     if prompt == plain and header.strip():
-        raise TrainError(
+        said = (
             f"{where}: the chat template renders no generation prompt (add_generation_prompt changes nothing), so "
-            f"the assistant header {header.strip()!r} would be trained as part of every reply; pass --chat-template "
-            "FILE with a template that writes the header when add_generation_prompt is true (as the templates of "
-            "instruct models do), or --loss-on all to train every token"
+            f"the assistant header {header.strip()!r} {'is' if resuming else 'would be'} trained as part of every "
+            "reply; pass --chat-template FILE with a template that writes the header when add_generation_prompt is "
+            "true (as the templates of instruct models do)"
+            + ("" if pairs else ", or --loss-on all to train every token")
         )
+        if not resuming:
+            raise TrainError(said)
+        log(f"WARNING: {said} (a new run; this one resumes as it began)")
 
 
 def uses_tools(split: Any) -> bool:
@@ -389,7 +396,8 @@ def chat_encoder(
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
     if cfg.loss_on == "assistant" or pairs:
-        check_generation_prompt(tokenizer, f"--dataset-name {dataset}")
+        resuming = bool(step_dirs(cfg.experiment_dir / "checkpoint")) if cfg.experiment_name else False
+        check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resuming)
     return ChatEncoder(tokenizer, cfg.loss_on)
 
 
@@ -461,7 +469,8 @@ def add_end_of_turn_stop(folder: Path, tokenizer: Any, model_config: Any) -> Non
     if stop is None:
         return
     path = folder / "generation_config.json"
-    kept = {"bos_token_id": model_config.bos_token_id, "eos_token_id": model_config.eos_token_id}
+    names = ("bos_token_id", "eos_token_id", "pad_token_id")  # what transformers takes from the model's config
+    kept = {name: getattr(model_config, name) for name in names if getattr(model_config, name, None) is not None}
     settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else kept
     eos = settings.get("eos_token_id")
     ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])

@@ -232,8 +232,8 @@ def as_stored(messages: list[dict]) -> list[dict]:
     the trained ones); a tool result's role (function, observation, ipython) as "tool", with the name and call id of
     the call it answers where it has none; a call given as a turn of its own (glaive's function_call, the call as
     its content) or as OpenAI's legacy `function_call` field as an assistant turn's `tool_calls`; content given as
-    a list of parts as their text joined (a template would print the list's repr). Raises BadRecord for an unknown
-    role or content that is no text, ToolFormatError for a call that cannot be read."""
+    a list of parts as their text joined (a template would print the list's repr); another role is left to the
+    template. Raises BadRecord for content that is no text, ToolFormatError for a call that cannot be read."""
     unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
     for number, turn in enumerate(messages, 1):
         where = f"turn {number}"
@@ -252,8 +252,7 @@ def as_stored(messages: list[dict]) -> list[dict]:
             turn["role"] = ROLE_ALIASES[name]
             if turn["role"] == "assistant" and turn.get("function_call") and not turn.get("tool_calls"):
                 turn["tool_calls"] = normalize_calls(turn.pop("function_call"), f"the function_call of {where}")
-        else:
-            raise BadRecord("unknown_role", f"{where} has the role {role!r}")
+        # any other role (OpenAI's developer, which some templates render) is left to the template, as it was
         if turn.get("tool_calls"):
             unanswered = list(turn["tool_calls"])
         elif turn.get("content") is None:  # null: a template fails on it ('dict object' has no attribute 'content')
@@ -274,7 +273,7 @@ TEXT_PART_TYPES = ("text", "input_text", "output_text")  # OpenAI's chat and res
 def _yaml_hint(value: object) -> str:
     """Why a text field may have come out a boolean or a number: YAML reads an unquoted yes/no/on/off or 1.0 so."""
     return (
-        " (YAML reads an unquoted yes, no, on, off or number so: quote it)"
+        " (from a YAML file? it reads an unquoted yes, no, on, off or number so: quote it)"
         if isinstance(value, (bool, int, float))
         else ""
     )
@@ -327,6 +326,13 @@ def _alpaca_history(record: dict) -> list[tuple[str, str]]:
     return [turn for asked, answered in history for turn in (("user", asked), ("assistant", answered))]
 
 
+def _as_context(turn: tuple[str, str]) -> tuple[str, str]:
+    """A prompt's assistant turn as context (OpenAI's weight 0): TRL trains a completion alone, never the prompt."""
+    if turn[0] != "assistant":
+        return turn
+    return turn._replace(weight="0") if isinstance(turn, ToolTurn) else ToolTurn("assistant", turn[1], weight="0")
+
+
 def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
     """The user and assistant turns of the single-exchange shapes (Alpaca, prompt/completion, question/answer)."""
     if shape == "alpaca":
@@ -339,7 +345,7 @@ def _turns_of_pair(record: dict, shape: str) -> list[tuple[str, str]]:
         answer_key = "completion" if "completion" in record else "response"
         if isinstance(record["prompt"], list) and isinstance(record[answer_key], list):  # TRL's conversational shape
             prompt = turns_of_list(record["prompt"], "prompt", tools_allowed=True)
-            return prompt + turns_of_list(record[answer_key], answer_key, tools_allowed=True)
+            return [*map(_as_context, prompt), *turns_of_list(record[answer_key], answer_key, tools_allowed=True)]
         return [("user", _text_field(record, "prompt")), ("assistant", _text_field(record, answer_key))]
     return [("user", _text_field(record, "question")), ("assistant", _text_field(record, "answer"))]
 
