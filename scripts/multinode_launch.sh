@@ -22,8 +22,8 @@
 #   EXPERIMENT, DATASET, MODEL, CONFIG
 #                     passed as -e, -d, -m, --config (or pass those flags as arguments instead)
 #   TOTAL_BATCH_SIZE  sequences per optimizer step summed over all processes; the launcher derives
-#                     --grad-accum-steps = TOTAL_BATCH_SIZE / (MICRO_BATCH_SIZE x NNODES x NPROC_PER_NODE)
-#                     and stops with an error when that is not a whole number >= 1
+#                     --grad-accum-steps = TOTAL_BATCH_SIZE / (MICRO_BATCH_SIZE x NNODES x NPROC_PER_NODE
+#                     / the --context-parallel degree) and stops with an error when that is not a whole number >= 1
 #   MICRO_BATCH_SIZE  sequences per process per forward pass (--batch-size); default: batch-size in CONFIG
 #   MAX_RESTARTS      torchrun --max-restarts (default 0): when a training process dies (a crash, a kill -9, an OOM
 #                     kill), torchrun stops the others and starts the group again, up to this many times; the new
@@ -117,29 +117,51 @@ find_batch_flag() {
   for arg in "$@"; do
     case $arg in
       -b | -b?* | --batch-size | --batch-size=* | --batch_size | --batch_size=* | \
-        --grad-accum-steps | --grad-accum-steps=* | --grad_accum_steps | --grad_accum_steps=* | \
-        --global-batch-size | --global-batch-size=* | --global_batch_size | --global_batch_size=*)
+        --grad-accum-steps | --grad-accum-steps=* | --grad_accum_steps | --grad_accum_steps=*)
         echo "$arg"
         return
+        ;;
+      --global-batch-size | --global-batch-size=* | --global_batch_size | --global_batch_size=*)
+        # beside MICRO_BATCH_SIZE alone it is the run's total (the trainer derives the accumulation)
+        if [[ -n ${TOTAL_BATCH_SIZE:-} ]]; then echo "$arg" && return; fi
         ;;
     esac
   done
 }
 
-# The --context-parallel degree of the run (the arguments' last, else CONFIG's, else 1): the processes of one
-# context group share each sequence, so the data-parallel ranks are the world over it.
-context_degree() {
-  local degree="" arg expect=0 name="--context-parallel"
+# The value of a flag in the trainer's arguments (the last one given), empty when absent.
+arg_value() {
+  local flag=$1 arg value="" expect=0 body alt
+  shift
+  body=${flag#--}
+  alt="--${body//-/_}" # argparse takes --context_parallel for --context-parallel
   for arg in "$@"; do
-    if ((expect)); then degree=$arg expect=0 && continue; fi
+    if ((expect)); then value=$arg expect=0 && continue; fi
     case $arg in
-      --context-parallel | --context_parallel) expect=1 ;;
-      --context-parallel=* | --context_parallel=*) degree=${arg#*=} ;;
+      "$flag" | "$alt") expect=1 ;;
+      "$flag"=* | "$alt"=*) value=${arg#*=} ;;
     esac
   done
-  if [[ -z $degree && -n ${CONFIG:-} ]]; then
-    degree=$(config_value "$CONFIG" context-parallel) || exit 2
-    name="CONFIG $CONFIG's context-parallel"
+  echo "$value"
+}
+
+# The run's config file: a --config argument, else CONFIG (empty: none).
+config_file() {
+  local given
+  given=$(arg_value --config "$@")
+  echo "${given:-${CONFIG:-}}"
+}
+
+# The --context-parallel degree of the run (the arguments' last, else the config file's, else 1): the processes of
+# one context group share each sequence, so the data-parallel ranks are the world over it.
+context_degree() {
+  local degree config name="--context-parallel"
+  degree=$(arg_value --context-parallel "$@")
+  config=$(config_file "$@")
+  if [[ -z $degree && -n $config ]]; then
+    [[ -f $config ]] || die "--config $config not found (relative paths start at the repository root $REPO_DIR)"
+    degree=$(config_value "$config" context-parallel) || exit 2
+    name="the config $config's context-parallel"
   fi
   [[ -n $degree ]] || degree=1
   [[ $degree =~ ^[0-9]+$ ]] && ((10#$degree > 0)) || die "$name $degree must be a positive integer"
@@ -235,11 +257,14 @@ add_batch_args() {
       "and --grad-accum-steps; drop $conflict or unset those variables"
   fi
   if [[ -z $micro ]]; then
-    [[ -n ${CONFIG:-} ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE"
-    micro=$(config_value "$CONFIG" batch-size) || exit 2
+    local config
+    config=$(config_file "$@")
+    [[ -n $config ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE"
+    [[ -f $config ]] || die "--config $config not found (relative paths start at the repository root $REPO_DIR)"
+    micro=$(config_value "$config" batch-size) || exit 2
     [[ -n $micro ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE" \
-      "(CONFIG $CONFIG has no batch-size)"
-    [[ $micro =~ ^[0-9]+$ ]] && ((10#$micro > 0)) || die "CONFIG $CONFIG's batch-size ($micro) must be a positive integer"
+      "(the config $config has no batch-size)"
+    [[ $micro =~ ^[0-9]+$ ]] && ((10#$micro > 0)) || die "the config $config's batch-size ($micro) must be a positive integer"
   fi
   require_positive_int MICRO_BATCH_SIZE "$micro"
   micro=$((10#$micro))

@@ -37,7 +37,8 @@
 # set the variables on the sbatch command line or export them before:
 #   EXPERIMENT, DATASET, MODEL, CONFIG   -e, -d, -m, --config for fsdp_train.py (or give the flags as arguments)
 #   TOTAL_BATCH_SIZE   sequences per optimizer step over all GPUs; --grad-accum-steps is derived as
-#                      TOTAL_BATCH_SIZE / (MICRO_BATCH_SIZE x nodes x GPUS_PER_NODE), an error unless whole and >= 1
+#                      TOTAL_BATCH_SIZE / (MICRO_BATCH_SIZE x nodes x GPUS_PER_NODE / the --context-parallel
+#                      degree), an error unless whole and >= 1
 #   MICRO_BATCH_SIZE   --batch-size, sequences per GPU per forward (default: batch-size in CONFIG)
 #   GPUS_PER_NODE      training processes per node (default: SLURM_GPUS_ON_NODE, set by --gpus-per-node)
 #   MASTER_PORT        rendezvous port on the first node (default 29500 + job id % 1000, so that two jobs sharing

@@ -336,15 +336,20 @@ def test_total_batch_counts_data_parallel_groups_under_context_parallel(
     result = run_script(fake_repo / "scripts" / "slurm_submit.sh", env, *given)
     assert result.returncode == 0, result.stderr
     assert flag_value(torchrun_line(result.stdout), "--grad-accum-steps") == accum
+    if config:  # the same file given as a --config argument instead of CONFIG
+        del env["CONFIG"]
+        result = run_script(fake_repo / "scripts" / "slurm_submit.sh", env, "--config", "run.yaml", *given)
+        assert result.returncode == 0, result.stderr
+        assert flag_value(torchrun_line(result.stdout), "--grad-accum-steps") == accum
 
 
 @pytest.mark.parametrize(
     ("config", "args", "expected"),
     [
         ("batch-size: 8\n\tlr: 1\n", [], "CONFIG=run.yaml cannot be read as YAML"),
-        ("batch-size: 8.0\n", [], "CONFIG run.yaml's batch-size (8.0) must be a positive integer"),
+        ("batch-size: 8.0\n", [], "the config run.yaml's batch-size (8.0) must be a positive integer"),
         ("batch-size: 4\n", ["--context-parallel", "3"], "--context-parallel 3 does not divide the 32 processes"),
-        ("batch-size: 4\ncontext-parallel: two\n", [], "CONFIG run.yaml's context-parallel two must be a positive"),
+        ("batch-size: 4\ncontext-parallel: two\n", [], "the config run.yaml's context-parallel two must be a positive"),
     ],
 )
 def test_launcher_config_problems_are_one_line(
@@ -368,6 +373,14 @@ def test_batch_flags_in_arguments_conflict_with_total_batch(
     result = run_script(fake_repo / "scripts" / "slurm_submit.sh", env, "--lr", "1e-5", *conflicting)
     assert result.returncode == 2
     assert f"{conflicting[0]} in the arguments conflicts with TOTAL_BATCH_SIZE" in result.stderr
+
+
+def test_global_batch_size_beside_micro_batch_size_alone_is_the_run_s_total(fake_repo: Path, slurm_bin: Path) -> None:
+    env = slurm_env(fake_repo, slurm_bin, DRY_RUN="1", MICRO_BATCH_SIZE="4")
+    result = run_script(fake_repo / "scripts" / "slurm_submit.sh", env, "--global-batch-size", "256")
+    assert result.returncode == 0, result.stderr
+    words = torchrun_line(result.stdout)
+    assert flag_value(words, "--batch-size") == "4" and flag_value(words, "--global-batch-size") == "256"
 
 
 def test_slurm_script_outside_a_job_says_how_to_submit(fake_repo: Path, slurm_bin: Path) -> None:
@@ -671,3 +684,10 @@ def test_setup_env_mends_a_broken_venv_and_names_a_missing_or_old_python(tmp_pat
     assert setup().returncode == 0 and installs() == 0  # installed: nothing to do
     marker.write_text("")  # the stamp says installed, the packages are gone
     assert setup().returncode == 0 and installs() == 2
+    # a venv whose python runs but has no pip (uv venv): refused with the fix, never emptied and made again
+    pipless = tmp_path / ".venv" / "bin" / "python"
+    pipless.write_text('#!/bin/sh\ncase "$*" in *pip*) exit 1;; esac\nexit 0\n')
+    (tmp_path / ".venv" / "lib_of_the_user").write_text("kept")
+    refused = setup()
+    assert refused.returncode == 2 and "has no pip: install it there" in refused.stderr, refused.stderr
+    assert (tmp_path / ".venv" / "lib_of_the_user").read_text() == "kept"
