@@ -24,11 +24,18 @@ if [ -f "$stamp" ] && working && installed; then
     "$want" | "$want"$'\n== '*) exit 0 ;;
   esac
 fi
-if [ -e "$venv" ] && ! working; then
-  echo "[setup] $venv does not work (its python does not run, or it has no pip): making it again"
+runs() { "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; }
+if [ -e "$venv" ] && runs && ! working; then  # a venv without pip (uv venv, no ensurepip): what it holds is kept
+  die "$venv has no pip: install it there ($venv/bin/python -m ensurepip, or uv pip install --python $venv pip), or move $venv aside, then rerun"
+fi
+if [ -L "$venv" ] && ! runs; then
+  die "$venv is a link to a venv whose python does not run; repair that venv, or remove the link, then rerun"
+fi
+if [ -e "$venv" ] && ! runs; then
+  echo "[setup] $venv does not work (its python does not run: its base Python was removed?): making it again"
   rm -f "$stamp"
 fi
-if [ ! -e "$venv" ] || ! working; then
+if [ ! -e "$venv" ] || ! runs; then
   command -v "$python_bin" >/dev/null 2>&1 || die "no $python_bin found: install Python 3.10 or newer, or set PYTHON=/path/to/python3"
   "$python_bin" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
     || die "$python_bin is Python $("$python_bin" -c 'import platform; print(platform.python_version())'); torch $torch_spec needs 3.10 or newer: set PYTHON=/path/to/python3.1x"
