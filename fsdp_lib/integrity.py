@@ -21,10 +21,21 @@ from fsdp_lib.processes import process_alive
 def umask_mode(*paths: Path) -> None:
     """Give files the mode a plain open() would have (0666 less the umask): safetensors' save_file, and with it
     save_pretrained, creates weight files 0600, which another account (a serving one, a colleague) cannot read."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     for path in paths:
         os.chmod(path, 0o666 & ~umask)
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it (/proc/self/status): setting it to learn it would, for a
+    moment, give any file another thread creates (an async checkpoint's) the mode 0666."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    umask = os.umask(0o022)  # no /proc (macOS): the brief set and restore
+    os.umask(umask)
+    return umask
 
 
 def file_checksum(path: Path) -> dict:

@@ -130,7 +130,7 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
     problems = describe_mismatch(earlier, planned)
     strays, stale = find_strays(dst_root, earlier if problems else planned)
     if strays:
-        _refuse_strays(dst_root, strays, problems)
+        _refuse_strays(dst_root, strays, bool(problems) and overwrite)
     if problems:
         if not overwrite:
             same_flags = earlier["settings"] == planned["settings"]  # the sources changed, not the flags
@@ -157,7 +157,7 @@ def check_destination(dst_root: Path, earlier: dict | None, planned: dict, overw
     return DestinationState(resuming=True, to_delete=stale)
 
 
-def _refuse_strays(dst_root: Path, strays: list[Path], replacing: list[str]) -> None:
+def _refuse_strays(dst_root: Path, strays: list[Path], replacing: bool) -> None:
     """Files in the split folders that no run of ours placed are the user's: never deleted, even by --overwrite."""
     shown = [p.relative_to(dst_root).as_posix() for p in strays]
     why = (
