@@ -645,8 +645,13 @@ def test_the_planner_counts_ac_every_n_layers_and_the_shard_group(monkeypatch):
     assert [checkpointed_layers(32, n) for n in (1, 2, 3, 32, 64)] == [32, 16, 11, 1, 1]
     assert offloaded_bytes_per_token(*mistral, every_n=2) == (16 * 4096 * 2 + 16 * saved)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    for sharding, size, expected in (("full", 0, 32), ("grad-op", 0, 32), ("none", 0, 1), ("hybrid", 4, 4),
-                                     ("hybrid", 0, 32)):  # fmt: skip
+    for sharding, size, expected in (
+        ("full", 0, 32),
+        ("grad-op", 0, 32),
+        ("none", 0, 1),
+        ("hybrid", 4, 4),
+        ("hybrid", 0, 8),
+    ):  # fmt: skip (8 per node assumed outside torchrun)
         assert sharding_group_size(TrainConfig(sharding=sharding, hybrid_shard_size=size), 32) == expected
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert sharding_group_size(TrainConfig(sharding="hybrid"), 32) == 8

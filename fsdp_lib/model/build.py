@@ -478,13 +478,17 @@ def long_context_plan(model: nn.Module, cfg: TrainConfig, state_bytes: float, co
 
 def sharding_group_size(cfg: TrainConfig, world_size: int) -> int:
     """The processes one FSDP shard group spans, over which the model state is divided (runtime.py's mesh): one
-    with --sharding none, --hybrid-shard-size (else the processes per node, LOCAL_WORLD_SIZE where torchrun set it)
-    with hybrid, every process otherwise."""
+    with --sharding none, --hybrid-shard-size (else the processes per node: LOCAL_WORLD_SIZE where torchrun set it,
+    else planned as HYBRID_NODE_GUESS, which the plan says) with hybrid, every process otherwise."""
     if cfg.sharding == "none":
         return 1
     if cfg.sharding == "hybrid":
-        return min(world_size, cfg.hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or HYBRID_NODE_GUESS
+        return min(world_size, cfg.hybrid_shard_size or per_node)
     return world_size
+
+
+HYBRID_NODE_GUESS = 8  # GPUs per node a --dry-run outside torchrun plans --sharding hybrid with
 
 
 def dry_run(cfg: TrainConfig, world_size: int) -> int:
@@ -540,6 +544,8 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         )
         + (f"; + every layer's {compute} weights, kept unsharded from forward to backward by --sharding grad-op"
            if cfg.sharding == "grad-op" else "")
+        + (f"; {HYBRID_NODE_GUESS} processes per node assumed: LOCAL_WORLD_SIZE or --hybrid-shard-size says otherwise"
+           if cfg.sharding == "hybrid" and not (cfg.hybrid_shard_size or os.environ.get("LOCAL_WORLD_SIZE")) else "")
         + ")"
     )  # fmt: skip
     log(long_context_plan(model, cfg, state_bytes, compute))
