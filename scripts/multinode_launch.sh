@@ -145,11 +145,13 @@ arg_value() {
   echo "$value"
 }
 
-# The run's config file: a --config argument, else CONFIG (empty: none).
+# The run's config file: a --config argument, else CONFIG (empty: none); one that does not exist is an error.
 config_file() {
-  local given
+  local given config
   given=$(arg_value --config "$@")
-  echo "${given:-${CONFIG:-}}"
+  config=${given:-${CONFIG:-}}
+  [[ -z $config || -f $config ]] || die "--config $config not found (relative paths start at the repository root $REPO_DIR)"
+  echo "$config"
 }
 
 # The --context-parallel degree of the run (the arguments' last, else the config file's, else 1): the processes of
@@ -157,9 +159,8 @@ config_file() {
 context_degree() {
   local degree config name="--context-parallel"
   degree=$(arg_value --context-parallel "$@")
-  config=$(config_file "$@")
+  config=$(config_file "$@") || exit 2
   if [[ -z $degree && -n $config ]]; then
-    [[ -f $config ]] || die "--config $config not found (relative paths start at the repository root $REPO_DIR)"
     degree=$(config_value "$config" context-parallel) || exit 2
     name="the config $config's context-parallel"
   fi
@@ -258,9 +259,8 @@ add_batch_args() {
   fi
   if [[ -z $micro ]]; then
     local config
-    config=$(config_file "$@")
+    config=$(config_file "$@") || exit 2
     [[ -n $config ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE"
-    [[ -f $config ]] || die "--config $config not found (relative paths start at the repository root $REPO_DIR)"
     micro=$(config_value "$config" batch-size) || exit 2
     [[ -n $micro ]] || die "TOTAL_BATCH_SIZE=$total needs the per-process micro-batch: set MICRO_BATCH_SIZE" \
       "(the config $config has no batch-size)"

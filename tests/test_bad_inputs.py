@@ -1110,10 +1110,15 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
                        ("adapter_config.json", ""), ("tokenizer.model", "")]:  # fmt: skip
         (final / name).parent.mkdir(parents=True, exist_ok=True)
         (final / name).write_text(text)
-    new.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        (new / name).write_text("new")
-    replace_folder(new, final, 4)  # the earlier export has no record (written before there was one): by names
+
+    def export(step: int, text: str, *names: str) -> None:
+        """A new export of `names` (each holding `text`) swapped into final/ at `step`."""
+        new.mkdir()
+        for name in names:
+            (new / name).write_text(text)
+        replace_folder(new, final, step)
+
+    export(4, "new", "config.json", "model.safetensors", "tokenizer.json")  # the earlier export has no record: by names
     assert sorted(p.name for p in final.iterdir()) == [".export.json", "README.md", "config.json",
                                                       "model.safetensors", "notes", "tokenizer.json"]  # fmt: skip
     assert (final / "README.md").read_text() == "my card" and (final / "config.json").read_text() == "new"
@@ -1124,10 +1129,7 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     # the names alone deleted them. What the earlier export wrote and this one does not is said.
     for name in ("model-q4_k_m.safetensors", "training_args.bin"):
         (final / name).write_text("mine")
-    new.mkdir()
-    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
-        (new / name).write_text("newer")
-    replace_folder(new, final, 6)
+    export(6, "newer", "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json")
     said = capsys.readouterr().out
     assert sorted(p.name for p in final.iterdir()) == [".export.json", "README.md", "config.json",
                                                       "model-00001-of-00002.safetensors", "model-q4_k_m.safetensors",
@@ -1139,10 +1141,7 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     # beside the export, and transformers loaded it instead of the export's index: moved into not_exported/.
     for name in ("model.safetensors", "adapter_model.safetensors", "adapter_config.json"):
         (final / name).write_text("stale")
-    new.mkdir()
-    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
-        (new / name).write_text("newer")
-    replace_folder(new, final, 7)
+    export(7, "newer", "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json")
     said = capsys.readouterr().out
     assert not (final / "model.safetensors").exists() and not (final / "adapter_config.json").exists()
     assert sorted(p.name for p in (final / "not_exported").iterdir()) == [
@@ -1155,9 +1154,7 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
     # the next export with another such file: the earlier not_exported/ is carried and the file joins it (the two
     # collided: ENOTEMPTY, then the first one was deleted with the old folder)
     (final / "model.safetensors").write_text("staler")
-    new.mkdir()
-    (new / "config.json").write_text("newest")
-    replace_folder(new, final, 8)
+    export(8, "newest", "config.json")
     assert sorted(p.name for p in (final / "not_exported").iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -1169,9 +1166,7 @@ def test_a_user_s_files_in_final_survive_a_new_export_and_a_file_there_is_refuse
 
     # A kill between the swap's two renames left the earlier export (and the user's files) only in .final.old.
     os.rename(final, final.with_name(".final.old"))
-    new.mkdir()
-    (new / "config.json").write_text("newest")
-    replace_folder(new, final, 8)
+    export(8, "newest", "config.json")
     assert (final / "README.md").read_text() == "my card" and (final / "model-q4_k_m.safetensors").exists()
     assert export_step(final) == 8 and not final.with_name(".final.old").exists()
     warn_stale_export(final, 10)

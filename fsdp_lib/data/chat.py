@@ -233,8 +233,8 @@ def _readable(
             unreadable[row] = ChatFormatError(f"unreadable tool use ({exc.detail[:120]})")
         except BadRecord as exc:
             readable = [], None
-            what = {"unknown_role": "an unknown role", "non_string_content": "content that is not text",
-                    "non_text_content": "content that is not text"}.get(exc.reason, "a turn that cannot be read")  # fmt: skip
+            text = exc.reason in ("non_string_content", "non_text_content")  # as_stored leaves other roles be
+            what = "content that is not text" if text else "a turn that cannot be read"
             unreadable[row] = ChatFormatError(f"{what} ({exc.reason}; data_hf.py --format chat skips and counts these)")
         messages_of.append(readable[0])
         offered.append(readable[1])
@@ -288,6 +288,10 @@ def check_tool_support(tokenizer: Any, where: str) -> None:
         )
 
 
+# One exchange rendered to see where a template puts the assistant's header and its end of turn.
+_PROBE_EXCHANGE = [{"role": "user", "content": "probe question"}, {"role": "assistant", "content": "probe answer"}]
+
+
 def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, resuming: bool = False) -> None:
     """Refuse a chat template without an add_generation_prompt branch whose assistant turns open with a header
     (Vicuna's `ASSISTANT:`, a ChatML loop that writes `<|im_start|>assistant`): the trained span of a turn starts
@@ -295,17 +299,15 @@ def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, res
     template that writes the header after every user turn (the same render either way, nothing before the answer)
     and one that refuses the probe pass. A run resuming a checkpoint is warned, not stopped: it trained so from its
     start, and either fix changes its data, which a resume refuses."""
-    asked = [{"role": "user", "content": "probe question"}]
+    asked = _PROBE_EXCHANGE[:1]
     try:
         prompt, plain = (
             tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=g) for g in (True, False)
         )
-        whole = tokenizer.apply_chat_template(
-            [*asked, {"role": "assistant", "content": "probe answer"}], tokenize=False
-        )
+        whole = tokenizer.apply_chat_template(_PROBE_EXCHANGE, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
         return
-    header = whole[len(prompt) :].partition("probe answer")[0] if whole.startswith(prompt) else ""
+    header = whole[len(prompt) :].partition(_PROBE_EXCHANGE[1]["content"])[0] if whole.startswith(prompt) else ""
     if prompt == plain and header.strip():
         said = (
             f"{where}: the chat template renders no generation prompt (add_generation_prompt changes nothing), so "
@@ -450,9 +452,9 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     that ends turns with EOS, or with plain text)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    turns = [{"role": "user", "content": "probe question"}, {"role": "assistant", "content": "probe answer"}]
     try:
-        tail = tokenizer.apply_chat_template(turns, tokenize=False).rpartition("probe answer")[2].strip()
+        whole = tokenizer.apply_chat_template(_PROBE_EXCHANGE, tokenize=False)
+        tail = whole.rpartition(_PROBE_EXCHANGE[1]["content"])[2].strip()
     except Exception:  # noqa: BLE001 - a template that refuses the probe: nothing to add
         return None
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
