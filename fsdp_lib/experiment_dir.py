@@ -174,16 +174,37 @@ def settings_a_resume_refuses(experiment: Path, cfg: TrainConfig, world_size: in
     in a --dry-run without torchrun: only --global-batch-size is compared), --packing of one dataset, an --objective
     given by name, --peft and, for adapters trained from scratch, their rank, alpha and dropout, --data-slice.
     [] when there is no readable checkpoint or nothing differs."""
-    if (newest := newest_checkpoint(experiment)) is None:
+    if (found := newest_fingerprint(experiment)) is None:
         return []
+    newest, saved, config = found
+    return [str(newest), *changed] if (changed := _plain_differences(saved, config, cfg, world_size)) else []
+
+
+def newest_fingerprint(experiment: Path) -> tuple[Path, dict, dict] | None:
+    """(the newest checkpoint, its resume fingerprint, its config) as its train_state.json holds them; None when
+    there is none or it cannot be read (the run's own reads say what is wrong with it)."""
+    if (newest := newest_checkpoint(experiment)) is None:
+        return None
     try:
         payload = json.loads((newest / "train_state.json").read_text(encoding="utf-8"))
         saved, config = payload["fingerprint"], payload.get("config", {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []  # the run's own reads say what is wrong with it
-    if not isinstance(saved, dict) or not isinstance(config, dict):
-        return []
-    return [str(newest), *changed] if (changed := _plain_differences(saved, config, cfg, world_size)) else []
+        return None
+    return (newest, saved, config) if isinstance(saved, dict) and isinstance(config, dict) else None
+
+
+def reference_refusal(cfg: TrainConfig, objective: str, reference: str) -> str | None:
+    """A resume of --objective dpo or kto that the full check would refuse for its reference (another mode, or a
+    precomputed one of other starting weights, --adapter, --precision or --attn-implementation), said before the
+    reference pass over the whole dataset runs. Not with --force-resume."""
+    if cfg.force_resume or not cfg.experiment_name or (found := newest_fingerprint(cfg.experiment_dir)) is None:
+        return None
+    newest, saved, _ = found
+    was = saved.get("objective")
+    if not isinstance(was, dict) or objective_name(was) != objective or was.get("reference", reference) == reference:
+        return None
+    difference = objective_difference({"reference": was["reference"]}, {"reference": reference})
+    return f"--experiment-name {cfg.experiment_name}: cannot resume from {newest}: {difference}. {RESUME_REFUSED_FIX}"
 
 
 def _plain_differences(saved: dict, config: dict, cfg: TrainConfig, world_size: int | None) -> list[str]:
@@ -277,7 +298,7 @@ def objective_difference(was: dict, now: dict, notes: dict[str, str] | None = No
             return 1
         if key == "reference" and isinstance(value, str):
             if value.startswith("precomputed-"):  # the key of the starting weights, adapter, precision and attention
-                return f"precomputed (of other starting weights, --adapter, --precision or --attn-implementation: {value[12:]})"
+                return f"precomputed, key {value[12:]} (of the starting weights, --adapter, --precision, --attn-implementation)"
             return _REFERENCE_SHOWN.get(value, value)
         return value
 

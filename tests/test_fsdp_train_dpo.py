@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -521,6 +522,22 @@ def test_kill9_rerun_is_bit_identical_and_reads_the_stored_reference(dpo_inputs,
     assert "reference log-probabilities of the train pairs: read from" in log and "(checksum verified)" in log
     expected, resumed = losses_by_step(dpo_run[0]), losses_by_step(tmp_path / "run")
     assert all(resumed[s] == expected[s] for s in range(1, 9)), (resumed, expected)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_precomputed_reference_is_refused_before_the_reference_pass(dpo_inputs, dpo_run):
+    """The baseline's experiment rerun with --attn-implementation eager: the stored reference's key differs, so the
+    resume would be refused; it is, before the starting model computes the whole dataset's reference again (the
+    check came after that pass, which on a large dataset takes long), and the checkpoints stay."""
+    args = [*dpo_args("base", dpo_inputs, *RUN_FLAGS), "--attn-implementation", "eager"]
+    args[args.index("--save-dir") + 1] = str(dpo_run[0].parent)
+    before = sorted(p.name for p in (dpo_run[0] / "checkpoint").iterdir())
+    proc = run_trainer(args)
+    log = output_of(proc)
+    assert proc.returncode != 0 and not re.search(r'File ".*(fsdp_train|fsdp_lib)', log), log  # no trainer traceback
+    assert "cannot resume from" in log and "--reference: checkpoint 'precomputed, key " in log
+    assert "computed by the starting model" not in log and "--force-resume" in log, log
+    assert sorted(p.name for p in (dpo_run[0] / "checkpoint").iterdir()) == before
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from fsdp_lib.data.batch import Batch
 from fsdp_lib.data.plan import TrainData, evaluation_shares
 from fsdp_lib.data.preference import PairBlocks, read_reference, reference_path, write_reference
 from fsdp_lib.errors import TrainError
+from fsdp_lib.experiment_dir import reference_refusal
 from fsdp_lib.model.build import ModelBundle, build_model, flops_per_token
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
@@ -407,6 +408,8 @@ def prepare_reference(
         adapter = bundle.peft.start if bundle.peft is not None else "none"
         attention = bundle.config._attn_implementation
         key = reference_key(cfg, weights_identity(bundle.model_dir), adapter, precision, attention)
+        if problem := reference_refusal(cfg, data.objective, f"precomputed-{key}"):
+            raise TrainError(problem)  # before the pass over the data, which may take long
         attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
         if data.validation is not None:
             attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
