@@ -260,6 +260,24 @@ def _adapter_differences(peft: object, config: dict, cfg: TrainConfig) -> list[s
     return [f"--lora-{k}: checkpoint {peft[k]!r} vs now {v!r}" for k, v in now.items() if k in peft and peft[k] != v]
 
 
+def adapter_difference(was: dict, now: dict, config: dict, cfg: TrainConfig) -> str:
+    """The entries in which two --peft fingerprints differ, each as the flag behind it; a changed starting adapter
+    (its files' hash, or init) also with the --adapter folders of both runs, which the hashes alone do not name."""
+
+    def note(key: str) -> str:
+        then, now_dir = config.get("adapter") or "none", cfg.adapter or "none"
+        if key != "start" or then == now_dir == "none":
+            return ""
+        same = " (the same folder: its files changed since the run started)" if then == now_dir else ""
+        return f" (--adapter {then} then, {now_dir} now{same})"
+
+    return "; ".join(
+        f"{PEFT_NAMES.get(k, f'peft.{k}')}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{note(k)}"
+        for k in sorted(set(was) | set(now), key=str)
+        if was.get(k) != now.get(k)
+    )
+
+
 def objective_name(fingerprint: object) -> str:
     """The --objective a resume fingerprint's objective entry stands for: lm's is the string, DPO's and KTO's a
     dict of their settings (KTO's loss named kto), GRPO's a dict naming it."""

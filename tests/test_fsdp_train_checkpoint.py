@@ -290,6 +290,18 @@ def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
     assert masking == "--document-masking: checkpoint on vs now off", masking
     peft = said("peft", {"mode": "lora", "rank": 4, "start": "init"}, {"mode": "lora", "rank": 8, "start": "f1ec"})
     assert peft == "--lora-rank: checkpoint 4 vs now 8; --adapter (init: none): checkpoint 'init' vs now 'f1ec'", peft
+    cfg.adapter = "/data/adapter-b"  # the folders, which the hashes do not name
+    moved = said("peft", {"mode": "lora", "start": "aa11"}, {"mode": "lora", "start": "bb22"}, {"adapter": "/data/a"})
+    assert (
+        moved == "--adapter (init: none): checkpoint 'aa11' vs now 'bb22' (--adapter /data/a then, /data/adapter-b now)"
+    )
+    edited = said(
+        "peft", {"mode": "lora", "start": "aa11"}, {"mode": "lora", "start": "bb22"}, {"adapter": cfg.adapter}
+    )
+    assert edited.endswith(
+        "(--adapter /data/adapter-b then, /data/adapter-b now (the same folder: its files changed since the run started))"
+    )
+    cfg.adapter = ""
     assert "conversations are packed" not in packing_refusal("text", "text:packing-whole", {})
     assert "conversations are packed" in packing_refusal("mixture[text; chat:ab]", "mixture[text; chat:ab]:w", {})
     kind = said("data_format", "chat:bab0e3c8:loss-on-assistant", "text")  # converted again as text
@@ -306,8 +318,10 @@ def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
     )
     dpo = {"loss": "sigmoid", "beta": 0.1, "reference": "precomputed-aa"}
     precomputed = said("objective", dpo, {**dpo, "beta": 0.2, "reference": "precomputed-bb"})
-    assert precomputed.startswith("--dpo-beta: checkpoint 0.1 vs now 0.2; --reference: checkpoint 'precomputed (of")
-    assert "--precision or --attn-implementation: aa)'" in precomputed
+    assert precomputed.startswith(
+        "--dpo-beta: checkpoint 0.1 vs now 0.2; --reference: checkpoint 'precomputed, key aa (of"
+    )
+    assert "key bb (of the starting weights, --adapter, --precision, --attn-implementation)'" in precomputed
     live = {"loss": "kto", "beta": 0.1, "reference": "copy", "reference_weights": "w1"}
     weights = said("objective", live, {**live, "reference_weights": "w2"})
     assert weights.startswith("the frozen reference's weights (--model-name's files, read again by a resume;"), weights

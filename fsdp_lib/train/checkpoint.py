@@ -34,8 +34,8 @@ from fsdp_lib.data.plan import TrainData
 from fsdp_lib.errors import CheckpointError, describe_error, explain_write_error, name_sample
 from fsdp_lib.experiment_dir import (
     PACKED_WHOLE,
-    PEFT_NAMES,
     RESUME_REFUSED_FIX,
+    adapter_difference,
     format_difference,
     keep_batch_hint,
     objective_difference,
@@ -355,10 +355,11 @@ class Checkpointer:
             return f"{key}: checkpoint {was!r} vs now {now!r} ({why})"
         if key == "objective" and isinstance(was, dict) and isinstance(now, dict):
             return objective_difference(was, now, {"rewards": edited_rewards(was.get("rewards"), now.get("rewards"))})
+        if key == "peft" and isinstance(was, dict) and isinstance(now, dict):
+            return adapter_difference(was, now, config, self.cfg)
         if isinstance(was, dict) and isinstance(now, dict):  # the entries that differ, not two whole dicts
             parts = [
-                f"{PEFT_NAMES.get(k, f'{key}.{k}') if key == 'peft' else f'{key}.{k}'}: checkpoint {was.get(k)!r} vs "
-                f"now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"
+                f"{key}.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{edited_rewards(was.get(k), now.get(k))}"
                 for k in sorted(set(was) | set(now), key=str)
                 if was.get(k) != now.get(k)
             ]
