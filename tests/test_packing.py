@@ -106,6 +106,10 @@ def test_a_document_longer_than_a_block_is_cut_into_pieces_and_counted():
     assert positions is None  # --document-masking off: one causal row
     assert "1 documents (33.3%) are longer than a block" in whole.describe("documents")
     assert "3 documents packed whole into" in whole.describe("documents")
+    # conversations the chat template made one sample per assistant turn: the documents counted are samples
+    per_turn = WholeBlocks(tokens, 32, None, ends, pad_id=0, per_turn=1).describe("conversations")
+    assert per_turn.startswith("3 samples (1 of the conversations made one sample per assistant turn) packed whole")
+    assert "WARNING: 1 samples (33.3%) are longer than a block" in per_turn
     every = trained_pairs(whole, len(whole))
     # every next-token pair of each document, the ones across a cut too (a piece's last token had no target: one
     # trained token lost per cut)

@@ -257,12 +257,14 @@ def load_token_stream(
         )
         return blocks
     trained = mapped(paths["mask"], np.uint8) if chat is not None else None
+    skips = json.loads(paths["skips"].read_text()) if chat is not None else {"expanded": 0}
     if chat is not None:
-        report_skipped(json.loads(paths["skips"].read_text()), split_of, cfg.max_skipped_fraction)
+        report_skipped(skips, split_of, cfg.max_skipped_fraction)
     if packs_whole(cfg, chat is not None):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         docs = mapped(paths["docs"], np.int64)
-        return WholeBlocks(tokens, cfg.seq_length, trained, docs, pad_id, cfg.document_masking == "on")
+        restart = cfg.document_masking == "on"
+        return WholeBlocks(tokens, cfg.seq_length, trained, docs, pad_id, restart, per_turn=skips["expanded"])
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
     return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
 

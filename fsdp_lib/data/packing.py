@@ -58,6 +58,7 @@ class WholeBlocks:
     doc_ends: np.ndarray  # end offset (exclusive) of every document
     pad_id: int
     restart_positions: bool = True  # --document-masking on: positions restart at each document (and the padding)
+    per_turn: int = 0  # conversations the chat template made one sample (document) per assistant turn, for the log
 
     def __post_init__(self) -> None:
         L = self.seq_length
@@ -114,6 +115,8 @@ class WholeBlocks:
 
     def describe(self, unit: str) -> str:
         """For the run's log: how the documents filled the blocks."""
+        if self.per_turn:  # the documents are samples, not conversations
+            unit = f"samples ({self.per_turn:,} of the {unit} made one sample per assistant turn)"
         said = (
             f"{self.documents:,} {unit} packed whole into {len(self):,} blocks of {self.seq_length} tokens "
             f"({self.fill:.1%} of their positions used, the rest padding)"
@@ -121,7 +124,7 @@ class WholeBlocks:
         if self.split:
             share = self.split / max(1, self.documents)
             said += (
-                f"; {'WARNING: ' if share > 0.01 else ''}{self.split:,} {unit} ({share:.1%}) are longer than a block "
+                f"; {'WARNING: ' if share > 0.01 else ''}{self.split:,} {unit.split(' (')[0]} ({share:.1%}) are longer than a block "
                 "and cut into pieces, the later ones trained without their start: a longer --seq-length keeps them whole"
             )
         return said
