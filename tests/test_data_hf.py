@@ -984,7 +984,7 @@ def test_messages_column_has_the_arrow_type_datasets_gives_conversations() -> No
     assert arrow_type("messages") == CHAT_FEATURES.arrow_schema.field("messages").type
     assert str(arrow_type("messages")) == (
         "list<item: struct<role: string, content: string, tool_calls: string, name: string, tool_call_id: string, "
-        "weight: string>>"
+        "weight: string, reasoning_content: string>>"
     )
     assert arrow_type("tools") == CHAT_FEATURES.arrow_schema.field("tools").type
 
@@ -1159,6 +1159,32 @@ def test_openai_turn_weights_keep_weight_0_replies_as_context(tmp_path: Path) ->
     from fsdp_lib.records.prompts import parse_prompt_record
 
     assert parse_prompt_record({"prompt": [turns[0], {**turns[1], "weight": 0.5}, turns[2]]})
+
+
+def test_reasoning_given_apart_from_the_content_is_stored_as_reasoning_content(tmp_path: Path) -> None:
+    """A thinking model's trace given beside the reply (DeepSeek's and Qwen3's reasoning_content, OpenRouter's
+    reasoning, gpt-oss's thinking) was dropped without a word: the dataset trained answers without their reasoning.
+    Stored as the turn's reasoning_content (with tool calls too); not a string: a counted skip; blank: none."""
+    q = {"role": "user", "content": "2+2?"}
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+    rows = [
+        {"messages": [q, {"role": "assistant", "content": "4.", "reasoning_content": "Two and two make four."}]},
+        {"messages": [q, {"role": "assistant", "content": "4.", "reasoning": "Add them."}]},
+        {"messages": [q, {"role": "assistant", "content": "", "thinking": "Use the tool.", "tool_calls": [call]}]},
+        {"messages": [q, {"role": "assistant", "content": "4.", "reasoning_content": " "}]},
+        {"messages": [q, {"role": "assistant", "content": "4.", "reasoning_content": ["x"]}]},
+    ]
+    data = write_files(tmp_path / "data", {"r.jsonl": "".join(json.dumps(r) + "\n" for r in rows)})
+    assert convert(data, tmp_path / "out", "--format", "chat") == 0
+    stored = load_from_disk(str(tmp_path / "out"))["messages"][:]
+    assert [row[1]["reasoning_content"] for row in stored] == [
+        "Two and two make four.",
+        "Add them.",
+        "Use the tool.",
+        None,
+    ]
+    assert stored[2][1]["tool_calls"] and stored[0][0]["reasoning_content"] is None
+    assert summary_of(tmp_path / "out")["counts_by_reason"] == {"non_string_content": 1}
 
 
 def test_auto_with_other_text_keeps_todays_text_and_suggests_format_chat(tmp_path: Path, capsys) -> None:

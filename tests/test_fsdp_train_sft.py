@@ -270,6 +270,41 @@ def test_qwen3_style_multi_turn_trains_every_assistant_turn_as_a_final_turn(chat
         assert tokenizer.decode(ids[mask == 1]) == "<think>\n\n</think>\n\n" + sample[-1]["content"] + "<|im_end|>\n"
 
 
+def test_reasoning_given_apart_trains_where_the_template_renders_it_and_is_refused_where_not(chat_models, tmp_path):
+    """An assistant turn's reasoning given beside its content (reasoning_content as data_hf.py stores it, or
+    gpt-oss's thinking in a dataset made elsewhere) is trained inside the turn where the template renders it
+    (Qwen3's <think> block; each turn a final one, its own sample); a template that renders neither key would drop
+    every trace, and is refused naming the fix, before any data is read."""
+    from datasets import Dataset
+
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.data.chat import chat_encoder, uses_reasoning
+    from fsdp_lib.errors import TrainError
+
+    q1, q2 = {"role": "user", "content": "2+2?"}, {"role": "user", "content": "3+3?"}
+    first = {"role": "assistant", "content": "4.", "reasoning_content": "Two and two.", "name": None}
+    second = {"role": "assistant", "content": "6.", "thinking": "Three and three."}  # made elsewhere
+    tokenizer = _tokenizer(chat_models["qwen3"])
+    encoder = ChatEncoder(tokenizer, "assistant")
+    skipped: dict[str, int] = {}
+    encoded = encoder.encode([[q1, first, q2, second]], skipped)
+    trained = [tokenizer.decode(np.asarray(ids)[mask == 1]) for ids, mask in encoded]
+    assert not skipped and encoder.expanded == 1, skipped  # the earlier turn's reasoning is stripped in the whole
+    assert trained == [
+        "<think>\nTwo and two.\n</think>\n\n4.<|im_end|>\n",
+        "<think>\nThree and three.\n</think>\n\n6.<|im_end|>\n",
+    ]
+    with_reasoning = Dataset.from_list([{"messages": [q1, {**first, "name": None}]}])
+    blank = Dataset.from_list([{"messages": [q1, {**first, "reasoning_content": "  "}]}])
+    plain = Dataset.from_list([{"messages": [q1, {"role": "assistant", "content": "4."}]}])
+    assert uses_reasoning(with_reasoning) and not uses_reasoning(blank) and not uses_reasoning(plain)
+    cfg = TrainConfig(model_name=str(chat_models["llama3"]), dataset_name=["d"])
+    assert chat_encoder(cfg, tokenizer, ["messages"], dataset="d", reasoning=True) is not None
+    with pytest.raises(TrainError, match="reasoning given apart from their content .* does not render") as err:
+        chat_encoder(cfg, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning=True)
+    assert "--dataset-name d" in str(err.value) and "--chat-template FILE" in str(err.value)
+
+
 @pytest.mark.parametrize("template", ["llama3", "qwen2.5", "qwen3"])
 def test_a_conversation_that_starts_with_the_assistant_trains_its_answer_only(template, chat_models):
     """Not the BOS, the system prompt the template adds, or the assistant header: only what the model answers."""

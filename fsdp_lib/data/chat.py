@@ -7,6 +7,7 @@ import bisect
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from fsdp_lib.markers import step_dirs
 from fsdp_lib.records.conversation import as_stored, is_trained_weight
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import TOOL_CALL_ROLES, TOOL_RESULT_ROLES, dataset_kind
-from fsdp_lib.records.tool_calls import ToolFormatError, template_messages, template_tools, to_json
+from fsdp_lib.records.tool_calls import REASONING_KEYS, ToolFormatError, template_messages, template_tools, to_json
 from fsdp_lib.runtime import log
 
 
@@ -62,8 +63,9 @@ class ChatEncoder:
     _empty_prompt: str | None = ""  # render([], add_generation_prompt=True); "" = not tried yet, None = refused
 
     # of the masks this class writes: part of the token cache key (3: no conversation without a reply; 4: content
-    # parts as text, role aliases, an empty assistant turn among others not trained; 5: weight 0 not trained)
-    VERSION = 5
+    # parts as text, role aliases, an empty assistant turn among others not trained; 5: weight 0 not trained;
+    # 6: an assistant turn's reasoning offered as both reasoning_content and thinking)
+    VERSION = 6
 
     def render(self, conversations: list[list[dict]], generation_prompt: bool, tools: list | None = None) -> list[str]:
         try:
@@ -330,13 +332,7 @@ def uses_tools(split: Any) -> bool:
     table = split.data.table if hasattr(split, "data") else split
     if "tools" in table.column_names and table.column("tools").null_count < len(table):
         return True
-    if "messages" not in table.column_names:
-        return False
-    for chunk in table.column("messages").chunks:
-        turns = pc.list_flatten(chunk)
-        if not len(turns) or not pa.types.is_struct(turns.type):
-            continue
-        names = {turns.type.field(i).name for i in range(turns.type.num_fields)}
+    for turns, names in _turn_chunks(table):
         role_type = turns.field("role").type if "role" in names else None
         if role_type is not None and (pa.types.is_string(role_type) or pa.types.is_large_string(role_type)):
             roles = pc.utf8_lower(pc.utf8_trim_whitespace(turns.field("role")))
@@ -348,6 +344,62 @@ def uses_tools(split: Any) -> bool:
                 if not pa.types.is_list(calls.type) or pc.any(pc.greater(pc.list_value_length(calls), 0)).as_py():
                     return True
     return False
+
+
+def _turn_chunks(table: Any) -> Iterator[tuple[Any, set[str]]]:
+    """(the turns of a chunk of the `messages` column, flattened into one struct array; its field names)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "messages" not in table.column_names:
+        return
+    for chunk in table.column("messages").chunks:
+        turns = pc.list_flatten(chunk)
+        if len(turns) and pa.types.is_struct(turns.type):
+            yield turns, {turns.type.field(i).name for i in range(turns.type.num_fields)}
+
+
+def uses_reasoning(split: Any) -> bool:
+    """Whether some turn of a conversation split gives reasoning apart from its content (a non-blank string under
+    one of REASONING_KEYS), read from its Arrow columns (no rows decoded)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for turns, names in _turn_chunks(split.data.table if hasattr(split, "data") else split):
+        for key in (key for key in REASONING_KEYS if key in names):
+            values = turns.field(key)
+            if values.null_count == len(values) or not (
+                pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+            ):
+                continue
+            if pc.any(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(values)), 0)).as_py():
+                return True
+    return False
+
+
+# An exchange whose reply gives its reasoning apart, under both keys templates read (as_stored adds them).
+_REASONING_PROBE = [
+    _PROBE_EXCHANGE[0],
+    {**_PROBE_EXCHANGE[1], "reasoning_content": "probe reasoning", "thinking": "probe reasoning"},
+]
+
+
+def check_reasoning_support(tokenizer: Any, where: str) -> None:
+    """Refuse a chat template that does not render an assistant turn's reasoning given apart from its content
+    (reasoning_content or thinking): every reasoning trace would be dropped, and the model trained to answer
+    without them."""
+    try:
+        text = tokenizer.apply_chat_template(_REASONING_PROBE, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
+        return
+    if "probe reasoning" not in text:
+        raise TrainError(
+            f"{where} holds assistant turns with reasoning given apart from their content (reasoning_content, "
+            "reasoning or thinking), which the chat template does not render: every trace would be dropped from "
+            "training. Pass --chat-template FILE with a template that renders message.reasoning_content (Qwen3's, "
+            "GLM's) or message.thinking (gpt-oss's), or make the data again with the reasoning inside the content "
+            "(e.g. <think>...</think> before the answer)"
+        )
 
 
 def chat_template_hash(tokenizer: Any) -> str:
@@ -373,11 +425,17 @@ def warn_unused_template(cfg: TrainConfig, templated: bool) -> None:
 
 
 def chat_encoder(
-    cfg: TrainConfig, tokenizer: Any, columns: list[str], tools: bool = False, dataset: str = "", pairs: bool = False
+    cfg: TrainConfig,
+    tokenizer: Any,
+    columns: list[str],
+    tools: bool = False,
+    dataset: str = "",
+    pairs: bool = False,
+    reasoning: bool = False,
 ) -> ChatEncoder | None:
     """A ChatEncoder when the dataset holds conversations (a `messages` column), or preference pairs or examples
     (`pairs`: rendered with the template too), after checking the template (and its tool support when the dataset
-    uses tools)."""
+    uses tools, its reasoning support when turns give reasoning apart)."""
     if dataset_kind(columns) != "messages" and not pairs:
         return None
     dataset = dataset or cfg.datasets_label
@@ -397,6 +455,8 @@ def chat_encoder(
         raise TrainError(f"--model-name {cfg.model_name}: chat training needs a fast (Rust) tokenizer, tokenizer.json")
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
+    if reasoning:
+        check_reasoning_support(tokenizer, f"--dataset-name {dataset}")
     if cfg.loss_on == "assistant" or pairs:
         resuming = bool(step_dirs(cfg.experiment_dir / "checkpoint")) if cfg.experiment_name else False
         check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resuming)

@@ -21,6 +21,7 @@ from fsdp_lib.data.chat import (
     chat_encoder,
     chat_template_hash,
     use_template_file,
+    uses_reasoning,
     uses_tools,
     warn_unused_template,
 )
@@ -299,8 +300,10 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     if objective == "grpo":
         return prompt_source(cfg, name, train_split, val_split, tokenizer)
     preference = objective in PREFERENCE_OBJECTIVES
-    tools = not preference and any(uses_tools(split) for split in (train_split, val_split) if split is not None)
-    chat = chat_encoder(cfg, tokenizer, train_split.column_names, tools, name, pairs=preference)
+    splits = [split for split in (train_split, val_split) if split is not None]
+    tools = not preference and any(uses_tools(split) for split in splits)
+    reasoning = not preference and any(uses_reasoning(split) for split in splits)
+    chat = chat_encoder(cfg, tokenizer, train_split.column_names, tools, name, preference, reasoning)
     pairs: PairEncoder | ExampleEncoder | None = None
     if preference:
         pairs, chat = PairEncoder(ChatEncoder(tokenizer, "assistant"), cfg.seq_length), None

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import ROLE_ALIASES, TOOL_CALL_ROLES, TOOL_RESULT_ROLES
-from fsdp_lib.records.tool_calls import ToolFormatError, normalize_calls, normalize_tools, to_json
+from fsdp_lib.records.tool_calls import REASONING_KEYS, ToolFormatError, normalize_calls, normalize_tools, to_json
 
 # Record shapes, tried in this order: (shape, key groups); a record has the shape when it has one key of each group.
 CONVERSATION_SHAPES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
@@ -71,6 +71,7 @@ class ToolTurn(NamedTuple):
     name: str | None = None
     tool_call_id: str | None = None
     weight: str | None = None  # "0": an assistant turn not trained (OpenAI's weight 0); None: trained as usual
+    reasoning_content: str | None = None  # an assistant turn's reasoning given apart from its content
 
 
 class Conversation(tuple):
@@ -113,7 +114,8 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
                 calls = _tool_calls_of(turn, role, content_key, where)
                 content = "" if role in TOOL_CALL_ROLES else _optional_content(turn, content_key, where)
                 unanswered = list(calls)
-                result.append(ToolTurn("assistant", content, to_json(calls), weight=_weight(turn, where)))
+                fields = {"weight": _weight(turn, where), "reasoning_content": _reasoning(turn, where)}
+                result.append(ToolTurn("assistant", content, to_json(calls), **fields))
                 continue
             if tools_allowed and role in TOOL_RESULT_ROLES:
                 if content_key not in turn:
@@ -135,9 +137,25 @@ def turns_of_list(turns: object, key: str, tools_allowed: bool = False) -> list[
             raise BadRecord("bad_message", f"{where} is not an object with role/content or from/value")
         content = _content_text(turn[content_key], where)
         # chat rows only: a prompt's or a pair's turns are never trained by turn, so a weight there means nothing
-        weight = _weight(turn, where) if tools_allowed and ROLE_ALIASES[role] == "assistant" else None
-        result.append(ToolTurn("assistant", content, weight=weight) if weight else (ROLE_ALIASES[role], content))
+        replies = tools_allowed and ROLE_ALIASES[role] == "assistant"
+        weight, reasoning = (_weight(turn, where), _reasoning(turn, where)) if replies else (None, None)
+        if weight or reasoning:
+            result.append(ToolTurn("assistant", content, weight=weight, reasoning_content=reasoning))
+        else:
+            result.append((ROLE_ALIASES[role], content))
     return result
+
+
+def _reasoning(turn: dict, where: str) -> str | None:
+    """An assistant turn's reasoning given apart from its content (REASONING_KEYS: reasoning_content, reasoning or
+    thinking, the first present); None when it has none or it is blank."""
+    key = next((key for key in REASONING_KEYS if turn.get(key) is not None), None)
+    if key is None:
+        return None
+    value = turn[key]
+    if not isinstance(value, str):
+        raise BadRecord("non_string_content", f"{where} has {type(value).__name__} {key}, not a string")
+    return value if value.strip() else None
 
 
 def _weight(turn: dict, where: str) -> str | None:
@@ -178,6 +196,8 @@ def _plain_turn(turn: object) -> tuple[str, str] | None:
     """(role, content) of a turn with a standard role (or alias) and string content that calls no tool; None for
     any other turn (read by the full checks of turns_of_list)."""
     if type(turn) is not dict or "tool_calls" in turn or "function_call" in turn or "weight" in turn:
+        return None
+    if "reasoning_content" in turn or "reasoning" in turn or "thinking" in turn:  # REASONING_KEYS, read in full
         return None
     role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
     if type(role) is not str or type(content) is not str:
@@ -231,7 +251,8 @@ def as_stored(messages: list[dict]) -> list[dict]:
     data_hf.py reads a file's: a role alias as its role (human -> user, gpt -> assistant; the assistant's turns are
     the trained ones); a tool result's role (function, observation, ipython) as "tool", with the name and call id of
     the call it answers where it has none; a call given as a turn of its own (glaive's function_call, the call as
-    its content) or as OpenAI's legacy `function_call` field as an assistant turn's `tool_calls`; content given as
+    its content) or as OpenAI's legacy `function_call` field as an assistant turn's `tool_calls`; an assistant
+    turn's reasoning (reasoning_content, reasoning or thinking) under both reasoning_content and thinking; content given as
     a list of parts as their text joined (a template would print the list's repr); another role is left to the
     template. Raises BadRecord for content that is no text, ToolFormatError for a call that cannot be read."""
     unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
@@ -253,6 +274,8 @@ def as_stored(messages: list[dict]) -> list[dict]:
             if turn["role"] == "assistant" and turn.get("function_call") and not turn.get("tool_calls"):
                 turn["tool_calls"] = normalize_calls(turn.pop("function_call"), f"the function_call of {where}")
         # any other role (OpenAI's developer, which some templates render) is left to the template, as it was
+        if turn.get("role") == "assistant":
+            _offer_reasoning(turn, where)
         if turn.get("tool_calls"):
             unanswered = list(turn["tool_calls"])
         elif turn.get("content") is None:  # null: a template fails on it ('dict object' has no attribute 'content')
@@ -261,6 +284,15 @@ def as_stored(messages: list[dict]) -> list[dict]:
         if content is not None and not isinstance(content, str):
             turn["content"] = turn_content(turn["role"], content, where)
     return [{key: value for key, value in turn.items() if value is not None} for turn in messages]
+
+
+def _offer_reasoning(turn: dict, where: str) -> None:
+    """An assistant turn's reasoning (_reasoning) under both keys templates read it by: reasoning_content (Qwen3,
+    GLM, DeepSeek's API) and thinking (gpt-oss), where the turn does not give that key itself."""
+    if (reasoning := _reasoning(turn, where)) is not None:
+        for key in ("reasoning_content", "thinking"):
+            if turn.get(key) is None:
+                turn[key] = reasoning
 
 
 def _is_text_part(part: object) -> bool:

@@ -3,8 +3,8 @@ turn, the roles a turn may have, and the rule that tells a saved dataset's kind 
 
 A dataset is one of five kinds:
 - "text": one column `text`, a string per row;
-- "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id, weight} per row (one
-  conversation), and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
+- "messages": `messages`, a list of turns {role, content, tool_calls, name, tool_call_id, weight, reasoning_content}
+  per row (one conversation), and `tools`, the JSON of the tool schemas it offers (fsdp_lib/records/tool_calls.py has the tool fields);
 - "preference": `prompt`, `chosen` and `rejected`, each a list of {role, content} turns (one preference pair);
 - "unpaired" (--objective kto): `prompt`, `completion` and `label`, TRL's unpaired preference shape: the prompt
   and completion as lists of {role, content} turns (the trainer also reads strings), the label a boolean

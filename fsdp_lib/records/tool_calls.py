@@ -1,11 +1,13 @@
 """Tool use in conversations: the one schema data_hf.py writes, read back for the chat template.
 
 A chat dataset row (`--format chat`) holds two columns:
-- `messages`: a list of turns {role, content, tool_calls, name, tool_call_id, weight}, all strings. `role` is system, user,
-  assistant or tool. `tool_calls`, on an assistant turn that calls tools, is the JSON of a list of calls, each
+- `messages`: a list of turns {role, content, tool_calls, name, tool_call_id, weight, reasoning_content}, all
+  strings. `role` is system, user, assistant or tool. `tool_calls`, on an assistant turn that calls tools, is the JSON of a list of calls, each
   {"type": "function", "function": {"name": ..., "arguments": {...}}}, with "id" when the data gave one; `name`
   and `tool_call_id`, on a tool turn (a tool's result), are the called function's name and the call's id when
-  known; `weight` is "0" on an assistant turn kept as context and not trained (OpenAI's per-message weight 0).
+  known; `weight` is "0" on an assistant turn kept as context and not trained (OpenAI's per-message weight 0);
+  `reasoning_content`, on an assistant turn, is its reasoning (a thinking model's trace) given apart from the
+  content, as DeepSeek's and Qwen3's APIs and templates name it.
   Fields that do not apply are null.
 - `tools`: the JSON of the list of tool schemas the conversation offers, each {"type": "function", "function":
   {"name": ..., "description": ..., "parameters": {...}}}; null when it offers none.
@@ -19,8 +21,10 @@ import json
 from typing import Any
 
 # the turn fields beside role and content; weight: "0" on an assistant turn not to train (OpenAI's fine-tuning
-# format: weight 0 or 1 per assistant message), null otherwise
-TURN_FIELDS = ("tool_calls", "name", "tool_call_id", "weight")
+# format: weight 0 or 1 per assistant message), null otherwise; reasoning_content: an assistant turn's reasoning
+TURN_FIELDS = ("tool_calls", "name", "tool_call_id", "weight", "reasoning_content")
+# the keys an assistant turn's reasoning is given under: DeepSeek's and Qwen3's, OpenRouter's, gpt-oss's template's
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 class ToolFormatError(ValueError):
