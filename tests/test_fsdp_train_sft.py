@@ -153,6 +153,27 @@ def test_a_template_without_a_generation_prompt_is_refused_where_its_header_woul
     encoder = chat_encoder(TrainConfig(model_name="m"), tokenizer, ["messages"], dataset="d")
     [(ids, mask)] = encoder.encode([[{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yo."}]], {})
     assert tokenizer.decode(np.asarray(ids)[mask == 1]) == " Yo.</s>"
+    # DeepSeek-R1's: the generation prompt opens a think block the rendered conversation leaves out, so every
+    # conversation was a counted skip ("renders a conversation's start differently") and the run stopped on the
+    # skip limit without naming the cause; refused before any data is read, naming the generation prompt's end
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'user' %}{{ '<|User|>' + m.content }}{% else %}"
+        "{{ '<|Assistant|>' + m.content.split('</think>')[-1] + '</s>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|Assistant|><think>\\n' }}{% endif %}"
+    )
+    skipped: dict[str, int] = {}
+    assert ChatEncoder(tokenizer, "assistant").encode([[{"role": "user", "content": "Hi."},
+                                                        {"role": "assistant", "content": "Yo."}]], skipped) == []  # fmt: skip
+    assert "differently" in next(iter(skipped))
+    with pytest.raises(TrainError, match=r"generation prompt ends with '<think>\\n', which its render") as err:
+        chat_encoder(TrainConfig(model_name="m"), tokenizer, ["messages"], dataset="d")
+    assert (
+        "DeepSeek-R1" in str(err.value)
+        and "--chat-template FILE" in str(err.value)
+        and "--loss-on all" in str(err.value)
+    )
+    check_generation_prompt(tokenizer, "--dataset-name d", resuming=True)
+    assert "WARNING: --dataset-name d: the chat template's generation prompt ends with" in capsys.readouterr().out
 
 
 def test_the_end_of_turn_token_is_a_stop_of_the_exported_generation_config(chat_models, tmp_path):

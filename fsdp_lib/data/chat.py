@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -299,8 +300,10 @@ def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, res
     (Vicuna's `ASSISTANT:`, a ChatML loop that writes `<|im_start|>assistant`): the trained span of a turn starts
     where the generation prompt ends, so the header would carry loss, against --loss-on assistant's promise. A
     template that writes the header after every user turn (the same render either way, nothing before the answer)
-    and one that refuses the probe pass. A run resuming a checkpoint is warned, not stopped: it trained so from its
-    start, and either fix changes its data, which a resume refuses."""
+    and one that refuses the probe pass. Also one whose generation prompt is not where the reply begins in the
+    render of a whole conversation (DeepSeek-R1's `<think>\\n`): every conversation would be a counted skip. A run
+    resuming a checkpoint is warned, not stopped: it trained so from its start, and either fix changes its data,
+    which a resume refuses."""
     asked = _PROBE_EXCHANGE[:1]
     try:
         prompt, plain = (
@@ -310,7 +313,19 @@ def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, res
     except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
         return
     header = whole[len(prompt) :].partition(_PROBE_EXCHANGE[1]["content"])[0] if whole.startswith(prompt) else ""
-    if prompt == plain and header.strip():
+    shared = len(os.path.commonprefix([prompt, whole]))
+    said = ""
+    if prompt[shared:].strip():  # the generation prompt is not where the reply begins in the whole render
+        said = (
+            f"{where}: the chat template's generation prompt ends with {prompt[shared:]!r}, which its render of a "
+            f"conversation with the reply does not hold there ({whole[shared : shared + 40]!r} follows; a "
+            "DeepSeek-R1-style template opens a generated reply with a think block and leaves it out of the rendered "
+            "conversation), so no reply's trained span can be placed and every conversation "
+            f"{'is' if resuming else 'would be'} skipped; pass --chat-template FILE with a template whose assistant turns begin with its generation "
+            "prompt (for R1, render '<think>\\n' before each reply's content)"
+            + ("" if pairs else ", or --loss-on all to train every token")
+        )
+    elif prompt == plain and header.strip():
         said = (
             f"{where}: the chat template renders no generation prompt (add_generation_prompt changes nothing), so "
             f"the assistant header {header.strip()!r} {'is' if resuming else 'would be'} trained as part of every "
@@ -318,8 +333,9 @@ def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, res
             "true (as the templates of instruct models do)"
             + ("" if pairs else ", or --loss-on all to train every token")
         )
-        if not resuming:
-            raise TrainError(said)
+    if said and not resuming:
+        raise TrainError(said)
+    if said:
         log(f"WARNING: {said} (a new run; this one resumes as it began)")
 
 
