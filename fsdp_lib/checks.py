@@ -5,6 +5,7 @@ need the model itself (adapter targets, a QLoRA base) are fsdp_lib.model.build's
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -128,12 +129,38 @@ def chat_template_problems(path: Path) -> list[str]:
     return []
 
 
+def conversation_prompts(path: str | Path) -> bool:
+    """Whether --sample-prompts FILE holds conversations, one per line (a .jsonl file, in any case), rendered with
+    the chat template; else one plain prompt per line."""
+    return Path(path).suffix.lower() == ".jsonl"
+
+
 def _sample_prompts_problems(path: Path) -> list[str]:
-    """--sample-prompts: a UTF-8 file with at least one prompt (blank lines do not count)."""
+    """--sample-prompts: a UTF-8 file with at least one prompt (blank lines do not count); one whose lines all read
+    as conversations (JSON lists of messages, or {"messages": ...}) must be named .jsonl, or each would be
+    prompted as its JSON text."""
     problems = _input_file_problems("--sample-prompts", path, "one prompt per line, or .jsonl")
-    if not problems and not path.read_text(encoding="utf-8").strip():
+    if problems:
+        return problems
+    lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    if not lines:
         problems.append(f"--sample-prompts {path}: the file holds no prompt; write one prompt per line")
+    elif not conversation_prompts(path) and all(map(_reads_as_conversation, lines[:50])):
+        problems.append(
+            f"--sample-prompts {path}: its lines are conversations (JSON), but only a .jsonl file is read as "
+            "conversations and rendered with the chat template (this one would be prompted with its JSON text); "
+            "rename it to .jsonl"
+        )
     return problems
+
+
+def _reads_as_conversation(line: str) -> bool:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return False
+    turns = value.get("messages") if isinstance(value, dict) else value
+    return isinstance(turns, list) and bool(turns) and all(isinstance(turn, dict) for turn in turns)
 
 
 def _text_file_problems(flag: str, path: Path) -> list[str]:
@@ -270,7 +297,7 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             f"--loss-chunk-tokens {cfg.loss_chunk_tokens!r}: expected auto or a whole number of tokens (0 = full logits)"
         )
-    if cfg.sample_prompts:
+    if cfg.sample_prompts and not cfg.export_only:  # an export reads no prompts
         problems += _sample_prompts_problems(Path(cfg.sample_prompts))
     if not 0.0 <= cfg.max_skipped_fraction <= 1.0:
         problems.append(f"--max-skipped-fraction must be between 0 and 1 (got {cfg.max_skipped_fraction})")

@@ -109,9 +109,60 @@ def test_conversation_prompts_use_the_chat_template(tmp_path):
     assert tables[0]["samples/nrows"] == 1 and tables[0]["samples/ncols"] == 3
 
 
+def test_samples_stop_at_the_chat_templates_end_of_turn(tmp_path):
+    """A base model fine-tuned with a chat template whose turns end in a special token its generation config does
+    not list (Llama 3's <|eot_id|> here): the samples ran on past the reply to --sample-max-new-tokens
+    ('12.<|eot_id|><|eot_id|>...'), where generate() on the export stops, its generation_config.json listing the
+    token. They stop there too; a model without a chat template keeps its EOS alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_lib.train.samples import sample_stops, stop_ids
+
+    folder = make_chat_model(tmp_path / "model", with_weights=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    turn_end = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert turn_end not in stop_ids(model, tokenizer)  # the base model's own stops lack it
+    assert sample_stops(model, tokenizer) == stop_ids(model, tokenizer) | {turn_end}
+    tokenizer.chat_template = None
+    assert sample_stops(model, tokenizer) == stop_ids(model, tokenizer)
+
+
 def test_a_missing_prompts_file_is_refused_by_name(inputs, tmp_path, capsys):
     import fsdp_train
 
     args = [*trainer_args("bad", *inputs, tmp_path), "--sample-prompts", str(tmp_path / "nope.txt")]
     assert fsdp_train.main(args) == 2
     assert "--sample-prompts" in capsys.readouterr().out and not (tmp_path / "bad").exists()
+
+
+def test_prompt_files_are_read_by_their_kind_whatever_the_case_of_the_suffix(inputs, tmp_path, capsys):
+    """prompts.JSONL was read as plain lines (each prompt its JSON text, the completion ']]]]'), a plain file's BOM
+    stayed in its first prompt, and conversations in a .json / .txt file were prompted as their JSON text without a
+    word; an --export-only refused a prompts file it never reads. Now: the suffix in any case, the BOM dropped,
+    conversations outside a .jsonl refused naming the fix, and the export goes on."""
+    from transformers import AutoTokenizer
+
+    import fsdp_train
+    from fsdp_lib.config import TrainConfig
+    from fsdp_lib.train.samples import read_sample_prompts
+
+    chat = make_chat_model(tmp_path / "chat_model")
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    turns = json.dumps([{"role": "user", "content": "What is 2 plus 2?"}])
+    upper = tmp_path / "prompts.JSONL"
+    upper.write_text(turns + "\n")
+    (prompt,) = read_sample_prompts(TrainConfig(sample_prompts=str(upper)), tokenizer)
+    assert prompt.shown.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") and '"role"' not in prompt.shown
+    bom = tmp_path / "plain.txt"
+    bom.write_text("\ufeff3 plus 4 is\n", encoding="utf-8")
+    assert [p.shown for p in read_sample_prompts(TrainConfig(sample_prompts=str(bom)), tokenizer)] == ["3 plus 4 is"]
+    misnamed = tmp_path / "prompts.json"
+    misnamed.write_text(turns + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    args = [*trainer_args("bad", *inputs, tmp_path), "--sample-prompts", str(misnamed)]
+    assert fsdp_train.main(args) == 2
+    said = capsys.readouterr().out
+    assert f"--sample-prompts {misnamed}: its lines are conversations (JSON)" in said and "rename it to .jsonl" in said
+    gone = [*trainer_args("bad", *inputs, tmp_path), "--sample-prompts", str(tmp_path / "gone.txt"), "--export-only"]
+    assert fsdp_train.main(gone) != 0  # no run to export: refused for that, not for the prompts file
+    assert "--sample-prompts" not in capsys.readouterr().out

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_lib.checks import chat_template_problems
+from fsdp_lib.checks import chat_template_problems, conversation_prompts
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
 from fsdp_lib.markers import step_dirs
@@ -432,7 +432,7 @@ def use_template_file(cfg: TrainConfig, tokenizer: Any) -> None:
 def warn_unused_template(cfg: TrainConfig, templated: bool) -> None:
     """--chat-template with data the template renders nothing of (`templated`: conversations, pairs or prompts) and
     no conversations in --sample-prompts: said, since the export then keeps the model folder's own template."""
-    if cfg.chat_template and not templated and Path(cfg.sample_prompts).suffix != ".jsonl":
+    if cfg.chat_template and not templated and not (cfg.sample_prompts and conversation_prompts(cfg.sample_prompts)):
         log(
             f"WARNING: --chat-template {cfg.chat_template} is not used: the data is plain text (no conversations, "
             "pairs or prompts) and --sample-prompts holds no conversations, so nothing is rendered with it and the "

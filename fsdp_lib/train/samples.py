@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_lib.checks import conversation_prompts
 from fsdp_lib.config import TrainConfig
-from fsdp_lib.data.chat import use_template_file
+from fsdp_lib.data.chat import end_of_turn_id, use_template_file
 from fsdp_lib.errors import TrainError
 from fsdp_lib.records.tool_calls import template_messages, template_tools
 from fsdp_lib.train.rollout import generate
@@ -67,8 +68,8 @@ def read_sample_prompts(cfg: TrainConfig, tokenizer: Any) -> list[SamplePrompt]:
     if not cfg.sample_prompts:
         return []
     path = Path(cfg.sample_prompts)
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
+    lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]  # a BOM: not text
+    if not conversation_prompts(path):
         return [SamplePrompt(line, tokenizer(line)["input_ids"]) for line in lines]
     use_template_file(cfg, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
@@ -98,6 +99,13 @@ def stop_ids(model: nn.Module, tokenizer: Any) -> set[int]:
     return {t for t in [tokenizer.eos_token_id, *ends] if t is not None}
 
 
+def sample_stops(model: nn.Module, tokenizer: Any) -> set[int]:
+    """stop_ids and the chat template's end-of-turn token, which the export adds to generation_config.json
+    (add_end_of_turn_stop): the samples stop where generate() on the exported model does. A base model's own
+    config lacks it, and the samples of a chat fine-tune ran on to --sample-max-new-tokens."""
+    return stop_ids(model, tokenizer) | ({turn_end} if (turn_end := end_of_turn_id(tokenizer)) is not None else set())
+
+
 @torch.no_grad()
 def generate_samples(
     train_forward: nn.Module, prompts: list[SamplePrompt], max_new_tokens: int, tokenizer: Any, device: torch.device,
@@ -111,7 +119,7 @@ def generate_samples(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     done = generate(
         train_forward, [prompt.ids for prompt in prompts], torch.zeros(len(prompts), max_new_tokens), max_new_tokens,
-        0.0, 1.0, stop_ids(model, tokenizer), pad_id, device, keep_gathered,
+        0.0, 1.0, sample_stops(model, tokenizer), pad_id, device, keep_gathered,
     )  # fmt: skip
     return [
         {"prompt": prompt.shown, "completion": tokenizer.decode(tokens[:-1] if stopped else tokens)}
