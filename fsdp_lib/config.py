@@ -289,7 +289,7 @@ class TrainConfig:
     log_freq: int = _opt(10, "optimizer steps between metric lines")
     ckpt_freq: int = _opt(500, "optimizer steps between checkpoints (0 = only at the end)")
     eval_freq: int = _opt(0, "optimizer steps between validation passes (0 = only at the end)")
-    eval_max_blocks: int = _opt(0, "cap on validation blocks per pass (0 = all)")
+    eval_max_blocks: int = _opt(0, "cap on validation blocks per pass, per dataset of a mixture (0 = all)")
     eval_at_start: str = _opt(
         "on", "evaluate the base model before the first step (step 0); not on resume", choices=ON_OFF
     )

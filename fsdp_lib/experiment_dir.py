@@ -147,6 +147,12 @@ def newest_checkpoint(experiment: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
+def resumes(cfg: TrainConfig) -> bool:
+    """Whether this run resumes: its experiment has a checkpoint folder (verified later). A check of the data that
+    a run which began before it existed would fail warns such a run rather than stopping it."""
+    return bool(cfg.experiment_name) and newest_checkpoint(cfg.experiment_dir) is not None
+
+
 def resume_outlook(experiment: Path) -> str:
     """What the same command without --dry-run would do with the experiment's checkpoints, for the dry run."""
     if (newest := newest_checkpoint(experiment)) is None:

@@ -94,6 +94,29 @@ def test_default_weights_are_the_sizes_so_an_epoch_is_each_dataset_once():
     assert short_names(["data/x", "other/x", "hub/org/y"]) == ["x_0", "x_1", "y"]
 
 
+def test_a_weight_that_rounds_to_no_block_is_refused_and_a_tie_says_which_dataset_sets_the_epoch(tmp_path, capsys):
+    """--data-weights 1,0.001 gave the second dataset '0 blocks per epoch (0.00 passes)': never trained, without a
+    word, although every weight had to be positive. Refused (warned on a resume of a run that began so). Of equal
+    weights the first listed sets the epoch (sizes 40 and 4000 at 1,1: an 80-block epoch, 1% of the large one;
+    listed the other way round, 8000 blocks): said, with the fix."""
+    from fsdp_lib.data.plan import check_mixture_counts
+    from fsdp_lib.errors import TrainError
+
+    cfg = TrainConfig(experiment_name="mix", save_dir=str(tmp_path), data_weights="1,0.001")
+    with pytest.raises(TrainError, match=r"--data-weights 1,0.001: big get\(s\) none of an epoch's 306 blocks"):
+        check_mixture_counts(cfg, Mixture(["small", "big"], [306, 832], [1 / 1.001, 0.001 / 1.001]))
+    (tmp_path / "mix" / "checkpoint" / "step_00000004").mkdir(parents=True)  # a run that began so: warned
+    check_mixture_counts(cfg, Mixture(["small", "big"], [306, 832], [1 / 1.001, 0.001 / 1.001]))
+    assert "WARNING: --data-weights 1,0.001: big get(s) none" in capsys.readouterr().out
+    cfg.data_weights = "1,1"
+    check_mixture_counts(cfg, Mixture(["small", "big"], [40, 4000], [0.5, 0.5]))
+    said = capsys.readouterr().out
+    assert "of the datasets of the highest weight, small (listed first) sets the epoch" in said, said
+    assert "big 0.01 times" in said
+    check_mixture_counts(cfg, Mixture(["a", "b"], [40, 40], [0.5, 0.5]))  # the same size: no matter which
+    assert "sets the epoch" not in capsys.readouterr().out
+
+
 def test_mixture_flags_are_checked_before_training(tmp_path):
     one, two = make_dataset(tmp_path / "one", n_docs=20), make_dataset(tmp_path / "two", n_docs=20)
     base = ["-e", "x", "-m", str(tmp_path), "-d", str(one), "-d", str(two)]
@@ -205,3 +228,17 @@ def test_a_mixture_names_its_prompts_or_pairs_dataset_in_any_order(tmp_path):
         ):
             check_mixture_kinds(cfg)
     check_mixture_kinds(load_config(["-e", "x", "-m", str(tmp_path), "-d", str(text), "-d", str(prompts / "..")]))
+
+
+def test_a_text_column_missing_from_a_dataset_that_has_text_says_how_to_mix_them():
+    """-d A -d B --text-column body, A's text in 'text' and B's in 'body': 'A has no column body' led nowhere,
+    the flag naming the column of every dataset. The message says so and how to give both one name."""
+    from datasets import Dataset
+
+    from fsdp_lib.records.dataset import use_as_text
+
+    with pytest.raises(ValueError) as err:
+        use_as_text(Dataset.from_dict({"text": ["a b c"]}), "body", "train", "text_set")
+    said = str(err.value)
+    assert said.startswith("--text-column body: text_set has no column 'body' in its train split (columns: ['text'])")
+    assert "Dataset.rename_column('body', 'text')" in said and "leave --text-column out" in said

@@ -127,3 +127,25 @@ def test_straddling_counts_documents_a_stream_cuts():
     assert straddling(np.array([4, 8, 12]), 4) == 0
     assert straddling(np.array([3, 9, 12]), 4) == 1
     assert straddling(np.array([10]), 4) == 1
+
+
+@pytest.mark.parametrize("masking", [False, True])
+def test_a_validation_split_keeps_its_last_partial_block(masking):
+    """A validation stream of 2.5 blocks was evaluated over 2: the targets after the last full block (up to
+    --seq-length - 1 of them, a large share of a small split) were never counted. Kept (`tail`), padded: every
+    target of the stream is counted exactly once, as a training epoch counts the full blocks', and the padding
+    carries no loss and is its own document."""
+    tokens, ends, trained = documents([30, 17, 34])  # 81 tokens, 80 targets: blocks of 32 leave 16 over
+    for mask in (None, trained):
+        train = PackedBlocks(tokens, 32, mask, ends if masking else None)
+        held_out = PackedBlocks(tokens, 32, mask, ends if masking else None, tail=True)
+        assert len(train) == 2 and len(held_out) == 3
+        every = trained_pairs(held_out, 3)
+        assert trained_pairs(train, 2) == [pair for pair in every if pair[0] in tokens[:64]]
+        want = [(int(a), int(b)) for k, (a, b) in enumerate(zip(tokens[:-1], tokens[1:]))
+                if (not masking or a // 1000 == b // 1000) and (mask is None or mask[k + 1])]  # fmt: skip
+        assert every == sorted(want) and held_out.trained_tokens([0, 1, 2]) == len(want)
+        inputs, labels, positions = held_out.block(2)
+        assert len(inputs) == 32 and (labels[17:] == -100).all() and inputs[16] == tokens[-1]
+        if masking:
+            assert positions[17:].tolist() == list(range(15))  # the padding: a document of its own

@@ -146,17 +146,23 @@ class PackedBlocks:
     seq_length: int
     trained: np.ndarray | None = None  # uint8 per token: 1 = a target that carries loss (None = all)
     doc_ends: np.ndarray | None = None  # end offset (exclusive) of every document; None = no document masking
+    tail: bool = False  # a validation split: its last, partial block too, padded (the padding carries no loss)
 
     def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.seq_length)
+        targets = len(self.tokens) - 1
+        return max(0, -(-targets // self.seq_length) if self.tail else targets // self.seq_length)
 
     def block(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(inputs, labels, position ids or None) of block i."""
         L, start = self.seq_length, i * self.seq_length
         window = np.asarray(self.tokens[start : start + L + 1], dtype=np.int64)
+        real = len(window) - 1  # the block's targets: L, except in the last block of a split kept whole (tail)
+        if real < L:  # after the stream's last token: padding, its own document, no target
+            window = np.concatenate([window, np.zeros(L - real, dtype=np.int64)])
         labels = window[1:].copy()
+        labels[real:] = -100
         if self.trained is not None:
-            labels[np.asarray(self.trained[start + 1 : start + L + 1]) == 0] = -100
+            labels[:real][np.asarray(self.trained[start + 1 : start + real + 1]) == 0] = -100
         if self.doc_ends is None:
             return window[:-1], labels, None
         lo, hi = np.searchsorted(self.doc_ends, [start, start + L], side="right")
@@ -174,7 +180,8 @@ class PackedBlocks:
     def trained_tokens(self, indices: list[int]) -> int:
         """Targets that carry loss in these blocks: what the loss of a global batch is averaged over."""
         if self.trained is None and self.doc_ends is None:
-            return len(indices) * self.seq_length
+            targets = len(self.tokens) - 1
+            return sum(min(self.seq_length, targets - i * self.seq_length) for i in indices)
         return int(sum((self.block(i)[1] != -100).sum() for i in indices))
 
 
@@ -266,7 +273,8 @@ def load_token_stream(
         restart = cfg.document_masking == "on"
         return WholeBlocks(tokens, cfg.seq_length, trained, docs, pad_id, restart, per_turn=skips["expanded"])
     doc_ends = mapped(paths["docs"], np.int64) if cfg.document_masking == "on" else None
-    return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends)
+    # a validation split counts every target once: its last, partial block too (a training epoch leaves it out)
+    return PackedBlocks(tokens, cfg.seq_length, trained, doc_ends, tail=split_name == "validation")
 
 
 def _tokenising_process(d: Dist) -> str:

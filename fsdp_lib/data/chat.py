@@ -18,7 +18,7 @@ import numpy as np
 from fsdp_lib.checks import chat_template_problems, conversation_prompts
 from fsdp_lib.config import TrainConfig
 from fsdp_lib.errors import TrainError
-from fsdp_lib.markers import step_dirs
+from fsdp_lib.experiment_dir import resumes
 from fsdp_lib.records.conversation import as_stored, is_trained_weight
 from fsdp_lib.records.reasons import BadRecord
 from fsdp_lib.records.schema import TOOL_CALL_ROLES, TOOL_RESULT_ROLES, dataset_kind
@@ -474,8 +474,7 @@ def chat_encoder(
     if reasoning:
         check_reasoning_support(tokenizer, f"--dataset-name {dataset}")
     if cfg.loss_on == "assistant" or pairs:
-        resuming = bool(step_dirs(cfg.experiment_dir / "checkpoint")) if cfg.experiment_name else False
-        check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resuming)
+        check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resumes(cfg))
     return ChatEncoder(tokenizer, cfg.loss_on)
 
 

@@ -32,7 +32,7 @@ from fsdp_lib.data.preference import PairBlocks, PairEncoder
 from fsdp_lib.data.prompts import PromptSet, load_prompts
 from fsdp_lib.data.unpaired import ExampleEncoder
 from fsdp_lib.errors import TrainError
-from fsdp_lib.experiment_dir import PACKED_WHOLE
+from fsdp_lib.experiment_dir import PACKED_WHOLE, resumes
 from fsdp_lib.objective_flags import PREFERENCE_OBJECTIVES
 from fsdp_lib.records.dataset import load_text_dataset
 from fsdp_lib.records.schema import dataset_kind
@@ -406,6 +406,30 @@ def prompt_source(cfg: TrainConfig, name: str, train_split: Any, val_split: Any,
     return Source(name, prompts, validation, len(train_split), tokens, fingerprint, f"prompts:{template}", "grpo")
 
 
+def check_mixture_counts(cfg: TrainConfig, mixture: Mixture) -> None:
+    """A dataset whose positive weight rounds to no block of an epoch would never be trained: refused (a run that
+    began so is warned, as its resume must keep its data). Of several datasets of the highest weight the first
+    listed sets the epoch's length (an epoch ends when it has been drawn once): said where the others' sizes
+    differ, since their order then decides how much of each an epoch draws."""
+    counts, sizes, names = mixture.counts, mixture.sizes, mixture.names
+    if never := [name for name, count in zip(names, counts) if count == 0]:
+        said = (
+            f"--data-weights {cfg.data_weights}: {', '.join(never)} get(s) none of an epoch's {sum(counts):,} blocks "
+            f"(a weight below 1/{sum(counts):,} of the total rounds to 0), so would never be trained; raise its "
+            "weight or leave it out"
+        )
+        if not resumes(cfg):
+            raise TrainError(said)
+        log(f"WARNING: {said} (a new run; this one resumes as it began)")
+    top = [i for i, w in enumerate(mixture.weights) if math.isclose(w, max(mixture.weights), rel_tol=1e-9)]
+    if len(top) > 1 and len({sizes[i] for i in top}) > 1:
+        drawn = ", ".join(f"{names[i]} {counts[i] / sizes[i]:.2f}" for i in top[1:])
+        log(
+            f"note: of the datasets of the highest weight, {names[top[0]]} (listed first) sets the epoch: it is drawn "
+            f"once per epoch, {drawn} times; list another of them first to end the epoch when it has been drawn once"
+        )
+
+
 def mixture_plan(
     cfg: TrainConfig, sources: list[Source], global_batch: int, d: Dist
 ) -> tuple[DataPlan, MixedBlocks | None]:
@@ -429,6 +453,7 @@ def mixture_plan(
         for name, source, size, weight, count in zip(names, sources, sizes, mixture.weights, mixture.counts)
     ]
     log(f"mixture of {len(sources)} datasets (--data-weights {cfg.data_weights or 'by size'}):\n" + "\n".join(lines))
+    check_mixture_counts(cfg, mixture)
     held_out = [(name, source.validation) for name, source in zip(names, sources) if source.validation is not None]
     if held_out and len(held_out) < len(sources):  # val_loss would read as the whole mixture's
         log(

@@ -105,9 +105,16 @@ def use_as_text(split: Any, column: str, name: str, source: str) -> Any:
     if split is None:
         return None
     if column not in split.column_names:
+        mixed = (
+            f"; it has 'text': --text-column names the column of every --dataset-name, so to mix this one with a "
+            f"dataset whose text is in {column!r}, rename that column to 'text' (datasets: "
+            f"Dataset.rename_column({column!r}, 'text'), then save_to_disk) and leave --text-column out"
+            if "text" in split.column_names
+            else ""
+        )
         raise ValueError(
             f"--text-column {column}: {source} has no column {column!r} in its {name} split "
-            f"(columns: {split.column_names})"
+            f"(columns: {split.column_names}){mixed}"
         )
     dtype = getattr(split.features[column], "dtype", None)
     if dtype not in ("string", "large_string"):
