@@ -99,6 +99,11 @@ def stop_ids(model: nn.Module, tokenizer: Any) -> set[int]:
     return {t for t in [tokenizer.eos_token_id, *ends] if t is not None}
 
 
+# Prompts generated together: a batch's KV cache grows with it (an 8B model's is ~0.27 GB per prompt of 2,048
+# tokens), so a long prompts file is generated in batches of this many rather than all at once.
+SAMPLE_BATCH = 16
+
+
 def sample_stops(model: nn.Module, tokenizer: Any) -> set[int]:
     """stop_ids and the chat template's end-of-turn token, which the export adds to generation_config.json
     (add_end_of_turn_stop): the samples stop where generate() on the exported model does. A base model's own
@@ -111,17 +116,21 @@ def generate_samples(
     train_forward: nn.Module, prompts: list[SamplePrompt], max_new_tokens: int, tokenizer: Any, device: torch.device,
     keep_gathered: bool,
 ) -> list[dict[str, str]]:  # fmt: skip
-    """Greedy completions of every prompt at once, by GRPO's generation (rollout.generate at temperature 0: the
-    prompts left-padded into one batch, a KV cache, every rank in lockstep, stopping once every row has ended);
-    each completion cut at its first stop token. keep_gathered: the decoder layers stay gathered for the whole
+    """Greedy completions of the prompts, SAMPLE_BATCH at a time, by GRPO's generation (rollout.generate at
+    temperature 0: a batch's prompts left-padded together, a KV cache, every rank in lockstep, stopping once every
+    row has ended); each completion cut at its first stop token. keep_gathered: the decoder layers stay gathered for the whole
     generation (rollout.keep_layers_gathered's rule), else each is gathered for every token."""
     model = train_forward.model
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    done = generate(
-        train_forward, [prompt.ids for prompt in prompts], torch.zeros(len(prompts), max_new_tokens), max_new_tokens,
-        0.0, 1.0, sample_stops(model, tokenizer), pad_id, device, keep_gathered,
-    )  # fmt: skip
-    return [
-        {"prompt": prompt.shown, "completion": tokenizer.decode(tokens[:-1] if stopped else tokens)}
-        for prompt, tokens, stopped in zip(prompts, done.tokens, done.stopped, strict=True)
-    ]
+    rows = []
+    for first in range(0, len(prompts), SAMPLE_BATCH):  # every rank holds every prompt: the same batches
+        batch = prompts[first : first + SAMPLE_BATCH]
+        done = generate(
+            train_forward, [prompt.ids for prompt in batch], torch.zeros(len(batch), max_new_tokens), max_new_tokens,
+            0.0, 1.0, sample_stops(model, tokenizer), pad_id, device, keep_gathered,
+        )  # fmt: skip
+        rows += [
+            {"prompt": prompt.shown, "completion": tokenizer.decode(tokens[:-1] if stopped else tokens)}
+            for prompt, tokens, stopped in zip(batch, done.tokens, done.stopped, strict=True)
+        ]
+    return rows
