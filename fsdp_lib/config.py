@@ -58,9 +58,13 @@ class TrainConfig:
     num_epochs: int = _opt(1, "passes over the packed training blocks")
     max_steps: int = _opt(0, "stop after this many optimizer steps in total (0 = run all epochs)")
     lr: float = _opt(3e-5, "peak AdamW learning rate")
-    min_lr: float = _opt(0.0, "learning rate at the end of the schedule")
-    warmup_steps: int = _opt(0, "linear warmup steps from 0 to --lr")
-    lr_schedule: str = _opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    min_lr: float = _opt(0.0, "the learning rate the decay ends at (it reaches it one step after the last)")
+    warmup_steps: int = _opt(0, "linear warmup: step k of the first W trains at k/W x --lr (step W at --lr)")
+    lr_schedule: str = _opt(
+        "cosine",
+        "decay after warmup, from --lr at the first step after it: step s (1-based) of T at progress (s-W-1)/(T-W)",
+        choices=("cosine", "linear", "constant"),
+    )
     weight_decay: float = _opt(0.0, "AdamW weight decay (never applied to norms and biases)")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this value (0 = no clipping)")
     batch_size: int = _opt(1, "sequences per process per micro-batch", short="-b")
