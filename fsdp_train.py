@@ -428,7 +428,7 @@ def train_loop(
         if all_ranks_agree(stop.requested, d):  # nothing has trained: no step to take, no checkpoint to write
             log("stopped on request before the first step; nothing was trained or saved: rerun the same command")
             return False
-    grad_norm = torch.zeros(())
+    grad_norm, said_empty = torch.zeros(()), False
     with StepProfiler(cfg, d, state.step + 1, last_step) as profiler:  # --profile-steps; nothing unless asked for
         while state.step < last_step:
             profiler.step_begins(state.step + 1)
@@ -441,8 +441,12 @@ def train_loop(
                     micro_batches, trained = objective.begin_step(micro_batches, trained, state.epoch)
             lr = lr_at(state.step, cfg, last_step)
             updates = objective.updates if objective is not None else 1  # GRPO's --num-iterations: several
-            step_loss, norms = torch.zeros((), device=d.device), []
-            for update in range(updates):
+            step_loss, norms, aux_loss = torch.zeros((), device=d.device), [], None
+            if not trained and not said_empty:  # no update: AdamW's momentum and decay would move the weights
+                log(f"step {state.step + 1}: no target of its global batch carries loss, so no update (nor at later "
+                    "such steps, which metrics.jsonl shows with loss null)")  # fmt: skip
+                said_empty = True
+            for update in range(updates if trained else 0):
                 if update:
                     objective.next_update()
                 loss_sum, aux_loss = forward_backward(
@@ -451,7 +455,7 @@ def train_loop(
                 with metrics.timer.phase("update"):
                     norms.append(optimizer_step(bundle.model, optimizer, guard, cfg, lr))
                 step_loss += loss_sum
-            grad_norm = torch.stack(norms)  # one per update
+            grad_norm = torch.stack(norms) if norms else torch.zeros(1, device=d.device)  # one per update
             state.advance(plan.global_batch, plan.steps_per_epoch)
             profiler.step_ended(state.step)
 

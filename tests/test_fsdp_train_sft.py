@@ -517,6 +517,20 @@ def test_a_step_whose_batch_trains_no_token_logs_no_loss_rather_than_zero(tmp_pa
     assert first["step"] == 1 and first["trained_tokens"] == 0, first
     assert first["loss"] is None and first["loss_avg"] is None, first
     assert "loss=n/a loss_avg=n/a" in output_of(result)
+    assert "step 1: no target of its global batch carries loss, so no update" in output_of(result)
+    # and the weights do not move at such a step: AdamW's weight decay (and momentum) moved them before
+    from safetensors.torch import load_file
+
+    from tests.fsdp_helpers import make_chat_model
+
+    start = make_chat_model(tmp_path / "weighted", "qwen2.5", with_weights=True)
+    args = trainer_args("empty", tmp_path / "long_chat", start, tmp_path)
+    args += ["-b", "1", "--max-steps", "1", "--seq-length", "32", "--packing", "stream", "--weight-decay", "0.5"]
+    result = run_trainer(args, nproc=1)
+    assert result.returncode == 0, output_of(result)
+    (exported,) = (tmp_path / "empty" / "final").glob("model-*.safetensors")
+    before, after = load_file(start / "model.safetensors"), load_file(exported)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_chat_data_without_a_template_names_the_flag(tmp_path, chat_dataset):
