@@ -138,6 +138,17 @@ def run_settings(cfg: TrainConfig) -> dict:
     return settings
 
 
+def flags_changed_since(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The flags whose values differ from the checkpoint's run (its run_settings), as `--flag NOW (was THEN)`."""
+    now = run_settings(cfg)
+    derived = {"grad_accum_steps"} if cfg.global_batch_size > 0 else set()  # older config.yaml saved the derived one
+    return [
+        f"--{key.replace('_', '-')} {now[key]} (was {saved[key]})"
+        for key in now
+        if key in saved and key not in ONE_LAUNCH_FLAGS and key not in derived and saved[key] != now[key]
+    ]
+
+
 def newest_checkpoint(experiment: Path) -> Path | None:
     """The experiment's newest complete checkpoint folder by name (checkpoint/step_N), not yet verified."""
     try:

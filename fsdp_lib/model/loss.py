@@ -296,6 +296,15 @@ def _load_balancing_fn(model: nn.Module) -> Any:
     return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
 
 
+def micro_batch_note(model_config: Any, changed: list[str]) -> str:
+    """What another -b (among a resume's `changed` flags, `--batch-size NOW (was THEN)`) changes beyond the memory,
+    for its log: an MoE model's router loss, computed per micro-batch (a product of two means over its tokens, as
+    transformers computes it per forward), differs."""
+    if not router_forward_kwargs(model_config) or not any(flag.startswith("--batch-size ") for flag in changed):
+        return ""
+    return " (-b: this MoE model's router loss is computed per micro-batch, so the updates differ slightly from here)"
+
+
 def moe_aux_loss(model: nn.Module, outputs: Any) -> torch.Tensor | None:
     """The router loss transformers' CausalLM forward adds, computed from the base model's router logits."""
     aux = _load_balancing_fn(model)(outputs.router_logits, model.num_experts, model.num_experts_per_tok, None)

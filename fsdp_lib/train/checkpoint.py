@@ -36,6 +36,7 @@ from fsdp_lib.experiment_dir import (
     PACKED_WHOLE,
     RESUME_REFUSED_FIX,
     adapter_difference,
+    flags_changed_since,
     format_difference,
     keep_batch_hint,
     objective_difference,
@@ -48,6 +49,7 @@ from fsdp_lib.faults import fault_point, save_delay
 from fsdp_lib.integrity import file_checksum
 from fsdp_lib.markers import EXPERIMENT_STATE, step_dirs
 from fsdp_lib.model.adapters import target_names
+from fsdp_lib.model.loss import micro_batch_note
 from fsdp_lib.runtime import Dist, all_ranks_agree, log, seed_everything
 from fsdp_lib.state import TrainState
 from fsdp_lib.train.rewards import edited_rewards
@@ -118,20 +120,6 @@ def export_fingerprint(cfg: TrainConfig, model_config: Any, tokenizer_hash: str,
             "start": peft.start,
         }
     return {"peft": adapters, "model": config_fingerprint(model_config), "tokenizer": tokenizer_hash}
-
-
-NOT_SETTINGS = ("force_resume", "export_only", "dry_run")  # how this launch runs, not what it trains
-
-
-def flags_changed_since(saved: dict, cfg: TrainConfig) -> list[str]:
-    """The flags whose values differ from the checkpoint's run (its run_settings), as `--flag NOW (was THEN)`."""
-    now = run_settings(cfg)
-    derived = {"grad_accum_steps"} if cfg.global_batch_size > 0 else set()  # older config.yaml saved the derived one
-    return [
-        f"--{key.replace('_', '-')} {now[key]} (was {saved[key]})"
-        for key in now
-        if key in saved and key not in NOT_SETTINGS and key not in derived and saved[key] != now[key]
-    ]
 
 
 def config_fingerprint(config: Any, with_path: bool = False) -> str:
@@ -402,7 +390,10 @@ class Checkpointer:
                 "an uninterrupted run's in the last bits"
             )
         if not self.cfg.export_only and (changed := flags_changed_since(payload.get("config", {}), self.cfg)):
-            log(f"resuming with settings changed since {path.name} (they apply from here): {name_sample(changed, 8)}")
+            note = micro_batch_note(model.config, changed)
+            log(
+                f"resuming with settings changed since {path.name} (they apply from here): {name_sample(changed, 8)}{note}"
+            )
         # the flags set the hyperparameters (--weight-decay, ...); the checkpoint restores the optimizer's state only
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
         try:
