@@ -27,6 +27,17 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
             f"cannot find decoder layers of {type(model).__name__}: _no_split_modules={sorted(names)} matches no "
             f"submodule. Candidates (children of ModuleLists): {candidates}"
         )
+    inner = {id(m) for layer in layers for m in layer.modules() if m is not layer}
+    layers = [layer for layer in layers if id(layer) not in inner]  # a listed class inside another: the outer one
+    seen: dict[int, nn.Module] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            if seen.setdefault(id(p), layer) is not layer:
+                raise TrainError(
+                    f"{type(model).__name__} shares weights between its decoder layers ({type(seen[id(p)]).__name__} "
+                    f"and {type(layer).__name__}, e.g. a shared attention block as in Zamba2): FSDP shards each layer "
+                    "as a unit of its own, which shared weights cannot be; this architecture is not supported"
+                )
     return layers
 
 

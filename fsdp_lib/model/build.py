@@ -127,7 +127,9 @@ def build_model_skeleton(
             if attn == varlen.NAME and not model._supports_sdpa:  # varlen is sdpa per document, and sdpa elsewhere
                 raise ValueError(f"{type(model).__name__} does not support sdpa, which varlen attention builds on")
             return model
-        except (ValueError, ImportError) as exc:  # no such kernel for this architecture, or not installed
+        # no such kernel for this architecture, or not installed; KeyError: a model that looks the name up in a
+        # table of its own (GPT-Neo's attention classes)
+        except (ValueError, ImportError, KeyError) as exc:
             problem = exc
     raise TrainError(
         f"--attn-implementation {attn_implementation}: cannot build {config.architectures or config.model_type} "
@@ -263,8 +265,11 @@ def flops_per_token(model: nn.Module, config: Any, adapter_params: int | None = 
     if head is not None and head.weight is embed:
         n += embed.numel()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, heads = text.num_hidden_layers, text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    try:  # no attention heads (Mamba, RWKV): no attention term; a head size per layer (Gemma 4): not counted
+        layers, heads = text.num_hidden_layers, getattr(text, "num_attention_heads", 0) or 0
+        head_dim = (getattr(text, "head_dim", None) or text.hidden_size // heads) if heads else 0
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError is its own class
+        layers, heads, head_dim = 0, 0, 0
     dense = 6 * n if adapter_params is None else 4 * n + 6 * adapter_params
     per_position = 12 * layers * heads * head_dim
     return lambda span: dense + per_position * span
