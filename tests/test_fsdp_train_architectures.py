@@ -24,7 +24,9 @@ from tests.fsdp_helpers import (
     losses_by_step,
     make_dataset,
     make_model,
+    output_of,
     read_metrics,
+    run_trainer,
     torchrun_command,
     trainer_args,
 )
@@ -141,3 +143,81 @@ def test_a_resume_at_another_micro_batch_says_an_moe_router_loss_changes():
     assert micro_batch_note(moe, ["--weight-decay 0.1 (was 0.0)"]) == ""
     assert micro_batch_note(dense, ["--batch-size 4 (was 2)"]) == ""
     assert micro_batch_note(MixtralConfig(router_aux_loss_coef=0.0), ["--batch-size 4 (was 2)"]) == ""
+
+
+def _folder_of(config_class: str, folder: Path, **sizes) -> Path:
+    """A tiny model folder of a family outside the matrix: the suite's tokenizer and a config (no weights)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from fsdp_lib.testing import arithmetic_documents, train_tokenizer
+
+    folder.mkdir(parents=True)
+    train_tokenizer(folder, arithmetic_documents(), vocab_size=128)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.eos_token_id}
+    getattr(transformers, config_class)(**sizes, **ids).save_pretrained(folder)
+    return folder
+
+
+SWEPT = {  # families an audit found crashing or silently wrong (2026-12-08), and what each must now do
+    "phimoe": ("PhimoeConfig", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+               max_position_embeddings=512)),
+    "gpt_neo": ("GPTNeoConfig", dict(hidden_size=64, num_layers=2, num_heads=4, window_size=16,
+                attention_types=[[["global", "local"], 1]], max_position_embeddings=512)),
+    "mamba": ("MambaConfig", dict(hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, time_step_rank=8)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(SWEPT))
+def test_families_outside_the_matrix_train_or_are_refused_by_name(tmp_path, matrix_dataset, arch):
+    """PhiMoE applies its sliding window through its mask alone: varlen, reading no mask, trained it without the
+    window while the probe (varlen against itself) passed; it now keeps documents apart by position ids, whose mask
+    has the window. GPT-Neo's own table of attention classes raised KeyError: 'varlen' under auto. Mamba (its
+    _no_split_modules name a block and the mixer inside it: sharded twice) crashed, even with --document-masking
+    off; it now trains with it off and is refused by name with it on."""
+    config_class, sizes = SWEPT[arch]
+    model = _folder_of(config_class, tmp_path / "model", **sizes)
+    base = [*trainer_args("run", matrix_dataset, model, tmp_path), "--max-steps", "1", "-b", "2", "--seq-length", "64"]
+    if arch == "mamba":
+        refused = run_trainer([*base[:1], "refused", *base[2:]], nproc=1)
+        assert refused.returncode != 0 and "Traceback" not in output_of(refused), output_of(refused)
+        assert "--document-masking on: MambaForCausalLM lets packed documents see each other" in output_of(refused)
+        base += ["--document-masking", "off"]
+    proc = run_trainer(base, nproc=1)
+    out = output_of(proc)
+    assert proc.returncode == 0 and (tmp_path / "run" / "final" / "config.json").is_file(), out
+    if arch == "phimoe":
+        assert "varlen: the model applies its sliding window (16) through its mask alone" in out, out
+        assert "packed documents kept apart by position_ids" in out, out
+
+
+def test_decoder_layers_nested_are_sharded_once_and_shared_weights_are_refused():
+    """A _no_split_modules class inside another (Mamba's mixer in its block, Zamba2's Mamba layer in its hybrid
+    layer) was sharded twice ('Cannot concatenate overlapping meshes'): the outer layer is the unit. Layers that
+    share weights (Zamba2's shared attention block) cannot each be a unit: refused by name."""
+    import torch.nn as nn
+
+    from fsdp_lib.model.anatomy import find_decoder_layers
+
+    class Inner(nn.Linear):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self, shared: nn.Module | None = None):
+            super().__init__()
+            self.inner, self.shared = Inner(4, 4), shared
+
+    class Model(nn.Module):
+        _no_split_modules = ["Block", "Inner"]
+
+        def __init__(self, share: bool):
+            super().__init__()
+            common = nn.Linear(4, 4) if share else None
+            self.layers = nn.ModuleList([Block(common), Block(common)])
+
+    layers = find_decoder_layers(Model(share=False))
+    assert [type(layer).__name__ for layer in layers] == ["Block", "Block"]
+    with pytest.raises(TrainError, match="Model shares weights between its decoder layers"):
+        find_decoder_layers(Model(share=True))

@@ -90,3 +90,29 @@ def test_varlen_gives_the_masked_models_loss_and_gradients(arch):
     )
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
     assert (grads - want_grads).abs().max() <= 1e-5 * want_grads.abs().max()
+
+
+def test_varlen_takes_a_value_head_size_other_than_the_querys():
+    """Multi-head latent attention (DeepSeek-V2/V3's real shapes: values of 8 where queries and keys have 24)
+    crashed varlen ('shape [64, 4, 24] is invalid'), and the probe's fallback to position ids gave up varlen's speed
+    and --context-parallel: the value's own head size is the output's."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    varlen.register()
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=8, head_dim=8, first_k_dense_replace=1, n_routed_experts=4, n_group=1,
+        topk_group=1, num_experts_per_tok=2, use_cache=False,
+    )  # fmt: skip
+
+    def built(attn: str, mode: str) -> CausalLMLoss:
+        torch.manual_seed(0)
+        model = CausalLMLoss(AutoModelForCausalLM.from_config(config, attn_implementation=attn), 16).eval()
+        model.document_masking = mode
+        return model
+
+    loss, grads = _loss_and_grads(built(varlen.NAME, "varlen"))
+    want_loss, want_grads = _loss_and_grads(built("eager", "position_ids"))
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert (grads - want_grads).abs().max() <= 1e-5 * want_grads.abs().max()

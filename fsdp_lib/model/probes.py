@@ -104,6 +104,17 @@ def sliding_window(config: Any) -> int | None:
     return int(window)
 
 
+def varlen_drops(config: Any, window: int | None) -> str | None:
+    """What of the model's attention varlen would leave out, read after a probe forward through it: a sliding
+    window the model declares but applies through its mask alone (no attention call was given it), or Llama 4's
+    chunked attention; None when nothing."""
+    if window and not varlen.SAW_WINDOW[0]:
+        return f"the model applies its sliding window ({window}) through its mask alone, which varlen does not read"
+    if chunk := getattr(config.get_text_config(), "attention_chunk_size", None):
+        return f"the model's chunked attention (attention_chunk_size {chunk}) is applied through its mask alone"
+    return None
+
+
 def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precision: str, d: Dist) -> str:
     """The first way of telling the model where packed documents start under which a document's logits are those
     it has alone: not moved by a change in the document before it, and equal to the same document at the start
@@ -123,10 +134,14 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
             problems.append(f"block_mask: one [T x T] mask for every layer would drop the sliding window ({window})")
             continue
         train_forward.document_masking = mode
+        varlen.SAW_WINDOW[0] = False
         try:
             leak, apart = document_leaks(train_forward, vocab_size, d.device)
         except Exception as exc:  # noqa: BLE001 - e.g. a model that takes no 4-D mask: the same on every rank
             problems.append(f"{mode}: the model refuses it ({type(exc).__name__}: {str(exc)[:100]})")
+            continue
+        if mode == varlen.NAME and (dropped := varlen_drops(train_forward.model.config, window)):
+            problems.append(f"varlen: {dropped}")  # the probe compares varlen with itself: it cannot see this
             continue
         if not all_ranks_agree(leak > LEAK_TOLERANCE[precision] or apart > ALONE_TOLERANCE[precision], d):
             if problems:
@@ -139,7 +154,7 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
     raise TrainError(
         f"--document-masking on: {arch} lets packed documents see each other however they are marked "
         f"({'; '.join(problems)}). Recurrent or state-space layers carry state along the whole sequence; "
-        f"some models build their mask or position bias (ALiBi) from a 2-D mask only. Use --document-masking off (a document then "
+        f"some models build their mask or position bias (ALiBi) from a 2-D mask only, or without the position ids (gpt-oss). Use --document-masking off (a document then "
         f"sees the ones before it in its block), or another --attn-implementation."
     )
 
@@ -147,8 +162,17 @@ def choose_document_masking(train_forward: CausalLMLoss, vocab_size: int, precis
 def run_start_up_checks(train_forward: CausalLMLoss, vocab_size: int, precision: str, packed: bool, d: Dist) -> None:
     """Falls back to the model's own logits when the chunked head differs; picks the document masking. Runs
     compiled layers eagerly (their probe shapes are not the training step's)."""
-    with eagerly():
-        _start_up_checks(train_forward, vocab_size, precision, packed, d)
+    try:
+        with eagerly():
+            _start_up_checks(train_forward, vocab_size, precision, packed, d)
+    except RuntimeError as exc:  # the same forward on every rank: all raise it
+        if "DTensor" not in str(exc):
+            raise
+        raise TrainError(
+            f"{type(train_forward.model).__name__} computes with its layers' weights outside their forward "
+            f"({str(exc)[:120]}): FSDP gathers a layer's weights only around its forward, so this architecture "
+            "(seen in state-space models such as Mamba) is not supported"
+        ) from exc
 
 
 def _start_up_checks(train_forward: CausalLMLoss, vocab_size: int, precision: str, packed: bool, d: Dist) -> None:

@@ -45,6 +45,9 @@ class Context:
 
 
 _CURRENT: list[tuple[Documents, Context | None] | None] = [None]
+# Whether a call since the last reset was given a sliding window: a model that applies its window through its mask
+# alone (PhiMoE) never passes one, and varlen, which reads no mask, would drop it (probes.choose_document_masking).
+SAW_WINDOW = [False]
 
 
 def use_documents(documents: Documents, context: Context | None = None) -> None:
@@ -176,8 +179,9 @@ def _bucketed(
 ) -> torch.Tensor:
     """[B x T x H x D]: each document attends to itself; one causal SDPA call per group of similar lengths (the
     padding sits after each document, so causal attention never lets a real token see it)."""
-    rows, heads, length, dim = query.shape
-    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)]
+    rows, heads, length, _ = query.shape
+    dim = value.shape[-1]  # the output's head size: the value's (MLA's differs from the query's and key's)
+    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
     gqa = key.shape[1] != heads
     buckets, inverse = buckets_of(documents, query.device)
     outs = []
@@ -197,6 +201,8 @@ def _flat_varlen(
     """[B x T x H x D] through torch's varlen flash kernel, or None where it does not apply."""
     found = _torch_varlen()
     if found is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if value.shape[-1] != query.shape[-1]:  # MLA's value head size: the bucketed SDPA calls take it
         return None
     varlen_attn, causal, takes_gqa = found
     rows, heads, length, dim = query.shape
@@ -223,6 +229,7 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B x H x T x D], key/value [B x H_kv x T x D]; returns
     ([B x T x H x D], None)."""
+    SAW_WINDOW[0] = SAW_WINDOW[0] or sliding_window is not None
     if attention_mask is None or attention_mask.numel() or attention_mask.dim() != 4:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
