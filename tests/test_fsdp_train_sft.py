@@ -324,6 +324,9 @@ def test_reasoning_given_apart_trains_where_the_template_renders_it_and_is_refus
     with pytest.raises(TrainError, match="reasoning given apart from their content .* does not render") as err:
         chat_encoder(cfg, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning=True)
     assert "--dataset-name d" in str(err.value) and "--chat-template FILE" in str(err.value)
+    (tmp_path / "out" / "x" / "checkpoint" / "step_00000002").mkdir(parents=True)  # a run that began so: warned
+    resumed = TrainConfig(model_name="m", dataset_name=["d"], experiment_name="x", save_dir=str(tmp_path / "out"))
+    assert chat_encoder(resumed, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning=True)
 
 
 @pytest.mark.parametrize("template", ["llama3", "qwen2.5", "qwen3"])

@@ -400,22 +400,26 @@ _REASONING_PROBE = [
 ]
 
 
-def check_reasoning_support(tokenizer: Any, where: str) -> None:
+def check_reasoning_support(tokenizer: Any, where: str, resuming: bool = False) -> None:
     """Refuse a chat template that does not render an assistant turn's reasoning given apart from its content
     (reasoning_content or thinking): every reasoning trace would be dropped, and the model trained to answer
-    without them."""
+    without them. A run resuming a checkpoint is warned, not stopped: it trained so from its start."""
     try:
         text = tokenizer.apply_chat_template(_REASONING_PROBE, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
         return
-    if "probe reasoning" not in text:
-        raise TrainError(
-            f"{where} holds assistant turns with reasoning given apart from their content (reasoning_content, "
-            "reasoning or thinking), which the chat template does not render: every trace would be dropped from "
-            "training. Pass --chat-template FILE with a template that renders message.reasoning_content (Qwen3's, "
-            "GLM's) or message.thinking (gpt-oss's), or make the data again with the reasoning inside the content "
-            "(e.g. <think>...</think> before the answer)"
-        )
+    if "probe reasoning" in text:
+        return
+    said = (
+        f"{where} holds assistant turns with reasoning given apart from their content (reasoning_content, "
+        f"reasoning or thinking), which the chat template does not render: every trace {'is' if resuming else 'would be'} "
+        "dropped from training. Pass --chat-template FILE with a template that renders message.reasoning_content "
+        "(Qwen3's, GLM's) or message.thinking (gpt-oss's), or make the data again with the reasoning inside the "
+        "content (e.g. <think>...</think> before the answer)"
+    )
+    if not resuming:
+        raise TrainError(said)
+    log(f"WARNING: {said} (a new run; this one resumes as it began)")
 
 
 def chat_template_hash(tokenizer: Any) -> str:
@@ -472,7 +476,7 @@ def chat_encoder(
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
     if reasoning:
-        check_reasoning_support(tokenizer, f"--dataset-name {dataset}")
+        check_reasoning_support(tokenizer, f"--dataset-name {dataset}", resumes(cfg))
     if cfg.loss_on == "assistant" or pairs:
         check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resumes(cfg))
     return ChatEncoder(tokenizer, cfg.loss_on)
