@@ -295,6 +295,14 @@ def check_tool_support(tokenizer: Any, where: str) -> None:
 _PROBE_EXCHANGE = [{"role": "user", "content": "probe question"}, {"role": "assistant", "content": "probe answer"}]
 
 
+def refuse_new_run(said: str, resuming: bool) -> None:
+    """A check of the data that this version added: a new run is refused; a run resuming a checkpoint is warned,
+    as it trained so from its start and the fix would change its data, which a resume refuses."""
+    if not resuming:
+        raise TrainError(said)
+    log(f"WARNING: {said} (a new run; this one resumes as it began)")
+
+
 def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, resuming: bool = False) -> None:
     """Refuse a chat template without an add_generation_prompt branch whose assistant turns open with a header
     (Vicuna's `ASSISTANT:`, a ChatML loop that writes `<|im_start|>assistant`): the trained span of a turn starts
@@ -333,10 +341,8 @@ def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, res
             "true (as the templates of instruct models do)"
             + ("" if pairs else ", or --loss-on all to train every token")
         )
-    if said and not resuming:
-        raise TrainError(said)
     if said:
-        log(f"WARNING: {said} (a new run; this one resumes as it began)")
+        refuse_new_run(said, resuming)
 
 
 def uses_tools(split: Any) -> bool:
@@ -417,9 +423,7 @@ def check_reasoning_support(tokenizer: Any, where: str, resuming: bool = False) 
         "(Qwen3's, GLM's) or message.thinking (gpt-oss's), or make the data again with the reasoning inside the "
         "content (e.g. <think>...</think> before the answer)"
     )
-    if not resuming:
-        raise TrainError(said)
-    log(f"WARNING: {said} (a new run; this one resumes as it began)")
+    refuse_new_run(said, resuming)
 
 
 def chat_template_hash(tokenizer: Any) -> str:

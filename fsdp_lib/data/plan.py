@@ -20,6 +20,7 @@ from fsdp_lib.data.chat import (
     ChatEncoder,
     chat_encoder,
     chat_template_hash,
+    refuse_new_run,
     use_template_file,
     uses_reasoning,
     uses_tools,
@@ -418,9 +419,7 @@ def check_mixture_counts(cfg: TrainConfig, mixture: Mixture) -> None:
             f"(a weight below 1/{sum(counts):,} of the total rounds to 0), so would never be trained; raise its "
             "weight or leave it out"
         )
-        if not resumes(cfg):
-            raise TrainError(said)
-        log(f"WARNING: {said} (a new run; this one resumes as it began)")
+        refuse_new_run(said, resumes(cfg))
     top = [i for i, w in enumerate(mixture.weights) if math.isclose(w, max(mixture.weights), rel_tol=1e-9)]
     if len(top) > 1 and len({sizes[i] for i in top}) > 1:
         drawn = ", ".join(f"{names[i]} {counts[i] / sizes[i]:.2f}" for i in top[1:])
