@@ -282,7 +282,7 @@ def adapter_difference(was: dict, now: dict, config: dict, cfg: TrainConfig) -> 
     (its files' hash, or init) also with the --adapter folders of both runs, which the hashes alone do not name."""
 
     def note(key: str) -> str:
-        then, now_dir = config.get("adapter") or "none", cfg.adapter or "none"
+        then, now_dir = config.get("adapter") or "none", run_settings(cfg).get("adapter") or "none"  # both absolute
         if key != "start" or then == now_dir == "none":
             return ""
         same = " (the same folder: its files changed since the run started)" if then == now_dir else ""

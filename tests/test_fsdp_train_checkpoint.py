@@ -266,7 +266,7 @@ def test_keep_last_prunes_old_checkpoints(inputs, tmp_path):
     assert state["step"] == 10 and state["latest_checkpoint"].endswith("step_00000010")
 
 
-def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
+def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path, monkeypatch):
     """A chat template edited in place, --data-weights, --loss-on and the adapters' settings were named by internal
     keys ("data_format: checkpoint 'chat:bab0...' vs now ...", "peft.start: checkpoint 'init' vs now 'f1ec...'")."""
     from fsdp_lib.config import TrainConfig
@@ -301,6 +301,12 @@ def test_a_refused_resume_names_the_setting_not_the_internal_key(tmp_path):
     assert edited.endswith(
         "(--adapter /data/adapter-b then, /data/adapter-b now (the same folder: its files changed since the run started))"
     )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel_adapter").mkdir()
+    cfg.adapter = "rel_adapter"  # relative on the command line, absolute in the saved config: the same folder
+    relative = said("peft", {"mode": "lora", "start": "aa11"}, {"mode": "lora", "start": "bb22"},
+                    {"adapter": str(Path("rel_adapter").resolve())})  # fmt: skip
+    assert relative.endswith("(the same folder: its files changed since the run started))"), relative
     cfg.adapter = ""
     assert "conversations are packed" not in packing_refusal("text", "text:packing-whole", {})
     assert "conversations are packed" in packing_refusal("mixture[text; chat:ab]", "mixture[text; chat:ab]:w", {})

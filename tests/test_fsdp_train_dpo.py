@@ -179,6 +179,17 @@ def _rows(pairs: list[dict]) -> dict[str, list]:
     return {k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}
 
 
+def test_the_pairs_token_cache_key_does_not_follow_chat_changes_that_do_not_reach_pairs(chat_tokenizer):
+    """ChatEncoder.VERSION 6 (reasoning offered to templates) changed every DPO/KTO cache key with it, so each
+    resumed preference run re-tokenised and redid its whole reference pass (its file sits beside the cache): the
+    pairs' key keeps the chat version their renders last changed with. Pinned: it is what existing caches hold."""
+    from fsdp_lib.data.unpaired import ExampleEncoder
+
+    pairs = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 1000)
+    assert pairs.version == "pairs-v4|chat-v5|fit-1000"
+    assert ExampleEncoder(pairs).version == "kto-v3|pairs-v4|chat-v5|fit-1000"
+
+
 def test_pairs_of_strings_are_one_user_turn_and_one_assistant_turn(chat_tokenizer):
     """TRL's standard shape (prompt, chosen, rejected as strings), as KTO already read it: list() split each string
     into characters and the chat template raised AttributeError, a traceback."""

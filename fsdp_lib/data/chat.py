@@ -300,7 +300,7 @@ def refuse_new_run(said: str, resuming: bool) -> None:
     as it trained so from its start and the fix would change its data, which a resume refuses."""
     if not resuming:
         raise TrainError(said)
-    log(f"WARNING: {said} (a new run; this one resumes as it began)")
+    log(f"WARNING: {said} (a new run would be refused; this one resumes as it began)")
 
 
 def check_generation_prompt(tokenizer: Any, where: str, pairs: bool = False, resuming: bool = False) -> None:

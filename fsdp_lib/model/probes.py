@@ -166,12 +166,12 @@ def run_start_up_checks(train_forward: CausalLMLoss, vocab_size: int, precision:
         with eagerly():
             _start_up_checks(train_forward, vocab_size, precision, packed, d)
     except RuntimeError as exc:  # the same forward on every rank: all raise it
-        if "DTensor" not in str(exc):
+        if "mixed torch.Tensor and DTensor" not in str(exc):
             raise
         raise TrainError(
-            f"{type(train_forward.model).__name__} computes with its layers' weights outside their forward "
-            f"({str(exc)[:120]}): FSDP gathers a layer's weights only around its forward, so this architecture "
-            "(seen in state-space models such as Mamba) is not supported"
+            f"the start-up probe's forward of {type(train_forward.model).__name__} failed: {str(exc)[:160]} (a "
+            "weight used while its layer's shards were not gathered: a model that computes with a layer's weights "
+            "outside that layer's forward cannot be sharded per layer)"
         ) from exc
 
 

@@ -28,7 +28,7 @@ from fsdp_lib.model.build import ModelBundle, build_model, flops_per_token
 from fsdp_lib.model.hf_files import weights_identity
 from fsdp_lib.model.loss import CausalLMLoss, context_columns
 from fsdp_lib.objective_flags import REFERENCE_FREE_LOSSES
-from fsdp_lib.runtime import Dist, StopRequest, evaluation_cut_short, log, reshard_all
+from fsdp_lib.runtime import Dist, StopRequest, all_ranks_agree, evaluation_cut_short, log, reshard_all
 
 
 def pair_losses(
@@ -408,8 +408,9 @@ def prepare_reference(
         adapter = bundle.peft.start if bundle.peft is not None else "none"
         attention = bundle.config._attn_implementation
         key = reference_key(cfg, weights_identity(bundle.model_dir), adapter, precision, attention)
-        if problem := reference_refusal(cfg, data.objective, f"precomputed-{key}"):
-            raise TrainError(problem)  # before the pass over the data, which may take long
+        problem = reference_refusal(cfg, data.objective, f"precomputed-{key}")
+        if all_ranks_agree(problem is not None, d):  # before the pass over the data, which may take long
+            raise TrainError(problem or "another process found the checkpoint's reference differs; see its message")
         attach_reference(bundle.train_forward, data.train.blocks, "train", key, cfg, d)
         if data.validation is not None:
             attach_reference(bundle.train_forward, data.validation, "validation", key, cfg, d)
