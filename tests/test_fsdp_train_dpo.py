@@ -179,10 +179,10 @@ def _rows(pairs: list[dict]) -> dict[str, list]:
     return {k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}
 
 
-def test_the_pairs_token_cache_key_does_not_follow_chat_changes_that_do_not_reach_pairs(chat_tokenizer):
-    """ChatEncoder.VERSION 6 (reasoning offered to templates) changed every DPO/KTO cache key with it, so each
-    resumed preference run re-tokenised and redid its whole reference pass (its file sits beside the cache): the
-    pairs' key keeps the chat version their renders last changed with. Pinned: it is what existing caches hold."""
+def test_the_preference_token_cache_keys_are_pinned(chat_tokenizer):
+    """The DPO/KTO token cache keys as existing caches hold them: a change of one re-tokenises every preference
+    dataset on resume and, as the precomputed reference's file sits beside the cache, redoes its whole pass (a
+    ChatEncoder.VERSION bump for a change that did not reach pairs did so, before it was undone). Pinned on purpose."""
     from fsdp_lib.data.unpaired import ExampleEncoder
 
     pairs = PairEncoder(ChatEncoder(chat_tokenizer, "assistant"), 1000)

@@ -293,13 +293,14 @@ def test_qwen3_style_multi_turn_trains_every_assistant_turn_as_a_final_turn(chat
 
 def test_reasoning_given_apart_trains_where_the_template_renders_it_and_is_refused_where_not(chat_models, tmp_path):
     """An assistant turn's reasoning given beside its content (reasoning_content as data_hf.py stores it, or
-    gpt-oss's thinking in a dataset made elsewhere) is trained inside the turn where the template renders it
-    (Qwen3's <think> block; each turn a final one, its own sample); a template that renders neither key would drop
-    every trace, and is refused naming the fix, before any data is read."""
+    gpt-oss's thinking in a dataset made elsewhere, which transformers gives the template as reasoning_content too)
+    is trained inside the turn where the template renders it (Qwen3's <think> block; each turn a final one, its own
+    sample); a template that renders none of the dataset's keys would drop every trace, and is refused naming the
+    fix, before any data is read (a resumed run is warned)."""
     from datasets import Dataset
 
     from fsdp_lib.config import TrainConfig
-    from fsdp_lib.data.chat import chat_encoder, uses_reasoning
+    from fsdp_lib.data.chat import chat_encoder, reasoning_keys
     from fsdp_lib.errors import TrainError
 
     q1, q2 = {"role": "user", "content": "2+2?"}, {"role": "user", "content": "3+3?"}
@@ -318,15 +319,18 @@ def test_reasoning_given_apart_trains_where_the_template_renders_it_and_is_refus
     with_reasoning = Dataset.from_list([{"messages": [q1, {**first, "name": None}]}])
     blank = Dataset.from_list([{"messages": [q1, {**first, "reasoning_content": "  "}]}])
     plain = Dataset.from_list([{"messages": [q1, {"role": "assistant", "content": "4."}]}])
-    assert uses_reasoning(with_reasoning) and not uses_reasoning(blank) and not uses_reasoning(plain)
+    assert reasoning_keys(with_reasoning) == {"reasoning_content"} and not reasoning_keys(blank)
+    assert not reasoning_keys(plain)
     cfg = TrainConfig(model_name=str(chat_models["llama3"]), dataset_name=["d"])
-    assert chat_encoder(cfg, tokenizer, ["messages"], dataset="d", reasoning=True) is not None
+    assert chat_encoder(cfg, tokenizer, ["messages"], dataset="d", reasoning={"reasoning_content"}) is not None
     with pytest.raises(TrainError, match="reasoning given apart from their content .* does not render") as err:
-        chat_encoder(cfg, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning=True)
+        chat_encoder(cfg, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning={"reasoning_content"})
     assert "--dataset-name d" in str(err.value) and "--chat-template FILE" in str(err.value)
     (tmp_path / "out" / "x" / "checkpoint" / "step_00000002").mkdir(parents=True)  # a run that began so: warned
     resumed = TrainConfig(model_name="m", dataset_name=["d"], experiment_name="x", save_dir=str(tmp_path / "out"))
-    assert chat_encoder(resumed, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning=True)
+    assert chat_encoder(
+        resumed, _tokenizer(chat_models["llama3"]), ["messages"], dataset="d", reasoning={"reasoning_content"}
+    )
 
 
 @pytest.mark.parametrize("template", ["llama3", "qwen2.5", "qwen3"])

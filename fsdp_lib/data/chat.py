@@ -64,9 +64,8 @@ class ChatEncoder:
     _empty_prompt: str | None = ""  # render([], add_generation_prompt=True); "" = not tried yet, None = refused
 
     # of the masks this class writes: part of the token cache key (3: no conversation without a reply; 4: content
-    # parts as text, role aliases, an empty assistant turn among others not trained; 5: weight 0 not trained;
-    # 6: an assistant turn's reasoning offered as both reasoning_content and thinking)
-    VERSION = 6
+    # parts as text, role aliases, an empty assistant turn among others not trained; 5: weight 0 not trained)
+    VERSION = 5
 
     def render(self, conversations: list[list[dict]], generation_prompt: bool, tools: list | None = None) -> list[str]:
         try:
@@ -381,47 +380,46 @@ def _turn_chunks(table: Any) -> Iterator[tuple[Any, set[str]]]:
             yield turns, {turns.type.field(i).name for i in range(turns.type.num_fields)}
 
 
-def uses_reasoning(split: Any) -> bool:
-    """Whether some turn of a conversation split gives reasoning apart from its content (a non-blank string under
-    one of REASONING_KEYS), read from its Arrow columns (no rows decoded)."""
+def reasoning_keys(split: Any) -> set[str]:
+    """The REASONING_KEYS under which some turn of a conversation split gives reasoning apart from its content (a
+    non-blank string), read from its Arrow columns (no rows decoded)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    found = set()
     for turns, names in _turn_chunks(split.data.table if hasattr(split, "data") else split):
-        for key in (key for key in REASONING_KEYS if key in names):
+        for key in (key for key in REASONING_KEYS if key in names and key not in found):
             values = turns.field(key)
             if values.null_count == len(values) or not (
                 pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
             ):
                 continue
             if pc.any(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(values)), 0)).as_py():
-                return True
-    return False
+                found.add(key)
+    return found
 
 
-# An exchange whose reply gives its reasoning apart, under both keys templates read (as_stored adds them).
-_REASONING_PROBE = [
-    _PROBE_EXCHANGE[0],
-    {**_PROBE_EXCHANGE[1], "reasoning_content": "probe reasoning", "thinking": "probe reasoning"},
-]
+def check_reasoning_support(tokenizer: Any, where: str, keys: set[str], resuming: bool = False) -> None:
+    """Refuse a chat template that renders none of the `keys` an assistant turn's reasoning is given under apart
+    from its content (transformers fills reasoning_content and thinking from the others for the template, where its
+    version does): every reasoning trace would be dropped, and the model trained to answer without them. A run
+    resuming a checkpoint is warned, not stopped: it trained so from its start."""
 
+    def renders(key: str) -> bool:
+        exchange = [_PROBE_EXCHANGE[0], {**_PROBE_EXCHANGE[1], key: "probe reasoning"}]
+        try:
+            return "probe reasoning" in tokenizer.apply_chat_template(exchange, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
+            return True
 
-def check_reasoning_support(tokenizer: Any, where: str, resuming: bool = False) -> None:
-    """Refuse a chat template that does not render an assistant turn's reasoning given apart from its content
-    (reasoning_content or thinking): every reasoning trace would be dropped, and the model trained to answer
-    without them. A run resuming a checkpoint is warned, not stopped: it trained so from its start."""
-    try:
-        text = tokenizer.apply_chat_template(_REASONING_PROBE, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that refuses the probe is judged on the data's own conversations
-        return
-    if "probe reasoning" in text:
+    if not keys or any(renders(key) for key in sorted(keys)):
         return
     said = (
-        f"{where} holds assistant turns with reasoning given apart from their content (reasoning_content, "
-        f"reasoning or thinking), which the chat template does not render: every trace {'is' if resuming else 'would be'} "
-        "dropped from training. Pass --chat-template FILE with a template that renders message.reasoning_content "
-        "(Qwen3's, GLM's) or message.thinking (gpt-oss's), or make the data again with the reasoning inside the "
-        "content (e.g. <think>...</think> before the answer)"
+        f"{where} holds assistant turns with reasoning given apart from their content (under {', '.join(sorted(keys))}), "
+        f"which the chat template does not render: every trace {'is' if resuming else 'would be'} dropped from "
+        "training. Pass --chat-template FILE with a template that renders message.reasoning_content (Qwen3's, GLM's) "
+        "or message.thinking (gpt-oss's), or make the data again with the reasoning inside the content (e.g. "
+        "<think>...</think> before the answer)"
     )
     refuse_new_run(said, resuming)
 
@@ -455,11 +453,11 @@ def chat_encoder(
     tools: bool = False,
     dataset: str = "",
     pairs: bool = False,
-    reasoning: bool = False,
+    reasoning: set[str] | None = None,
 ) -> ChatEncoder | None:
     """A ChatEncoder when the dataset holds conversations (a `messages` column), or preference pairs or examples
     (`pairs`: rendered with the template too), after checking the template (and its tool support when the dataset
-    uses tools, its reasoning support when turns give reasoning apart)."""
+    uses tools, its reasoning support when turns give reasoning apart, under the keys `reasoning`)."""
     if dataset_kind(columns) != "messages" and not pairs:
         return None
     dataset = dataset or cfg.datasets_label
@@ -480,7 +478,7 @@ def chat_encoder(
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
     if reasoning:
-        check_reasoning_support(tokenizer, f"--dataset-name {dataset}", resumes(cfg))
+        check_reasoning_support(tokenizer, f"--dataset-name {dataset}", reasoning, resumes(cfg))
     if cfg.loss_on == "assistant" or pairs:
         check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resumes(cfg))
     return ChatEncoder(tokenizer, cfg.loss_on)

@@ -20,9 +20,9 @@ from fsdp_lib.data.chat import (
     ChatEncoder,
     chat_encoder,
     chat_template_hash,
+    reasoning_keys,
     refuse_new_run,
     use_template_file,
-    uses_reasoning,
     uses_tools,
     warn_unused_template,
 )
@@ -303,7 +303,7 @@ def load_source(cfg: TrainConfig, name: str, tokenizer: Any, tok_hash: str, d: D
     preference = objective in PREFERENCE_OBJECTIVES
     splits = [split for split in (train_split, val_split) if split is not None]
     tools = not preference and any(uses_tools(split) for split in splits)
-    reasoning = not preference and any(uses_reasoning(split) for split in splits)
+    reasoning = set().union(*(reasoning_keys(split) for split in splits)) if not preference else set()
     chat = chat_encoder(cfg, tokenizer, train_split.column_names, tools, name, preference, reasoning)
     pairs: PairEncoder | ExampleEncoder | None = None
     if preference:

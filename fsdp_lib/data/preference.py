@@ -60,12 +60,6 @@ def response_turns(value: object, prompt: list[dict]) -> list[dict]:
     return response[repeated_prompt(said, [given, without_system]) :]
 
 
-# The ChatEncoder.VERSION the pairs' renders last changed with, in their token cache key (and so in the place of
-# their precomputed reference): ChatEncoder's 6 (reasoning offered to templates) does not reach pairs, whose turns
-# are role and content only; a bump there re-tokenised every DPO/KTO dataset and redid its reference pass.
-PAIR_CHAT_VERSION = 5
-
-
 @dataclass
 class PairEncoder:
     """Renders prompt + response with the chat template; the trained tokens are the response's assistant turns
@@ -89,7 +83,7 @@ class PairEncoder:
     def version(self) -> str:
         """What the token cache key takes from the encoder: prompts are cut to fit a block, so the sequences
         depend on --seq-length."""
-        return f"pairs-v{self.VERSION}|chat-v{PAIR_CHAT_VERSION}|fit-{self.max_tokens}"
+        return f"pairs-v{self.VERSION}|chat-v{self.chat.VERSION}|fit-{self.max_tokens}"
 
     def sequence(self, prompt: list[dict], response: list[dict], renders: dict) -> tuple[str, list[tuple[int, int]]]:
         """(text, trained character spans) of prompt + response."""

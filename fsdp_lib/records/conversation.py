@@ -251,8 +251,7 @@ def as_stored(messages: list[dict]) -> list[dict]:
     data_hf.py reads a file's: a role alias as its role (human -> user, gpt -> assistant; the assistant's turns are
     the trained ones); a tool result's role (function, observation, ipython) as "tool", with the name and call id of
     the call it answers where it has none; a call given as a turn of its own (glaive's function_call, the call as
-    its content) or as OpenAI's legacy `function_call` field as an assistant turn's `tool_calls`; an assistant
-    turn's reasoning (reasoning_content, reasoning or thinking) under both reasoning_content and thinking; content given as
+    its content) or as OpenAI's legacy `function_call` field as an assistant turn's `tool_calls`; content given as
     a list of parts as their text joined (a template would print the list's repr); another role is left to the
     template. Raises BadRecord for content that is no text, ToolFormatError for a call that cannot be read."""
     unanswered: list[dict] = []  # the calls of the last assistant turn that called tools, in order
@@ -274,8 +273,6 @@ def as_stored(messages: list[dict]) -> list[dict]:
             if turn["role"] == "assistant" and turn.get("function_call") and not turn.get("tool_calls"):
                 turn["tool_calls"] = normalize_calls(turn.pop("function_call"), f"the function_call of {where}")
         # any other role (OpenAI's developer, which some templates render) is left to the template, as it was
-        if turn.get("role") == "assistant":
-            _offer_reasoning(turn, where)
         if turn.get("tool_calls"):
             unanswered = list(turn["tool_calls"])
         elif turn.get("content") is None:  # null: a template fails on it ('dict object' has no attribute 'content')
@@ -284,15 +281,6 @@ def as_stored(messages: list[dict]) -> list[dict]:
         if content is not None and not isinstance(content, str):
             turn["content"] = turn_content(turn["role"], content, where)
     return [{key: value for key, value in turn.items() if value is not None} for turn in messages]
-
-
-def _offer_reasoning(turn: dict, where: str) -> None:
-    """An assistant turn's reasoning (_reasoning) under both keys templates read it by: reasoning_content (Qwen3,
-    GLM, DeepSeek's API) and thinking (gpt-oss), where the turn does not give that key itself."""
-    if (reasoning := _reasoning(turn, where)) is not None:
-        for key in ("reasoning_content", "thinking"):
-            if turn.get(key) is None:
-                turn[key] = reasoning
 
 
 def _is_text_part(part: object) -> bool:
