@@ -260,7 +260,7 @@ class Metrics:
             "loss": step_sum / self.last_trained if self.last_trained else None,
             "loss_avg": window_sum / self.window_trained if self.window_trained else None,
             "lr": lr,
-            "grad_norm": sum(norms) / len(norms),
+            "grad_norm": sum(norms) / len(norms) if self.last_trained else None,  # no target: no update, no norm
             "skipped_steps": skipped_steps,
         }
         if len(norms) > 1:
