@@ -444,7 +444,7 @@ def train_loop(
             step_loss, norms, aux_loss = torch.zeros((), device=d.device), [], None
             if not trained and not said_empty:  # no update: AdamW's momentum and decay would move the weights
                 log(f"step {state.step + 1}: no target of its global batch carries loss, so no update (nor at later "
-                    "such steps, which metrics.jsonl shows with loss null)")  # fmt: skip
+                    "such steps, which metrics.jsonl shows with loss and grad_norm null)")  # fmt: skip
                 said_empty = True
             for update in range(updates if trained else 0):
                 if update:

@@ -280,13 +280,12 @@ def _adapter_differences(peft: object, config: dict, cfg: TrainConfig) -> list[s
 def adapter_difference(was: dict, now: dict, config: dict, cfg: TrainConfig) -> str:
     """The entries in which two --peft fingerprints differ, each as the flag behind it; a changed starting adapter
     (its files' hash, or init) also with the --adapter folders of both runs, which the hashes alone do not name."""
+    then, now_dir = config.get("adapter") or "none", run_settings(cfg).get("adapter") or "none"  # both absolute
+    same = " (the same folder: its files changed since the run started)" if then == now_dir else ""
+    folders = "" if then == now_dir == "none" else f" (--adapter {then} then, {now_dir} now{same})"
 
     def note(key: str) -> str:
-        then, now_dir = config.get("adapter") or "none", run_settings(cfg).get("adapter") or "none"  # both absolute
-        if key != "start" or then == now_dir == "none":
-            return ""
-        same = " (the same folder: its files changed since the run started)" if then == now_dir else ""
-        return f" (--adapter {then} then, {now_dir} now{same})"
+        return folders if key == "start" else ""
 
     return "; ".join(
         f"{PEFT_NAMES.get(k, f'peft.{k}')}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}{note(k)}"

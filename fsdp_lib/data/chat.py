@@ -477,10 +477,11 @@ def chat_encoder(
         raise TrainError(f"--model-name {cfg.model_name}: chat training needs a fast (Rust) tokenizer, tokenizer.json")
     if tools:
         check_tool_support(tokenizer, f"--dataset-name {dataset}")
+    resuming = resumes(cfg)  # the checks below warn a run that began before them
     if reasoning:
-        check_reasoning_support(tokenizer, f"--dataset-name {dataset}", reasoning, resumes(cfg))
+        check_reasoning_support(tokenizer, f"--dataset-name {dataset}", reasoning, resuming)
     if cfg.loss_on == "assistant" or pairs:
-        check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resumes(cfg))
+        check_generation_prompt(tokenizer, f"--dataset-name {dataset}", pairs, resuming)
     return ChatEncoder(tokenizer, cfg.loss_on)
 
 

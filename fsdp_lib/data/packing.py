@@ -115,8 +115,9 @@ class WholeBlocks:
 
     def describe(self, unit: str) -> str:
         """For the run's log: how the documents filled the blocks."""
+        counted = unit
         if self.per_turn:  # the documents are samples, not conversations
-            unit = f"samples ({self.per_turn:,} of the {unit} made one sample per assistant turn)"
+            unit, counted = f"samples ({self.per_turn:,} of the {unit} made one sample per assistant turn)", "samples"
         said = (
             f"{self.documents:,} {unit} packed whole into {len(self):,} blocks of {self.seq_length} tokens "
             f"({self.fill:.1%} of their positions used, the rest padding)"
@@ -124,7 +125,7 @@ class WholeBlocks:
         if self.split:
             share = self.split / max(1, self.documents)
             said += (
-                f"; {'WARNING: ' if share > 0.01 else ''}{self.split:,} {unit.split(' (')[0]} ({share:.1%}) are longer than a block "
+                f"; {'WARNING: ' if share > 0.01 else ''}{self.split:,} {counted} ({share:.1%}) are longer than a block "
                 "and cut into pieces, the later ones trained without their start: a longer --seq-length keeps them whole"
             )
         return said

@@ -420,7 +420,8 @@ def check_mixture_counts(cfg: TrainConfig, mixture: Mixture) -> None:
             "weight or leave it out"
         )
         refuse_new_run(said, resumes(cfg))
-    top = [i for i, w in enumerate(mixture.weights) if math.isclose(w, max(mixture.weights), rel_tol=1e-9)]
+    heaviest = max(mixture.weights)
+    top = [i for i, w in enumerate(mixture.weights) if math.isclose(w, heaviest, rel_tol=1e-9)]
     if len(top) > 1 and len({sizes[i] for i in top}) > 1:
         drawn = ", ".join(f"{names[i]} {counts[i] / sizes[i]:.2f}" for i in top[1:])
         log(

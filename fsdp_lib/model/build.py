@@ -488,9 +488,13 @@ def sharding_group_size(cfg: TrainConfig, world_size: int) -> int:
     if cfg.sharding == "none":
         return 1
     if cfg.sharding == "hybrid":
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or HYBRID_NODE_GUESS
-        return min(world_size, cfg.hybrid_shard_size or per_node)
+        return min(world_size, cfg.hybrid_shard_size or _processes_per_node() or HYBRID_NODE_GUESS)
     return world_size
+
+
+def _processes_per_node() -> int:
+    """LOCAL_WORLD_SIZE, which torchrun sets; 0 outside it (a --dry-run), where HYBRID_NODE_GUESS is planned."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
 
 
 HYBRID_NODE_GUESS = 8  # GPUs per node a --dry-run outside torchrun plans --sharding hybrid with
@@ -550,7 +554,7 @@ def dry_run(cfg: TrainConfig, world_size: int) -> int:
         + (f"; + every layer's {compute} weights, kept unsharded from forward to backward by --sharding grad-op"
            if cfg.sharding == "grad-op" else "")
         + (f"; {HYBRID_NODE_GUESS} processes per node assumed: LOCAL_WORLD_SIZE or --hybrid-shard-size says otherwise"
-           if cfg.sharding == "hybrid" and not (cfg.hybrid_shard_size or os.environ.get("LOCAL_WORLD_SIZE")) else "")
+           if cfg.sharding == "hybrid" and not (cfg.hybrid_shard_size or _processes_per_node()) else "")
         + ")"
     )  # fmt: skip
     log(long_context_plan(model, cfg, state_bytes, compute))

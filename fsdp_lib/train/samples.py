@@ -122,12 +122,12 @@ def generate_samples(
     generation (rollout.keep_layers_gathered's rule), else each is gathered for every token."""
     model = train_forward.model
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = []
+    rows, stops = [], sample_stops(model, tokenizer)  # the template's end of turn, probed once per evaluation
     for first in range(0, len(prompts), SAMPLE_BATCH):  # every rank holds every prompt: the same batches
         batch = prompts[first : first + SAMPLE_BATCH]
         done = generate(
             train_forward, [prompt.ids for prompt in batch], torch.zeros(len(batch), max_new_tokens), max_new_tokens,
-            0.0, 1.0, sample_stops(model, tokenizer), pad_id, device, keep_gathered,
+            0.0, 1.0, stops, pad_id, device, keep_gathered,
         )  # fmt: skip
         rows += [
             {"prompt": prompt.shown, "completion": tokenizer.decode(tokens[:-1] if stopped else tokens)}
